@@ -1,0 +1,463 @@
+"""The placement decision, as a pure function.
+
+``decide(queue, capacity, running, now, policy)`` returns one decision per queued
+workload (``Place`` or ``Wait``) followed by ``Promote`` (endpoints moving back) and
+``RestartAvailable`` (notebooks and VMs that could be restarted on their preferred
+class). No I/O, no clock reads, no exceptions for "does not fit".
+
+The passes, in order (each is why the next cannot starve it):
+
+1. **Requested class.** Every queued workload tries the class it asked for, in
+   priority order. A workload that does not fit does not block those behind it.
+   A queue head that has waited ``starvation_after_s`` and still does not fit holds
+   the node where it would fit soonest, so later, smaller workloads cannot keep
+   taking that node from it forever.
+2. **Fallback.** Workloads still waiting whose timer has run out
+   (``now >= queued_since + fallback_after_s``) try their ``fallback`` list in order.
+   A class still wanted by a waiting requester of that class is not given away.
+3. **Move back.** Endpoints running on a fallback class get a ``Promote`` to their
+   requested class (or an earlier entry of their list) when it has capacity no
+   waiting requester wants. Notebooks and VMs never move; they get
+   ``RestartAvailable`` instead, which takes no capacity.
+
+Priority order: with ``owner_fairness`` (the default, because a free cloud has no
+price to ration it), owners take turns: a workload's rank is how many workloads its
+owner already runs plus how many of its owner's are queued before it; then oldest
+first (``queued_since``), then id. Without it, plain FIFO by ``queued_since``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from tensora.capacity import Capacity
+from tensora.catalog import CPU_WORD, ComputeClass
+from tensora.units import format_clock, format_duration, format_memory, format_params
+
+GIB = 2**30
+
+
+class WorkloadKind(StrEnum):
+    NOTEBOOK = "notebook"
+    VM = "vm"
+    ENDPOINT = "endpoint"
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A workload waiting for placement. ``fallback`` holds class names and/or ``cpu``."""
+
+    id: str
+    kind: WorkloadKind
+    gpu_class: str
+    owner: str = "default"
+    region: str = "local"
+    fallback: tuple[str, ...] = ()
+    fallback_after_s: float = 0.0
+    queued_since: float = 0.0
+    model_params: int | None = None
+    model_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A placed workload. ``moving`` is set while a move back is already under way."""
+
+    id: str
+    kind: WorkloadKind
+    gpu_class: str
+    placed_class: str
+    node: str
+    owner: str = "default"
+    region: str = "local"
+    fallback: tuple[str, ...] = ()
+    model_params: int | None = None
+    model_bytes: int | None = None
+    moving: bool = False
+
+    @property
+    def on_fallback(self) -> bool:
+        return self.placed_class != self.gpu_class
+
+
+class Outcome(StrEnum):
+    FIT = "fit"
+    NO_CAPACITY = "no capacity"
+    NOT_ELIGIBLE_YET = "not eligible yet"
+    MODEL_TOO_LARGE = "model too large"
+    TOO_SMALL = "too small for the model"
+    HELD_FOR_REQUESTERS = "held for its requesters"
+    UNKNOWN_CLASS = "unknown class"
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One class tried for one workload, and what came of it.
+
+    ``entry`` is the fallback-list entry it came from (``"cpu"`` for a CPU class chosen
+    for the word ``cpu``); None for the requested class. ``free``/``need`` are in
+    ``unit``: GPUs of the class's model, or vCPUs for CPU classes.
+    """
+
+    cls: str
+    outcome: Outcome
+    free: float = 0
+    need: float = 0
+    unit: str = ""
+    entry: str | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Knobs of admission. ``cpu_param_limit``: endpoints above it never go on CPU."""
+
+    cpu_param_limit: float = 8.5e9
+    cpu_memory_factor: float = 1.2
+    cpu_memory_overhead: int = 2 * GIB
+    starvation_after_s: float = 300.0
+    owner_fairness: bool = True
+
+    def cpu_memory_needed(self, model_bytes: int | None) -> int:
+        """Host memory an endpoint's model needs on a CPU class (weights, KV cache, runtime)."""
+        if not model_bytes:
+            return 0
+        return int(model_bytes * self.cpu_memory_factor) + self.cpu_memory_overhead
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Start ``workload`` on ``cls`` at ``node``."""
+
+    workload: Queued
+    cls: str
+    node: str
+    attempts: tuple[Attempt, ...]
+    now: float
+
+    @property
+    def fallback(self) -> bool:
+        return self.cls != self.workload.gpu_class
+
+    @property
+    def reason(self) -> str:
+        return render_place(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Leave ``workload`` queued. ``fallback_eligible_at`` is when its list may be tried."""
+
+    workload: Queued
+    attempts: tuple[Attempt, ...]
+    fallback_eligible_at: float | None
+    now: float
+
+    @property
+    def reason(self) -> str:
+        return render_wait(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Promote:
+    """Start a replica of endpoint ``workload`` on ``to_class`` at ``node``, then move traffic to it."""
+
+    workload: Running
+    to_class: str
+    node: str
+    attempts: tuple[Attempt, ...]
+
+    @property
+    def reason(self) -> str:
+        return render_promote(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RestartAvailable:
+    """A notebook or VM on a fallback class could be restarted on ``to_class`` now (never automatic)."""
+
+    workload: Running
+    to_class: str
+    attempts: tuple[Attempt, ...]
+
+    @property
+    def reason(self) -> str:
+        return f"{self.to_class} has capacity again: restart on it to leave {self.workload.placed_class}"
+
+
+Decision = Place | Wait | Promote | RestartAvailable
+
+
+@dataclass(slots=True)
+class _Pending:
+    workload: Queued
+    attempts: list[Attempt] = field(default_factory=list)
+
+
+# -- the decision ------------------------------------------------------------------
+
+
+def decide(
+    queue: Iterable[Queued],
+    capacity: Capacity,
+    running: Iterable[Running] = (),
+    now: float = 0.0,
+    policy: Policy | None = None,
+) -> list[Decision]:
+    """Decide placements for one cycle; ``capacity`` is left unchanged (a copy is used)."""
+    policy = policy or Policy()
+    cap = capacity.copy()
+    running = list(running)
+    ordered = _priority_order(queue, running, policy)
+    waiting_for: dict[tuple[str, str], int] = {}
+
+    # 1. requested class first, for everyone
+    pending: list[_Pending] = []
+    placed: dict[str, Place] = {}
+    for w in ordered:
+        state = _Pending(w)
+        cls = cap.catalog.get(w.gpu_class)
+        if cls is None:
+            state.attempts.append(Attempt(w.gpu_class, Outcome.UNKNOWN_CLASS))
+            pending.append(state)
+            continue
+        node = cap.find(w.region, cls)
+        if node is not None:
+            cap.take(node, cls)
+            free = cap.free(w.region, cls)
+            attempt = Attempt(cls.name, Outcome.FIT, free.free + free.need, free.need, free.unit)
+            placed[w.id] = Place(w, cls.name, cap.nodes[node].name, (attempt,), now)
+            continue
+        free = cap.free(w.region, cls)
+        state.attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit))
+        key = (w.region, cls.name)
+        if not waiting_for.get(key) and now - w.queued_since >= policy.starvation_after_s:
+            cap.hold(w.region, cls)
+        waiting_for[key] = waiting_for.get(key, 0) + 1
+        pending.append(state)
+
+    # 2. fallback lists, for those whose timer has run out
+    waits: dict[str, Wait] = {}
+    for state in pending:
+        w = state.workload
+        eligible_at = w.queued_since + w.fallback_after_s if w.fallback else None
+        if eligible_at is None or now < eligible_at:
+            for entry in w.fallback:
+                state.attempts.append(Attempt(entry, Outcome.NOT_ELIGIBLE_YET, entry=entry))
+            waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
+            continue
+        result = _try_list(cap, w, w.fallback, state.attempts, waiting_for, policy, take=True,
+                           skip={w.gpu_class})
+        if result is None:
+            waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
+        else:
+            cls, node = result
+            placed[w.id] = Place(w, cls.name, cap.nodes[node].name, tuple(state.attempts), now)
+
+    decisions: list[Decision] = []
+    for w in ordered:
+        decisions.append(placed.get(w.id) or waits[w.id])
+
+    # 3. move back: endpoints are promoted, notebooks and VMs are offered a restart
+    for r in sorted(running, key=lambda r: r.id):
+        if not r.on_fallback or r.moving:
+            continue
+        targets = _preferred_over(r)
+        if not targets:
+            continue
+        attempts: list[Attempt] = []
+        as_queued = Queued(
+            r.id, r.kind, r.gpu_class, r.owner, r.region, r.fallback, 0.0, 0.0, r.model_params, r.model_bytes
+        )
+        is_endpoint = r.kind == WorkloadKind.ENDPOINT
+        result = _try_list(cap, as_queued, targets, attempts, waiting_for, policy, take=is_endpoint,
+                           skip={r.placed_class})
+        if result is None:
+            continue
+        cls, node = result
+        if is_endpoint:
+            decisions.append(Promote(r, cls.name, cap.nodes[node].name, tuple(attempts)))
+        else:
+            decisions.append(RestartAvailable(r, cls.name, tuple(attempts)))
+    return decisions
+
+
+def _priority_order(queue: Iterable[Queued], running: Sequence[Running], policy: Policy) -> list[Queued]:
+    items = sorted(queue, key=lambda w: (w.queued_since, w.id))
+    if not policy.owner_fairness:
+        return items
+    seen: dict[str, int] = {}
+    for r in running:
+        seen[r.owner] = seen.get(r.owner, 0) + 1
+    ranked = []
+    for w in items:
+        rank = seen.get(w.owner, 0)
+        seen[w.owner] = rank + 1
+        ranked.append((rank, w.queued_since, w.id, w))
+    ranked.sort(key=lambda t: (t[0], t[1], t[2]))
+    return [t[3] for t in ranked]
+
+
+def _preferred_over(r: Running) -> tuple[str, ...]:
+    """The requested class and the list entries before the one ``r`` is placed on."""
+    if r.placed_class in r.fallback:
+        return (r.gpu_class, *r.fallback[: r.fallback.index(r.placed_class)])
+    if CPU_WORD in r.fallback:  # placed through the word "cpu"
+        return (r.gpu_class, *r.fallback[: r.fallback.index(CPU_WORD)])
+    return (r.gpu_class,)
+
+
+def _expand(entry: str, w: Queued, cap: Capacity, policy: Policy) -> list[ComputeClass] | Attempt:
+    """The concrete classes an entry stands for, in the order to try them, or why none."""
+    catalog = cap.catalog
+    if entry != CPU_WORD:
+        cls = catalog.get(entry)
+        return [cls] if cls is not None else Attempt(entry, Outcome.UNKNOWN_CLASS, entry=entry)
+    # "cpu": the CPU classes big enough for the workload, nearest to what it asked for first.
+    need_mem = policy.cpu_memory_needed(w.model_bytes) if w.kind == WorkloadKind.ENDPOINT else 0
+    fitting = [c for c in catalog.cpu_classes if c.memory >= need_mem]
+    requested = catalog.get(w.gpu_class)
+    if requested is None or not fitting:
+        return fitting
+    at_least = [c for c in fitting if c.cpu >= requested.cpu and c.memory >= requested.memory]
+    smaller = [c for c in reversed(fitting) if c not in at_least]
+    return at_least + smaller
+
+
+def _try_list(
+    cap: Capacity,
+    w: Queued,
+    entries: Sequence[str],
+    attempts: list[Attempt],
+    waiting_for: dict[tuple[str, str], int],
+    policy: Policy,
+    *,
+    take: bool,
+    skip: frozenset[str] | set[str] = frozenset(),
+) -> tuple[ComputeClass, int] | None:
+    """Try ``entries`` in order; record an attempt for each class tried; take the first fit."""
+    for entry in entries:
+        expanded = _expand(entry, w, cap, policy)
+        if isinstance(expanded, Attempt):
+            attempts.append(expanded)
+            continue
+        if entry == CPU_WORD and w.kind == WorkloadKind.ENDPOINT:
+            too_large = _model_too_large(w, policy, entry)
+            if too_large is not None:
+                attempts.append(too_large)
+                continue
+            if not expanded:
+                need = policy.cpu_memory_needed(w.model_bytes)
+                attempts.append(Attempt(CPU_WORD, Outcome.TOO_SMALL, entry=entry,
+                                        detail=f"no CPU class has {format_memory(need)}"))
+                continue
+        for cls in expanded:
+            if cls.name in skip:
+                continue
+            outcome = _eligible(cls, w, entry, waiting_for, policy)
+            if outcome is not None:
+                attempts.append(outcome)
+                continue
+            node = cap.find(w.region, cls)
+            free = cap.free(w.region, cls)
+            if node is None:
+                attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit, entry))
+                continue
+            attempts.append(Attempt(cls.name, Outcome.FIT, free.free, free.need, free.unit, entry))
+            if take:
+                cap.take(node, cls)
+            return cls, node
+    return None
+
+
+def _model_too_large(w: Queued, policy: Policy, entry: str, cls: str = CPU_WORD) -> Attempt | None:
+    if w.model_params is not None and w.model_params > policy.cpu_param_limit:
+        detail = f"{format_params(w.model_params)} params > {format_params(policy.cpu_param_limit)} CPU limit"
+        return Attempt(cls, Outcome.MODEL_TOO_LARGE, entry=entry, detail=detail)
+    return None
+
+
+def _eligible(
+    cls: ComputeClass, w: Queued, entry: str, waiting_for: dict[tuple[str, str], int], policy: Policy
+) -> Attempt | None:
+    """Why ``cls`` may not be used as a substitute for ``w`` (None: it may)."""
+    if waiting_for.get((w.region, cls.name)):
+        return Attempt(cls.name, Outcome.HELD_FOR_REQUESTERS, entry=entry,
+                       detail=f"{waiting_for[(w.region, cls.name)]} waiting")
+    if cls.is_cpu and w.kind == WorkloadKind.ENDPOINT:
+        too_large = _model_too_large(w, policy, entry, cls.name)
+        if too_large is not None:
+            return too_large
+        need = policy.cpu_memory_needed(w.model_bytes)
+        if cls.memory < need:
+            return Attempt(cls.name, Outcome.TOO_SMALL, entry=entry,
+                           detail=f"{format_memory(cls.memory)} < {format_memory(need)}")
+    return None
+
+
+# -- reasons, rendered from attempts ---------------------------------------------------
+
+
+def _free_text(a: Attempt) -> str:
+    return f"{a.free:g} {a.unit} free, {a.need:g} needed" if a.unit else ""
+
+
+def _failure(a: Attempt) -> str:
+    if a.outcome is Outcome.NO_CAPACITY:
+        if a.free >= a.need:
+            return f"{a.cls} (no single node has room; {_free_text(a)})"
+        return f"{a.cls} ({_free_text(a)})"
+    detail = f": {a.detail}" if a.detail else ""
+    return f"{a.cls} {a.outcome.value}{detail}"
+
+
+def render_place(p: Place) -> str:
+    """``placed on cpu-32c-128g: l40s-48gb unavailable for 10m`` (or just ``placed on X``)."""
+    if not p.fallback:
+        return f"placed on {p.cls}"
+    waited = format_duration(p.now - p.workload.queued_since)
+    tried = _failures(p.attempts[1:])
+    text = f"placed on {p.cls}: {p.workload.gpu_class} unavailable for {waited}"
+    if tried:
+        text += "; also tried " + ", ".join(tried)
+    return text
+
+
+def render_wait(wt: Wait) -> str:
+    """``waiting for l40s-48gb (0 GPU free, 1 needed); fallback to a100-80gb, cpu from 14:32:10``."""
+    head, rest = wt.attempts[0], wt.attempts[1:]
+    if head.outcome is Outcome.UNKNOWN_CLASS:
+        text = f"waiting: {head.cls} is not in the catalog"
+    else:
+        text = f"waiting for {head.cls} ({_free_text(head)})"
+        if head.free >= head.need:
+            text = f"waiting for {head.cls} (no single node has room; {_free_text(head)})"
+    if not wt.workload.fallback:
+        return text + "; no fallback accepted"
+    if rest and all(a.outcome is Outcome.NOT_ELIGIBLE_YET for a in rest):
+        assert wt.fallback_eligible_at is not None
+        return f"{text}; fallback to {', '.join(wt.workload.fallback)} from {format_clock(wt.fallback_eligible_at)}"
+    failures = _failures(rest)
+    return f"{text}; fallback tried: {', '.join(failures) if failures else 'nothing usable'}"
+
+
+def _failures(attempts: Sequence[Attempt]) -> list[str]:
+    """One phrase per failed attempt; CPU classes tried for the word ``cpu`` with no room are one phrase."""
+    out: list[str] = []
+    cpu_full = [a for a in attempts if a.entry == CPU_WORD and a.outcome is Outcome.NO_CAPACITY]
+    for a in attempts:
+        if a.outcome is Outcome.FIT:
+            continue
+        if a in cpu_full:
+            if a is cpu_full[0]:
+                smallest = min(x.need for x in cpu_full)
+                out.append(f"cpu ({a.free:g} vCPU free, {smallest:g} needed)")
+            continue
+        out.append(_failure(a))
+    return out
+
+
+def render_promote(p: Promote) -> str:
+    return f"moving back to {p.to_class} from {p.workload.placed_class}: {p.to_class} has capacity again"

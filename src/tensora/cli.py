@@ -1,0 +1,120 @@
+"""The ``tensora`` command. Commands here only parse arguments, call the library and print.
+
+Exit codes: 0 ok, 1 API error, 2 bad usage or a bad file (the message names it), 3 timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tensora.catalog import load_catalog
+from tensora.errors import ConfigError, ModelFileError
+from tensora.fleet import load_nodes, load_workloads, plan
+from tensora.units import format_memory, parse_duration
+from tensora.validator import check_cpu, read_model
+
+app = typer.Typer(help="Tensora: a free GPU cloud with opt-in, explicit and visible fallbacks.",
+                  no_args_is_help=True, add_completion=False)
+out = Console()
+err = Console(stderr=True)
+
+Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
+CatalogFile = Annotated[Path | None, typer.Option("--catalog", help="operator catalog overriding the default")]
+
+
+def _fail(exc: Exception, code: int = 2) -> typer.Exit:
+    err.print(f"[red]error:[/red] {exc}", highlight=False, markup=True)
+    return typer.Exit(code)
+
+
+def _check_output(output: str) -> None:
+    if output not in ("table", "json"):
+        raise _fail(ValueError(f"--output must be table or json, not {output!r}"))
+
+
+@app.command("plan")
+def plan_command(
+    nodes: Annotated[Path, typer.Option(help="nodes.yaml of the simulated fleet")],
+    workloads: Annotated[Path, typer.Option(help="workloads.yaml: create bodies + submitted_at/stop_at")],
+    at: Annotated[str, typer.Option(help="the moment to report, as an offset: 0s, 90s, 10m")] = "0s",
+    output: Output = "table",
+    catalog: CatalogFile = None,
+) -> None:
+    """Capacity planning: where each workload is placed at --at on the simulated fleet, and why."""
+    _check_output(output)
+    try:
+        moment = parse_duration(at)
+    except ValueError as exc:
+        raise _fail(ValueError(f"--at: {exc}")) from None
+    try:
+        cat = load_catalog(catalog)
+        rows = plan(load_nodes(nodes), load_workloads(workloads, cat), cat, moment)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    if output == "json":
+        sys.stdout.write(json.dumps({"workloads": [r.as_json() for r in rows]}, indent=2) + "\n")
+        return
+    table = Table(title=f"Placement at {at}", title_justify="left")
+    for column in ("name", "kind", "requested", "placed", "state", "reason"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        placed = r.placed_class or "-"
+        if r.placed_class and r.placed_class != r.requested_class:
+            placed = f"[yellow]{placed}[/yellow] (fallback)"
+        table.add_row(r.name, r.kind, r.requested_class, placed, r.state, r.reason)
+    out.print(table)
+
+
+@app.command("catalog")
+def catalog_command(output: Output = "table", catalog: CatalogFile = None) -> None:
+    """The compute classes workloads can ask for (and fall back to)."""
+    _check_output(output)
+    try:
+        cat = load_catalog(catalog)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    if output == "json":
+        body = [{"name": c.name, "kind": c.kind.value, "cpu": c.cpu, "memory": c.memory, "gpu_model": c.gpu_model,
+                 "gpu_count": c.gpu_count, "gpu_memory": c.gpu_memory} for c in cat.values()]
+        sys.stdout.write(json.dumps({"classes": body}, indent=2) + "\n")
+        return
+    table = Table()
+    for column in ("name", "kind", "gpu", "vCPU", "memory"):
+        table.add_column(column)
+    for c in cat.values():
+        gpu = f"{c.gpu_count}x {c.gpu_model} {format_memory(c.gpu_memory)}" if c.gpu_model else "-"
+        table.add_row(c.name, c.kind.value, gpu, f"{c.cpu:g}", format_memory(c.memory))
+    out.print(table)
+
+
+@app.command("model-size")
+def model_size_command(
+    path: Annotated[Path, typer.Argument(help="a .safetensors file or a model directory")],
+    cpu_limit: Annotated[float, typer.Option(help="CPU size limit in parameters")] = 8.5e9,
+    output: Output = "table",
+) -> None:
+    """Parameters, bytes and dtypes of a safetensors model, from its headers; and whether it may run on CPU."""
+    _check_output(output)
+    try:
+        size = read_model(path)
+    except ModelFileError as exc:
+        raise _fail(exc) from None
+    verdict = check_cpu(size, cpu_limit)
+    if output == "json":
+        sys.stdout.write(json.dumps({"params": size.params, "bytes": size.bytes, "dtypes": dict(size.dtypes),
+                                     "files": list(size.files), "cpu_allowed": verdict.allowed,
+                                     "cpu_param_limit": cpu_limit}) + "\n")
+        return
+    out.print(f"{size.describe()}\nCPU fallback: {'allowed' if verdict.allowed else 'not allowed'} ({verdict.reason})",
+              highlight=False)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,72 @@
+"""The one interface to whatever runs replicas: local processes, Kubernetes, or the simulated fleet.
+
+Drivers decide nothing: admission decides, the controller tells a driver to start or
+stop a replica on a given node and class, and reads back what it observes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from tensora.admission import WorkloadKind
+from tensora.capacity import Node
+
+
+class ReplicaState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """One replica to start: a workload's instance of ``cls`` on ``node``."""
+
+    id: str
+    workload_id: str
+    kind: WorkloadKind
+    cls: str
+    node: str
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    """What a driver sees of a replica."""
+
+    id: str
+    workload_id: str
+    cls: str
+    node: str
+    state: ReplicaState
+    url: str | None = None
+    detail: str = ""
+
+    @property
+    def holds_capacity(self) -> bool:
+        return self.state in (ReplicaState.STARTING, ReplicaState.RUNNING, ReplicaState.STOPPING)
+
+
+class Driver(Protocol):
+    """Start, stop and observe replicas on the nodes a driver knows."""
+
+    def nodes(self) -> Sequence[Node]:
+        """The nodes and their allocatable resources, as the driver sees them now."""
+        ...
+
+    def start(self, spec: ReplicaSpec) -> ReplicaStatus:
+        """Begin starting a replica; returns at once with its first status."""
+        ...
+
+    def stop(self, replica_id: str) -> ReplicaStatus:
+        """Begin stopping a replica (graceful first)."""
+        ...
+
+    def observe(self) -> Sequence[ReplicaStatus]:
+        """Every replica the driver knows of, with its current state."""
+        ...

@@ -1,0 +1,94 @@
+"""An in-memory fleet that "runs" what admission places: capacity planning and benchmarks
+without hardware, and a driver for tests that need faults on demand.
+
+Replicas become ``running`` ``start_delay_s`` after ``start`` and ``stopped`` after
+``stop``, on the driver's clock. ``fail`` and ``set_schedulable`` inject faults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from tensora.admission import WorkloadKind
+from tensora.capacity import Node
+from tensora.clock import Clock, FakeClock
+from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+
+
+@dataclass(slots=True)
+class _Replica:
+    spec: ReplicaSpec
+    state: ReplicaState
+    ready_at: float
+    detail: str = ""
+
+
+class SimulatedDriver:
+    """The simulated fleet: a product feature (``tensora plan``), not a test mock."""
+
+    def __init__(
+        self,
+        nodes: Iterable[Node],
+        clock: Clock | None = None,
+        start_delay_s: Mapping[WorkloadKind, float] | float = 0.0,
+    ) -> None:
+        self._nodes: dict[str, Node] = {n.name: n for n in nodes}
+        self._clock = clock or FakeClock()
+        self._delays = start_delay_s
+        self._replicas: dict[str, _Replica] = {}
+
+    def _delay(self, kind: WorkloadKind) -> float:
+        if isinstance(self._delays, int | float):
+            return float(self._delays)
+        return float(self._delays.get(kind, 0.0))
+
+    def nodes(self) -> Sequence[Node]:
+        return list(self._nodes.values())
+
+    def start(self, spec: ReplicaSpec) -> ReplicaStatus:
+        if spec.node not in self._nodes:
+            raise KeyError(f"no node {spec.node!r} in the simulated fleet")
+        if spec.id in self._replicas and self._replicas[spec.id].state is not ReplicaState.STOPPED:
+            return self._status(self._replicas[spec.id])
+        delay = self._delay(spec.kind)
+        state = ReplicaState.RUNNING if delay <= 0 else ReplicaState.STARTING
+        self._replicas[spec.id] = _Replica(spec, state, self._clock.now() + delay)
+        return self._status(self._replicas[spec.id])
+
+    def stop(self, replica_id: str) -> ReplicaStatus:
+        replica = self._replicas[replica_id]
+        if replica.state is not ReplicaState.FAILED:
+            replica.state = ReplicaState.STOPPED
+        return self._status(replica)
+
+    def observe(self) -> Sequence[ReplicaStatus]:
+        now = self._clock.now()
+        for replica in self._replicas.values():
+            if replica.state is ReplicaState.STARTING and now >= replica.ready_at:
+                replica.state = ReplicaState.RUNNING
+        return [self._status(r) for r in self._replicas.values()]
+
+    # -- faults and fleet changes ----------------------------------------------------
+
+    def fail(self, replica_id: str, detail: str = "simulated failure") -> None:
+        replica = self._replicas[replica_id]
+        replica.state, replica.detail = ReplicaState.FAILED, detail
+
+    def set_schedulable(self, node: str, schedulable: bool) -> None:
+        self._nodes[node] = replace(self._nodes[node], schedulable=schedulable)
+
+    def add_node(self, node: Node) -> None:
+        self._nodes[node.name] = node
+
+    def remove_node(self, name: str) -> None:
+        """The node is lost: its replicas fail."""
+        self._nodes.pop(name)
+        for replica in self._replicas.values():
+            if replica.spec.node == name and replica.state is not ReplicaState.STOPPED:
+                replica.state, replica.detail = ReplicaState.FAILED, f"node {name} lost"
+
+    @staticmethod
+    def _status(r: _Replica) -> ReplicaStatus:
+        s = r.spec
+        return ReplicaStatus(s.id, s.workload_id, s.cls, s.node, r.state, None, r.detail)

@@ -1,0 +1,66 @@
+"""Tensora's one exception tree.
+
+Foreign exceptions (YAML, pydantic, OS errors while reading files) are converted
+once, where they arise, into these; the rest of the code never catches a foreign one.
+
+    TensoraError
+    ├── ConfigError            a file or value an operator or user wrote is wrong
+    │   ├── CatalogError       the compute-class catalog (file, line, class, field)
+    │   ├── FleetError         a nodes.yaml / workloads.yaml of the simulated fleet
+    │   └── SpecError          a workload's create body (field named)
+    └── ModelFileError         a model file or directory that is not valid safetensors
+
+"Does not fit" is never an exception: admission returns it as a value (Wait).
+"""
+
+from __future__ import annotations
+
+
+class TensoraError(Exception):
+    """Base of every error Tensora raises on purpose."""
+
+
+class ConfigError(TensoraError):
+    """Something a person wrote is wrong; the message names where and which field.
+
+    ``source`` is the file (or "<api>" for a request body), ``line`` is 1-based when
+    known, ``field`` is a dotted path such as ``classes[3].gpu.count``.
+    """
+
+    def __init__(
+        self, message: str, *, source: str | None = None, line: int | None = None, field: str | None = None
+    ) -> None:
+        self.message = message
+        self.source = source
+        self.line = line
+        self.field = field
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = ""
+        if self.source:
+            where = self.source + (f":{self.line}" if self.line else "")
+        parts = [p for p in (where, self.field) if p]
+        prefix = ": ".join(parts)
+        return f"{prefix}: {self.message}" if prefix else self.message
+
+
+class CatalogError(ConfigError):
+    """The compute-class catalog is invalid."""
+
+
+class FleetError(ConfigError):
+    """A simulated-fleet file (nodes or workloads) is invalid."""
+
+
+class SpecError(ConfigError):
+    """A workload specification is invalid."""
+
+
+class ModelFileError(TensoraError):
+    """A model file is missing, truncated, not safetensors, or has a hostile header."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}")

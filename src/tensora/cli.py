@@ -23,14 +23,13 @@ from tensora.validator import check_cpu, read_model
 app = typer.Typer(help="Tensora: a free GPU cloud with opt-in, explicit and visible fallbacks.",
                   no_args_is_help=True, add_completion=False)
 out = Console()
-err = Console(stderr=True)
 
 Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 CatalogFile = Annotated[Path | None, typer.Option("--catalog", help="operator catalog overriding the default")]
 
 
 def _fail(exc: Exception, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {exc}", highlight=False, markup=True)
+    sys.stderr.write(f"error: {exc}\n")  # plain, unwrapped: scripts and people grep it
     return typer.Exit(code)
 
 

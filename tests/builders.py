@@ -1,0 +1,48 @@
+"""Builders for domain objects, so each test says only what matters to it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tensora.admission import Queued, Running, WorkloadKind
+from tensora.capacity import Capacity, Node, Placed
+from tensora.catalog import Catalog, default_catalog
+
+GI = 2**30
+CATALOG = default_catalog()
+
+
+def node(name: str, cpu: float = 32, mem_gi: int = 256, region: str = "local", **gpus: int) -> Node:
+    return Node(name, region, cpu, mem_gi * GI, {k.replace("_", "-"): v for k, v in gpus.items()})
+
+
+def gpu_node(name: str, model: str = "L40S", count: int = 1, cpu: float = 32, mem_gi: int = 256) -> Node:
+    return Node(name, "local", cpu, mem_gi * GI, {model: count})
+
+
+def cpu_node(name: str, cpu: float = 64, mem_gi: int = 256) -> Node:
+    return Node(name, "local", cpu, mem_gi * GI)
+
+
+def cap(nodes: Iterable[Node], placed: Iterable[Placed] = (), catalog: Catalog = CATALOG) -> Capacity:
+    return Capacity(list(nodes), list(placed), catalog)
+
+
+def w(
+    id: str, cls: str = "l40s-48gb", *, fallback: tuple[str, ...] = (), after: float = 0, since: float = 0,
+    kind: WorkloadKind = WorkloadKind.NOTEBOOK, owner: str | None = None, params: float | None = None,
+    region: str = "local",
+) -> Queued:
+    p = int(params) if params is not None else None
+    return Queued(id, kind, cls, owner or id, region, fallback, after, since, p, p * 2 if p else None)
+
+
+def ep(id: str, cls: str = "l40s-48gb", **kw: object) -> Queued:
+    return w(id, cls, kind=WorkloadKind.ENDPOINT, **kw)  # type: ignore[arg-type]
+
+
+def running(
+    id: str, placed: str, node: str, cls: str = "l40s-48gb", *, fallback: tuple[str, ...] = ("cpu",),
+    kind: WorkloadKind = WorkloadKind.ENDPOINT, moving: bool = False,
+) -> Running:
+    return Running(id, kind, cls, placed, node, id, "local", fallback, None, None, moving)

@@ -1,0 +1,185 @@
+"""Table tests of the pure placement decision: one named case per rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from builders import cap, cpu_node, ep, gpu_node, running, w
+from tensora.admission import (
+    Outcome,
+    Place,
+    Policy,
+    Promote,
+    Queued,
+    RestartAvailable,
+    Running,
+    Wait,
+    WorkloadKind,
+    decide,
+)
+from tensora.capacity import Node, Placed
+
+
+@dataclass
+class Case:
+    queue: list[Queued]
+    nodes: list[Node]
+    want: dict[str, str]  # workload id -> placed class, or "wait"
+    placed: list[Placed] = field(default_factory=list)
+    running: list[Running] = field(default_factory=list)
+    now: float = 0
+    policy: Policy = field(default_factory=Policy)
+    moves: dict[str, str] = field(default_factory=dict)  # running id -> Promote/RestartAvailable target
+    reasons: dict[str, str] = field(default_factory=dict)  # id -> substring of the reason
+
+
+FULL_L40S = [Placed("g1", "l40s-48gb")]
+
+CASES = {
+    "requested class free -> placed on it": Case(
+        [w("a")], [gpu_node("g1")], {"a": "l40s-48gb"}, reasons={"a": "placed on l40s-48gb"}),
+    "requested class full, no fallback -> waits": Case(
+        [w("a")], [gpu_node("g1")], {"a": "wait"}, placed=FULL_L40S, now=10_000,
+        reasons={"a": "waiting for l40s-48gb (0 GPU free, 1 needed); no fallback accepted"}),
+    "timer not elapsed -> waits": Case(
+        [w("a", fallback=("cpu",), after=600)], [gpu_node("g1"), cpu_node("c1")], {"a": "wait"},
+        placed=FULL_L40S, now=599, reasons={"a": "fallback to cpu from 00:10:00"}),
+    "timer elapsed -> falls back to cpu with the reason": Case(
+        [w("a", fallback=("cpu",), after=600)], [gpu_node("g1"), cpu_node("c1")], {"a": "cpu-16c-64g"},
+        placed=FULL_L40S, now=600, reasons={"a": "placed on cpu-16c-64g: l40s-48gb unavailable for 10m"}),
+    "fallback_after 0 -> falls back at once": Case(
+        [w("a", fallback=("cpu",))], [gpu_node("g1"), cpu_node("c1")], {"a": "cpu-16c-64g"}, placed=FULL_L40S),
+    "fallback order kept: first listed class with room wins": Case(
+        [w("a", fallback=("a100-80gb", "cpu"))], [gpu_node("g1"), gpu_node("a1", "A100-80GB"), cpu_node("c1")],
+        {"a": "a100-80gb"}, placed=FULL_L40S),
+    "fallback skips a full class to the next": Case(
+        [w("a", fallback=("a100-80gb", "cpu"))], [gpu_node("g1"), cpu_node("c1")], {"a": "cpu-16c-64g"},
+        placed=FULL_L40S, reasons={"a": "also tried a100-80gb (0 GPU free, 1 needed)"}),
+    "explicit cpu class in the list": Case(
+        [w("a", fallback=("cpu-4c-16g",))], [gpu_node("g1"), cpu_node("c1")], {"a": "cpu-4c-16g"},
+        placed=FULL_L40S),
+    "cpu picks a smaller class when the matching one has no room": Case(
+        [w("a", fallback=("cpu",))], [gpu_node("g1", cpu=8, mem_gi=64), cpu_node("c1", cpu=4, mem_gi=16)],
+        {"a": "cpu-4c-16g"},
+        placed=FULL_L40S),
+    "endpoint over the CPU limit skips cpu and says why": Case(
+        [ep("a", fallback=("cpu",), params=70e9)], [gpu_node("g1"), cpu_node("c1", mem_gi=1024)], {"a": "wait"},
+        placed=FULL_L40S, reasons={"a": "model too large: 70.0B params > 8.5B CPU limit"}),
+    "endpoint over the limit still takes a GPU fallback": Case(
+        [ep("a", fallback=("cpu", "a100-80gb"), params=70e9)], [gpu_node("g1"), gpu_node("a1", "A100-80GB")],
+        {"a": "a100-80gb"}, placed=FULL_L40S),
+    "endpoint under the limit goes to a CPU class with memory for its model": Case(
+        [ep("a", fallback=("cpu",), params=8e9)], [gpu_node("g1"), cpu_node("c1")], {"a": "cpu-16c-64g"},
+        placed=FULL_L40S),
+    "endpoint model too big for a listed CPU class's memory": Case(
+        [ep("a", fallback=("cpu-1c-4g",), params=7e9)], [gpu_node("g1"), cpu_node("c1")], {"a": "wait"},
+        placed=FULL_L40S, reasons={"a": "too small for the model"}),
+    "custom CPU limit from the policy": Case(
+        [ep("a", fallback=("cpu",), params=3e9)], [gpu_node("g1"), cpu_node("c1")], {"a": "wait"},
+        placed=FULL_L40S, policy=Policy(cpu_param_limit=1e9)),
+    "FIFO among equals: the older gets the GPU": Case(
+        [w("b", since=5, owner="o"), w("a", since=1, owner="o")], [gpu_node("g1")], {"a": "l40s-48gb", "b": "wait"}),
+    "requesters first: a fallback never takes a requested class from its requesters": Case(
+        [w("old", fallback=("a100-80gb",), since=0), w("new", "a100-80gb", since=100)],
+        [gpu_node("g1"), gpu_node("a1", "A100-80GB")], {"old": "wait", "new": "a100-80gb"},
+        placed=FULL_L40S, now=200),
+    "requesters first: a waiting requester holds the class against fallbacks": Case(
+        [w("r1", "a100-80gb", since=0), w("r2", "a100-80gb", since=1), w("f", fallback=("a100-80gb",), since=0)],
+        [gpu_node("g1"), gpu_node("a1", "A100-80GB")], {"r1": "a100-80gb", "r2": "wait", "f": "wait"},
+        placed=FULL_L40S, policy=Policy(owner_fairness=False), reasons={"f": "a100-80gb held for its requesters"}),
+    "a workload that does not fit does not block smaller ones": Case(
+        [w("big", "cpu-32c-128g", since=0), w("small", "cpu-4c-16g", since=1)], [cpu_node("c1", cpu=8, mem_gi=64)],
+        {"big": "wait", "small": "cpu-4c-16g"}),
+    "a starving head holds its node against later, smaller workloads": Case(
+        [w("big", "cpu-32c-128g", since=0), w("small", "cpu-4c-16g", since=500)],
+        [cpu_node("c1", cpu=32, mem_gi=128)], {"big": "wait", "small": "wait"},
+        placed=[Placed("c1", "cpu-4c-16g")], now=600),
+    "cpu classes use idle CPU of GPU nodes but leave the GPU's reserve": Case(
+        [w("c", "cpu-16c-64g"), w("g", "l40s-48gb", since=1)], [gpu_node("g1", cpu=24, mem_gi=128)],
+        {"c": "cpu-16c-64g", "g": "l40s-48gb"}),
+    "reserve: no CPU class may take what the free GPU needs": Case(
+        [w("c", "cpu-32c-128g")], [gpu_node("g1", cpu=36, mem_gi=256)], {"c": "wait"}),
+    "GPU class only where its model is": Case(
+        [w("h", "h100-80gb")], [gpu_node("g1"), cpu_node("c1")], {"h": "wait"}),
+    "region respected": Case(
+        [w("a", region="eu")], [gpu_node("g1")], {"a": "wait"}),
+    "unknown requested class waits with a reason": Case(
+        [w("a", "b200-192gb")], [gpu_node("g1")], {"a": "wait"}, reasons={"a": "not in the catalog"}),
+    "unschedulable node is not used": Case(
+        [w("a")], [Node("g1", "local", 32, 256 * 2**30, {"L40S": 1}, schedulable=False)], {"a": "wait"}),
+    "owner fairness: a second owner goes before the first owner's second workload": Case(
+        [w("a1", owner="a", since=0), w("a2", owner="a", since=1), w("b1", owner="b", since=2)],
+        [gpu_node("g1", count=2, cpu=64)], {"a1": "l40s-48gb", "b1": "l40s-48gb", "a2": "wait"}),
+    "owner fairness off: plain FIFO": Case(
+        [w("a1", owner="a", since=0), w("a2", owner="a", since=1), w("b1", owner="b", since=2)],
+        [gpu_node("g1", count=2, cpu=64)], {"a1": "l40s-48gb", "a2": "l40s-48gb", "b1": "wait"},
+        policy=Policy(owner_fairness=False)),
+    "endpoint on cpu is promoted when its class frees": Case(
+        [], [gpu_node("g1"), cpu_node("c1")], {}, placed=[Placed("c1", "cpu-16c-64g")],
+        running=[running("e", "cpu-16c-64g", "c1")], moves={"e": "l40s-48gb"}),
+    "no promote while a requester of the class waits (it gets the GPU)": Case(
+        [w("q")], [gpu_node("g1"), cpu_node("c1")], {"q": "l40s-48gb"}, placed=[Placed("c1", "cpu-16c-64g")],
+        running=[running("e", "cpu-16c-64g", "c1")], moves={}),
+    "endpoint promoted to an earlier entry when the requested class is still full": Case(
+        [], [gpu_node("g1"), gpu_node("a1", "A100-80GB"), cpu_node("c1")], {},
+        placed=[*FULL_L40S, Placed("c1", "cpu-16c-64g")],
+        running=[running("e", "cpu-16c-64g", "c1", fallback=("a100-80gb", "cpu"))], moves={"e": "a100-80gb"}),
+    "no promote while a move is under way": Case(
+        [], [gpu_node("g1"), cpu_node("c1")], {}, placed=[Placed("c1", "cpu-16c-64g")],
+        running=[running("e", "cpu-16c-64g", "c1", moving=True)], moves={}),
+    "notebook on cpu is offered a restart, never moved": Case(
+        [], [gpu_node("g1"), cpu_node("c1")], {}, placed=[Placed("c1", "cpu-16c-64g")],
+        running=[running("n", "cpu-16c-64g", "c1", kind=WorkloadKind.NOTEBOOK)], moves={"n": "restart:l40s-48gb"}),
+    "vm on a100 fallback is offered a restart on l40s": Case(
+        [], [gpu_node("g1"), gpu_node("a1", "A100-80GB")], {}, placed=[Placed("a1", "a100-80gb")],
+        running=[running("v", "a100-80gb", "a1", fallback=("a100-80gb",), kind=WorkloadKind.VM)],
+        moves={"v": "restart:l40s-48gb"}),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_decide(case: Case) -> None:
+    capacity = cap(case.nodes, case.placed)
+    decisions = decide(case.queue, capacity, case.running, case.now, case.policy)
+    got: dict[str, str] = {}
+    moves: dict[str, str] = {}
+    for d in decisions:
+        if isinstance(d, Place):
+            got[d.workload.id] = d.cls
+        elif isinstance(d, Wait):
+            got[d.workload.id] = "wait"
+        elif isinstance(d, Promote):
+            moves[d.workload.id] = d.to_class
+        elif isinstance(d, RestartAvailable):
+            moves[d.workload.id] = f"restart:{d.to_class}"
+    assert got == case.want
+    assert moves == case.moves
+    by_id = {d.workload.id: d for d in decisions}
+    for wid, text in case.reasons.items():
+        assert text in by_id[wid].reason
+
+
+def test_decide_leaves_the_callers_capacity_alone() -> None:
+    capacity = cap([gpu_node("g1")])
+    decide([w("a")], capacity, [], 0)
+    again = decide([w("b")], capacity, [], 0)
+    assert isinstance(again[0], Place)
+
+
+def test_wait_records_eligibility_and_attempts() -> None:
+    d = decide([w("a", fallback=("a100-80gb", "cpu"), after=600, since=100)], cap([gpu_node("g1")], FULL_L40S),
+               [], 200)[0]
+    assert isinstance(d, Wait)
+    assert d.fallback_eligible_at == 700
+    assert [(a.cls, a.outcome) for a in d.attempts] == [
+        ("l40s-48gb", Outcome.NO_CAPACITY), ("a100-80gb", Outcome.NOT_ELIGIBLE_YET), ("cpu", Outcome.NOT_ELIGIBLE_YET)]
+    assert (d.attempts[0].free, d.attempts[0].need) == (0, 1)
+
+
+def test_starving_head_gets_in_once_capacity_frees() -> None:
+    nodes = [cpu_node("c1", cpu=32, mem_gi=128)]
+    # The small one stopped; nothing else may take c1 meanwhile, so the big one fits.
+    d = decide([w("big", "cpu-32c-128g", since=0), w("small", "cpu-4c-16g", since=500)], cap(nodes), [], 600)
+    assert [type(x).__name__ for x in d] == ["Place", "Wait"]

@@ -12,10 +12,6 @@ GI = 2**30
 CATALOG = default_catalog()
 
 
-def node(name: str, cpu: float = 32, mem_gi: int = 256, region: str = "local", **gpus: int) -> Node:
-    return Node(name, region, cpu, mem_gi * GI, {k.replace("_", "-"): v for k, v in gpus.items()})
-
-
 def gpu_node(name: str, model: str = "L40S", count: int = 1, cpu: float = 32, mem_gi: int = 256) -> Node:
     return Node(name, "local", cpu, mem_gi * GI, {model: count})
 

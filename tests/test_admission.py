@@ -180,6 +180,13 @@ def test_wait_records_eligibility_and_attempts() -> None:
 
 def test_starving_head_gets_in_once_capacity_frees() -> None:
     nodes = [cpu_node("c1", cpu=32, mem_gi=128)]
-    # The small one stopped; nothing else may take c1 meanwhile, so the big one fits.
-    d = decide([w("big", "cpu-32c-128g", since=0), w("small", "cpu-4c-16g", since=500)], cap(nodes), [], 600)
-    assert [type(x).__name__ for x in d] == ["Place", "Wait"]
+    queue = [w("big", "cpu-32c-128g", since=0), w("small", "cpu-4c-16g", since=50)]
+    # Cycle 1: an earlier small workload runs on c1; the starving head holds c1, so the new small one waits too.
+    first = decide(queue, cap(nodes, [Placed("c1", "cpu-4c-16g")]), [], 600)
+    assert [type(x).__name__ for x in first] == ["Wait", "Wait"]
+    # Cycle 2: that workload stopped; c1 was not refilled meanwhile, so the head fits before the small one.
+    second = decide(queue, cap(nodes), [], 610)
+    assert [(type(x).__name__, x.workload.id) for x in second] == [("Place", "big"), ("Wait", "small")]
+    # Without the hold (head not yet starving), the small one would have taken c1 in cycle 1.
+    unheld = decide(queue, cap(nodes, [Placed("c1", "cpu-4c-16g")]), [], 100)
+    assert [type(x).__name__ for x in unheld] == ["Wait", "Place"]

@@ -115,5 +115,31 @@ def model_size_command(
               highlight=False)
 
 
+@app.command("serve")
+def serve_command(
+    data_dir: Annotated[Path | None, typer.Option(help="where the SQLite store and admin-key live")] = None,
+    driver: Annotated[str | None, typer.Option(help="simulated | local | kubernetes")] = None,
+    nodes: Annotated[Path | None, typer.Option(help="nodes.yaml of the simulated fleet")] = None,
+    catalog: CatalogFile = None,
+    host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default 8700)")] = None,
+    region: Annotated[str | None, typer.Option(help="the region this server and controller serve")] = None,
+    database_url: Annotated[str | None, typer.Option(help="postgresql://... (default: SQLite in --data-dir)")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML file of settings (flags and TENSORA_* env win)")] = None,
+    no_controller: Annotated[bool, typer.Option("--no-controller", help="API only (another process leads)")] = False,
+) -> None:
+    """The control API and the region's controller (SQLite by default; PostgreSQL by URL)."""
+    from tensora import serve
+
+    flags = {"data_dir": data_dir, "driver": driver, "nodes": nodes, "catalog": catalog, "host": host,
+             "port": port, "region": region, "database_url": database_url,
+             "controller": False if no_controller else None}
+    try:
+        settings = serve.load_settings(config, flags)
+        serve.run(settings)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+
+
 def main() -> None:
     app()

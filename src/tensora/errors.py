@@ -8,7 +8,10 @@ once, where they arise, into these; the rest of the code never catches a foreign
     │   ├── CatalogError       the compute-class catalog (file, line, class, field)
     │   ├── FleetError         a nodes.yaml / workloads.yaml of the simulated fleet
     │   └── SpecError          a workload's create body (field named)
-    └── ModelFileError         a model file or directory that is not valid safetensors
+    ├── ModelFileError         a model file or directory that is not valid safetensors
+    └── StoreError             the database
+        ├── StoreUnavailable   unreachable, locked, timed out: retry later (the API answers 503)
+        └── Conflict           a write lost a race with another (unique key, changed row)
 
 "Does not fit" is never an exception: admission returns it as a value (Wait).
 """
@@ -64,3 +67,17 @@ class ModelFileError(TensoraError):
         self.path = path
         self.message = message
         super().__init__(f"{path}: {message}")
+
+
+class StoreError(TensoraError):
+    """The database failed; SQLAlchemy's exceptions become these in ``store.db.translate``."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached now (down, locked, pool exhausted): retry later."""
+
+    retry_after_s = 2
+
+
+class Conflict(StoreError):
+    """A write lost a race (unique constraint, or a row changed under it)."""

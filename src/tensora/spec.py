@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from tensora.admission import WorkloadKind
 from tensora.catalog import CPU_WORD, Catalog
@@ -59,18 +68,29 @@ class WorkloadSpec(BaseModel):
             data["fallback_after_s"] = data.pop("fallback_after")
         return data
 
+    replicas: int = Field(default=1, ge=1, le=16, description="endpoints: how many replicas to run")
+    spec: dict[str, Any] = Field(default_factory=dict, description="kind-specific settings (kept as given)")
+
+    @field_validator("fallback")
+    @classmethod
+    def _fallback_list(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("fallback lists a class twice")
+        if info.data.get("gpu_class") in value:
+            raise ValueError("fallback must not repeat gpu_class")
+        return value
+
+    @field_validator("model", "model_params", "model_bytes", "fallback_models", "allow_cross_region", "replicas")
+    @classmethod
+    def _endpoint_only(cls, value: Any, info: ValidationInfo) -> Any:
+        defaults: dict[str, Any] = {"fallback_models": [], "allow_cross_region": False, "replicas": 1}
+        kind = info.data.get("kind")
+        if kind is not None and kind != WorkloadKind.ENDPOINT and value != defaults.get(str(info.field_name)):
+            raise ValueError(f"{info.field_name} is for endpoints only")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> WorkloadSpec:
-        if len(set(self.fallback)) != len(self.fallback):
-            raise ValueError("fallback lists a class twice")
-        if self.gpu_class in self.fallback:
-            raise ValueError("fallback must not repeat gpu_class")
-        if self.kind != WorkloadKind.ENDPOINT:
-            for name in ("model", "model_params", "model_bytes"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} is for endpoints only")
-            if self.fallback_models or self.allow_cross_region:
-                raise ValueError("fallback_models and allow_cross_region are for endpoints only")
         if self.model_params is not None and self.model_bytes is None:
             self.model_bytes = self.model_params * 2  # 16-bit weights unless told otherwise
         return self

@@ -1,0 +1,58 @@
+"""The control API application: ``create_app(services)``.
+
+The controller (when this process runs one) starts and stops with the app. On shutdown
+the server first answers 503 + Retry-After to new requests, then stops the controller;
+running workloads are left running (they never depend on the control API).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+
+from tensora import __version__
+from tensora.api import errors
+from tensora.api.limits import Guard
+from tensora.api.routes import router
+from tensora.api.services import Services
+
+DESCRIPTION = """\
+Tensora's control API: notebooks, VMs and OpenAI-compatible endpoints on GPU classes, with
+fallbacks that are **opt-in, explicit and visible**.
+
+* A workload asks for `gpu_class` and may list `fallback` classes (or `cpu`) to accept after
+  `fallback_after`. It records `requested_class` and `placed_class`; a workload on a fallback
+  class carries the condition `degraded` (`cpu_fallback` or `class_fallback`).
+* **CPU serving is roughly 10-50x slower than a GPU.** Responses say so when a fallback list holds CPU.
+* Every POST takes `Idempotency-Key`: the same key and body replay the first response for 24 hours
+  (`Idempotent-Replayed: true`); another body is 422; while the first runs, 409 with `Retry-After`.
+* Every 503 carries `Retry-After`. Errors are `{"error": {"type", "message", "field"}}`.
+* Auth: `Authorization: Bearer tsk_...`. Usage is accounted by `placed_class`; nothing is priced.
+"""
+
+
+def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: int = 1 << 20,
+               run_controller: bool = True) -> Any:
+    """The ASGI app: FastAPI wrapped in the Guard (request ids, body limit, in-flight bound, draining)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if run_controller and services.controller is not None:
+            services.controller.start()
+        try:
+            yield
+        finally:
+            guard.draining = True
+            if run_controller and services.controller is not None:
+                services.controller.stop()
+
+    app = FastAPI(title="Tensora control API", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.services = services
+    errors.install(app)
+    app.include_router(router)
+    guard = Guard(app, max_in_flight=max_in_flight, max_body_bytes=max_body_bytes)
+    guard.fastapi = app  # type: ignore[attr-defined]
+    return guard

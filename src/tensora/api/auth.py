@@ -1,0 +1,88 @@
+"""Who is calling: ``Authorization: Bearer <key>`` -> a Principal with an owner and scopes.
+
+A malformed key (bad prefix, length, checksum) is refused before any lookup. Found keys are
+compared by digest in constant time. Lookups are cached for ``cache_ttl_s`` (2 s by default)
+so that a burst of requests does not read the same row thousands of times; a key revoked
+through this server leaves the cache at once, one revoked elsewhere within the TTL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from tensora import apikeys
+from tensora.api.errors import ApiError
+from tensora.store import repo
+from tensora.store.db import Database
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    key_id: str
+    owner: str
+    scopes: tuple[str, ...]
+
+    @property
+    def is_admin(self) -> bool:
+        return "admin" in self.scopes
+
+    def require(self, scope: str) -> None:
+        if not apikeys.allows(self.scopes, scope):
+            raise ApiError(403, f"this key lacks the {scope!r} scope")
+
+    def owner_filter(self) -> str | None:
+        """Owners see only their own; admin keys see everyone's."""
+        return None if self.is_admin else self.owner
+
+
+class KeyChecker:
+    def __init__(self, db: Database, cache_ttl_s: float = 2.0) -> None:
+        self.db = db
+        self.ttl = cache_ttl_s
+        self._cache: dict[str, tuple[float, Principal]] = {}
+        self._lock = threading.Lock()
+
+    def check(self, request: Request) -> Principal:
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise ApiError(401, "missing API key: send Authorization: Bearer <key>",
+                           headers={"WWW-Authenticate": "Bearer"})
+        key = key.strip()
+        if not apikeys.well_formed(key):
+            raise ApiError(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
+        d = apikeys.digest(key)
+        now = time.monotonic()
+        hit = self._cache.get(d)
+        if hit and hit[0] > now:
+            return hit[1]
+        with self.db.read() as conn:
+            row = repo.key_by_digest(conn, d)
+        if row is None or not apikeys.same_digest(row["digest"], d) or row["revoked_at"] is not None:
+            raise ApiError(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
+        p = Principal(row["id"], row["owner"], tuple(row["scopes"]))
+        with self._lock:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[d] = (now + self.ttl, p)
+        return p
+
+    def forget(self, key_id: str) -> None:
+        with self._lock:
+            for d, (_, p) in list(self._cache.items()):
+                if p.key_id == key_id:
+                    del self._cache[d]
+
+
+def create_key(conn: Any, owner: str, name: str, scopes: list[str], now: float) -> tuple[str, dict[str, Any]]:
+    """A new key: (the secret, shown once; the stored row)."""
+    secret = apikeys.generate()
+    row = {"id": repo.new_id("key_"), "digest": apikeys.digest(secret), "hint": apikeys.hint(secret),
+           "owner": owner, "name": name, "scopes": list(scopes), "created_at": now, "revoked_at": None}
+    repo.insert_key(conn, row)
+    return secret, row

@@ -1,0 +1,295 @@
+"""The control API's routes. Handlers parse, check the caller, and call ``workloads``/``repo``
+in one transaction; the controller does the rest (it is woken at once).
+
+Every POST takes ``Idempotency-Key`` (see ``idempotency``). Owners see and touch only their
+own workloads and keys: anyone else's is a 404, as if it did not exist.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from tensora import workloads
+from tensora.api.auth import Principal, create_key
+from tensora.api.errors import ApiError
+from tensora.api.schemas import (
+    CatalogOut,
+    ErrorOut,
+    EventList,
+    KeyCreate,
+    KeyList,
+    KeyOut,
+    RestartBody,
+    UsageOut,
+    WorkloadList,
+    WorkloadOut,
+)
+from tensora.api.services import Services
+from tensora.apikeys import DEFAULT_SCOPES, allows
+from tensora.capacity import Capacity, Node, Placed
+from tensora.spec import WorkloadSpec
+from tensora.store import repo
+from tensora.units import format_memory
+from tensora.usage import summarize
+
+router = APIRouter()
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    s: {"model": ErrorOut} for s in (401, 403, 404, 409, 413, 422, 503)
+}
+IdemKey = Annotated[str | None, Header(alias="Idempotency-Key", description=(
+    "makes the POST safe to retry: the same key and body replay the first response (24 h)"))]
+
+
+def services(request: Request) -> Services:
+    svc: Services = request.app.state.services
+    return svc
+
+
+def caller(scope: str) -> Callable[..., Principal]:
+    def dependency(request: Request) -> Principal:
+        p = services(request).keys.check(request)
+        p.require(scope)
+        return p
+
+    return dependency
+
+
+Svc = Annotated[Services, Depends(services)]
+Reader = Annotated[Principal, Depends(caller("workloads:read"))]
+Writer = Annotated[Principal, Depends(caller("workloads:write"))]
+UsageReader = Annotated[Principal, Depends(caller("usage:read"))]
+KeyAdmin = Annotated[Principal, Depends(caller("keys:write"))]
+
+
+def iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _out(w: dict[str, Any], replicas: list[dict[str, Any]], svc: Services) -> dict[str, Any]:
+    v = workloads.view(w, replicas, svc.catalog)
+    for k in ("created_at", "updated_at", "queued_since", "fallback_eligible_at"):
+        v[k] = iso(v[k])
+    return v
+
+
+def _own(conn: Any, p: Principal, workload_id: str) -> dict[str, Any]:
+    w = repo.get_workload(conn, workload_id, p.owner_filter())
+    if w is None:
+        raise ApiError(404, f"no workload {workload_id!r}")
+    return w
+
+
+# -- workloads ------------------------------------------------------------------------
+
+@router.post("/v1/workloads", status_code=201, response_model=WorkloadOut, responses=ERRORS, tags=["workloads"],
+             summary="Create a notebook, VM or endpoint",
+             description=("Queued for ``gpu_class``; after ``fallback_after`` the ``fallback`` list is tried in "
+                          "order (opt-in: empty means wait). A CPU entry means CPU serving, roughly 10-50x "
+                          "slower than a GPU: the response says so in ``warning``."))
+def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], idem: IdemKey = None) -> Response:
+    fields = body.model_fields_set
+    if "owner" in fields and body.owner != p.owner and not p.is_admin:
+        raise ApiError(403, "only admin keys may create workloads for another owner", field="owner")
+    owner = body.owner if "owner" in fields else p.owner
+    if "region" not in fields:
+        body = body.model_copy(update={"region": svc.region})
+    elif body.region != svc.region:
+        raise ApiError(422, f"this server serves region {svc.region!r}", field="region")
+    spec = workloads.validate(body, svc.catalog)
+
+    def action(conn: Any) -> tuple[int, dict[str, Any]]:
+        row = workloads.create(conn, spec, owner, svc.clock.now())
+        return 201, _out(row, [], svc)
+
+    return svc.idempotency.run(p.owner, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,
+                               svc.wake)
+
+
+@router.get("/v1/workloads", response_model=WorkloadList, responses=ERRORS, tags=["workloads"])
+def list_workloads(svc: Svc, p: Reader,
+                   kind: Annotated[str | None, Query(pattern="^(notebook|vm|endpoint)$")] = None,
+                   state: Annotated[str | None, Query(
+                       pattern="^(queued|starting|running|stopping|stopped|failed)$")] = None,
+                   limit: Annotated[int, Query(ge=1, le=500)] = 100,
+                   after: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
+    with svc.db.read() as conn:
+        rows = repo.list_workloads(conn, p.owner_filter(), kind, state, limit + 1, after)
+        page = rows[:limit]
+        replicas = repo.replicas_of(conn, [w["id"] for w in page])
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in replicas:
+        by.setdefault(r["workload_id"], []).append(r)
+    return {"data": [_out(w, by.get(w["id"], []), svc) for w in page],
+            "next": page[-1]["id"] if len(rows) > limit else None}
+
+
+@router.get("/v1/workloads/{workload_id}", response_model=WorkloadOut, responses=ERRORS, tags=["workloads"])
+def get_workload(workload_id: str, svc: Svc, p: Reader) -> dict[str, Any]:
+    with svc.db.read() as conn:
+        w = _own(conn, p, workload_id)
+        return _out(w, repo.replicas_of(conn, [w["id"]]), svc)
+
+
+@router.get("/v1/workloads/{workload_id}/events", response_model=EventList, responses=ERRORS, tags=["workloads"])
+def workload_events(workload_id: str, svc: Svc, p: Reader,
+                    ) -> dict[str, Any]:
+    with svc.db.read() as conn:
+        _own(conn, p, workload_id)
+        events = repo.list_events(conn, workload_id)
+    return {"data": [{**e, "at": iso(e["at"]), "workload_id": None} for e in events]}
+
+
+@router.post("/v1/workloads/{workload_id}/stop", response_model=WorkloadOut, responses=ERRORS,
+             tags=["workloads"])
+def stop_workload(workload_id: str, svc: Svc, p: Writer, idem: IdemKey = None,
+                  ) -> Response:
+    def action(conn: Any) -> tuple[int, dict[str, Any]]:
+        w = _own(conn, p, workload_id)
+        try:
+            w = workloads.stop(conn, w, svc.clock.now())
+        except workloads.InvalidState as exc:
+            raise ApiError(409, str(exc), retry_after=1) from None
+        return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
+
+    return svc.idempotency.run(p.owner, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
+
+
+@router.post("/v1/workloads/{workload_id}/restart", response_model=WorkloadOut, responses=ERRORS,
+             tags=["workloads"],
+             description=("Stop and queue again. ``placement: requested`` asks for the requested class only: "
+                          "the 'restart on GPU' offered while ``restart_available`` is true."))
+def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[RestartBody | None, Body()] = None,
+                     idem: IdemKey = None) -> Response:
+    placement = (body or RestartBody()).placement
+
+    def action(conn: Any) -> tuple[int, dict[str, Any]]:
+        w = _own(conn, p, workload_id)
+        try:
+            w = workloads.restart(conn, w, svc.clock.now(), placement)
+        except workloads.InvalidState as exc:
+            raise ApiError(409, str(exc), retry_after=2) from None
+        return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
+
+    return svc.idempotency.run(p.owner, "POST", f"/v1/workloads/{workload_id}/restart", idem,
+                               {"placement": placement}, action, svc.wake)
+
+
+@router.delete("/v1/workloads/{workload_id}", status_code=204, responses=ERRORS, tags=["workloads"],
+               description="Stops the workload if it runs and removes it from listings; its usage stays.")
+def delete_workload(workload_id: str, svc: Svc, p: Writer) -> Response:
+    with svc.db.write() as conn:
+        w = _own(conn, p, workload_id)
+        workloads.delete(conn, w, svc.clock.now())
+    svc.wake()
+    return Response(status_code=204)
+
+
+# -- catalog and usage ----------------------------------------------------------------
+
+@router.get("/v1/catalog", response_model=CatalogOut, responses=ERRORS, tags=["catalog"])
+def catalog(svc: Svc, _: Reader) -> dict[str, Any]:
+    with svc.db.read() as conn:
+        node_rows = repo.nodes_in(conn, svc.region)
+        placed = [Placed(r["node"], r["cls"], r["workload_id"]) for r in repo.active_replicas(conn, svc.region)]
+    nodes = [Node(n["name"], n["region"], n["cpu"], n["memory"], n["gpus"], n["labels"], n["schedulable"])
+             for n in node_rows]
+    free = {c.cls: c.fits for c in Capacity(nodes, placed, svc.catalog, svc.reserves).summary(svc.region)}
+    total = {c.cls: c.fits for c in Capacity(nodes, [], svc.catalog, svc.reserves).summary(svc.region)}
+    data = []
+    for cls in svc.catalog.values():
+        gpu = ({"model": cls.gpu_model, "count": cls.gpu_count, "memory": format_memory(cls.gpu_memory)}
+               if cls.gpu_model else None)
+        data.append({"name": cls.name, "kind": cls.kind.value, "cpu": cls.cpu, "memory": format_memory(cls.memory),
+                     "gpu": gpu, "capacity": {svc.region: {"free": free.get(cls.name, 0),
+                                                           "total": total.get(cls.name, 0)}}})
+    return {"region": svc.region, "data": data,
+            "note": "cpu classes serve models roughly 10-50x slower than GPU classes; 'cpu' in a fallback "
+                    "list means the smallest cpu class that fits"}
+
+
+@router.get("/v1/usage", response_model=UsageOut, responses=ERRORS, tags=["usage"],
+            description="Accounted time (no prices: Tensora is free), summed by placed_class, and by owner, "
+                        "kind and UTC day on request (group_by=placed_class,owner,day).")
+def usage(svc: Svc, p: UsageReader,
+          group_by: Annotated[str, Query(pattern=r"^(placed_class|owner|day|kind)(,(placed_class|owner|day|kind))*$")]
+          = "placed_class",
+          since: Annotated[float | None, Query(ge=0, le=1e11, description="epoch seconds")] = None,
+          until: Annotated[float | None, Query(ge=0, le=1e11, description="epoch seconds")] = None,
+          owner: Annotated[str | None, Query(max_length=128, description="admin keys only")] = None,
+          ) -> dict[str, Any]:
+    now = svc.clock.now()
+    start, end = since or 0.0, min(until or now, now)
+    if owner is not None and owner != p.owner and not p.is_admin:
+        raise ApiError(403, "only admin keys may read another owner's usage", field="owner")
+    who = owner if owner is not None else p.owner_filter()
+    keys = list(dict.fromkeys(group_by.split(",")))
+    with svc.db.read() as conn:
+        segments = repo.segments(conn, who, start, end)
+    rows = summarize(segments, keys, start, end)
+    return {"since": iso(start), "until": iso(end), "group_by": keys, "data": rows,
+            "total_seconds": round(sum(r["seconds"] for r in rows), 3)}
+
+
+# -- keys -----------------------------------------------------------------------------
+
+def _key_out(row: dict[str, Any], secret: str | None = None) -> dict[str, Any]:
+    return {"id": row["id"], "name": row["name"], "owner": row["owner"], "scopes": row["scopes"],
+            "hint": row["hint"], "created_at": iso(row["created_at"]), "key": secret}
+
+
+@router.post("/v1/keys", status_code=201, response_model=KeyOut, responses=ERRORS, tags=["keys"],
+             description="The secret ``key`` is in this response only; only its SHA-256 is stored.")
+def create_api_key(svc: Svc, p: KeyAdmin, body: Annotated[KeyCreate | None, Body()] = None,
+                   idem: IdemKey = None) -> Response:
+    body = body or KeyCreate()
+    owner = body.owner or p.owner
+    if owner != p.owner and not p.is_admin:
+        raise ApiError(403, "only admin keys may create keys for another owner", field="owner")
+    scopes = list(body.scopes) if body.scopes is not None else list(DEFAULT_SCOPES)
+    for s in scopes:
+        if not allows(p.scopes, s):
+            raise ApiError(403, f"a key cannot grant the {s!r} scope it lacks", field="scopes")
+
+    def action(conn: Any) -> tuple[int, dict[str, Any]]:
+        secret, row = create_key(conn, owner, body.name, scopes, svc.clock.now())
+        return 201, _key_out(row, secret)
+
+    return svc.idempotency.run(p.owner, "POST", "/v1/keys", idem, body.model_dump(mode="json"), action)
+
+
+@router.get("/v1/keys", response_model=KeyList, responses=ERRORS, tags=["keys"])
+def list_api_keys(svc: Svc, p: KeyAdmin) -> dict[str, Any]:
+    with svc.db.read() as conn:
+        return {"data": [_key_out(r) for r in repo.list_keys(conn, p.owner_filter())]}
+
+
+@router.delete("/v1/keys/{key_id}", status_code=204, responses=ERRORS, tags=["keys"])
+def revoke_api_key(key_id: str, svc: Svc, p: KeyAdmin) -> Response:
+    with svc.db.write() as conn:
+        if not repo.revoke_key(conn, key_id, p.owner_filter(), svc.clock.now()):
+            raise ApiError(404, f"no key {key_id!r}")
+    svc.keys.forget(key_id)
+    return Response(status_code=204)
+
+
+# -- health ---------------------------------------------------------------------------
+
+@router.get("/healthz", tags=["health"], description="The process is up.")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", tags=["health"], responses={503: {"model": ErrorOut}},
+            description="The database answers and the server is not shutting down.")
+def readyz(svc: Svc) -> JSONResponse:
+    svc.db.ping()
+    return JSONResponse({"status": "ready", "region": svc.region,
+                         "controller": svc.controller_state()})

@@ -1,0 +1,145 @@
+"""Shapes of request and response bodies, for validation and for the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tensora.apikeys import SCOPES
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    field: str | None = None
+
+
+class ErrorOut(BaseModel):
+    error: ErrorDetail
+
+
+class Condition(BaseModel):
+    type: Literal["degraded", "moving"]
+    reason: str = Field(description="cpu_fallback, class_fallback, move_back")
+    message: str
+
+
+class ReplicaOut(BaseModel):
+    id: str
+    class_: str = Field(alias="class")
+    node: str
+    state: str
+    url: str | None
+    role: Literal["primary", "candidate", "draining"]
+
+
+class WorkloadOut(BaseModel):
+    """A workload. ``gpu_class`` (= ``requested_class``) is what was asked for; ``placed_class`` what runs."""
+
+    id: str
+    name: str
+    kind: Literal["notebook", "vm", "endpoint"]
+    owner: str
+    region: str
+    state: Literal["queued", "starting", "running", "stopping", "stopped", "failed"]
+    gpu_class: str
+    requested_class: str
+    placed_class: str | None
+    fallback: list[str]
+    fallback_after_s: float
+    placement: Literal["policy", "requested"]
+    conditions: list[Condition]
+    reason: str = Field(description="the admission reason, e.g. 'placed on cpu-16c-64g: l40s-48gb unavailable "
+                                    "for 10m'")
+    fallback_eligible_at: str | None
+    restart_available: bool
+    restart_reason: str | None
+    created_at: str
+    updated_at: str
+    queued_since: str | None
+    warning: str | None = Field(default=None, description="set when the fallback list holds a CPU class: "
+                                                          "CPU serving is roughly 10-50x slower")
+    replicas: list[ReplicaOut] | None = None
+    access: dict[str, Any] | None = None
+
+
+class WorkloadList(BaseModel):
+    data: list[WorkloadOut]
+    next: str | None = Field(description="pass as ?after= for the next page")
+
+
+class EventOut(BaseModel):
+    id: int
+    at: str
+    type: str
+    from_state: str | None
+    to_state: str | None
+    reason: str
+
+
+class EventList(BaseModel):
+    data: list[EventOut]
+
+
+class RestartBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    placement: Literal["requested", "policy"] = Field(
+        default="policy", description="requested: only the requested class (restart on GPU); policy: the class, "
+                                      "then its fallback list")
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="key", min_length=1, max_length=128)
+    owner: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@-]+$",
+                              description="admin keys only: create a key for this owner")
+    scopes: list[Literal[SCOPES]] | None = Field(default=None, max_length=len(SCOPES))  # type: ignore[valid-type]
+
+
+class KeyOut(BaseModel):
+    id: str
+    name: str
+    owner: str
+    scopes: list[str]
+    hint: str
+    created_at: str
+    key: str | None = Field(default=None, description="the secret: shown once, in the response that creates it")
+
+
+class KeyList(BaseModel):
+    data: list[KeyOut]
+
+
+class ClassOut(BaseModel):
+    name: str
+    kind: Literal["gpu", "cpu"]
+    cpu: float
+    memory: str
+    gpu: dict[str, Any] | None
+    capacity: dict[str, dict[str, int]] = Field(description="per region: free and total instances that fit")
+
+
+class CatalogOut(BaseModel):
+    region: str
+    data: list[ClassOut]
+    note: str
+
+
+class UsageRow(BaseModel):
+    placed_class: str | None = None
+    owner: str | None = None
+    day: str | None = None
+    kind: str | None = None
+    seconds: float
+    hours: float
+
+
+class UsageOut(BaseModel):
+    since: str
+    until: str
+    group_by: list[str]
+    data: list[UsageRow]
+    total_seconds: float

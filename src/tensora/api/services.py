@@ -1,0 +1,40 @@
+"""What the routes need, in one object on ``app.state``: store, catalog, clock, region, keys,
+idempotency, and a way to wake the controller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensora.api.auth import KeyChecker
+from tensora.api.idempotency import Idempotency
+from tensora.capacity import GpuReserve
+from tensora.catalog import Catalog
+from tensora.clock import Clock
+from tensora.controller import Controller
+from tensora.store.db import Database
+
+
+@dataclass
+class Services:
+    db: Database
+    catalog: Catalog
+    clock: Clock
+    region: str
+    keys: KeyChecker
+    idempotency: Idempotency
+    controller: Controller | None = None
+    reserves: dict[str, GpuReserve] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def wake(self) -> None:
+        if self.controller is not None:
+            self.controller.wake()
+
+    def controller_state(self) -> str:
+        if self.controller is None:
+            return "not in this process"
+        try:
+            return "leader" if self.controller.is_leader() else "standby"
+        except Exception:
+            return "unknown"

@@ -1,0 +1,152 @@
+"""``tensora serve``: the control API and the controller of one region, in one process.
+
+Settings come from, in rising precedence: defaults, a YAML config file (``--config``),
+environment variables ``TENSORA_<SETTING>`` (e.g. ``TENSORA_DATABASE_URL``), and flags.
+The database defaults to ``DATA_DIR/tensora.db`` (SQLite, WAL); a ``postgresql://`` URL
+selects PostgreSQL. On first start an admin key is created and written to
+``DATA_DIR/admin-key`` (mode 0600); the secret is never printed or logged.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tensora import yamlsource
+from tensora.api.auth import KeyChecker, create_key
+from tensora.api.idempotency import Idempotency
+from tensora.api.services import Services
+from tensora.apikeys import digest, well_formed
+from tensora.catalog import Catalog, load_catalog
+from tensora.clock import Clock, SystemClock
+from tensora.controller import Controller
+from tensora.drivers.base import Driver
+from tensora.errors import ConfigError
+from tensora.store import repo
+from tensora.store.db import Database
+
+ADMIN_KEY_FILE = "admin-key"
+
+
+def default_data_dir() -> Path:
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("tensora", appauthor=False))
+
+
+class ServeSettings(BaseModel):
+    """Everything ``tensora serve`` can be told."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    database_url: str | None = None
+    driver: Literal["simulated", "local", "kubernetes"] = "simulated"
+    nodes: Path | None = None
+    catalog: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=8700, ge=0, le=65535)
+    region: str = Field(default="local", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+    max_in_flight: int = Field(default=256, ge=1)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    tick_s: float = Field(default=2.0, gt=0)
+    lease_ttl_s: float = Field(default=15.0, gt=0)
+    start_delay_s: float = Field(default=2.0, ge=0, description="simulated driver: seconds until a replica runs")
+    controller: bool = True
+    log_level: str = "warning"
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or str(self.data_dir / "tensora.db")
+
+
+def load_settings(config: Path | None, flags: dict[str, Any], env: dict[str, str] | None = None) -> ServeSettings:
+    env = dict(os.environ) if env is None else env
+    values: dict[str, Any] = {}
+    source = "<flags>"
+    if config is not None:
+        source = str(config)
+        data, _ = yamlsource.load(Path(config), ConfigError)
+        if not isinstance(data, dict):
+            raise ConfigError("the config file must be a mapping of settings", source=source)
+        values.update(data)
+    for name in ServeSettings.model_fields:
+        if f"TENSORA_{name.upper()}" in env:
+            values[name] = env[f"TENSORA_{name.upper()}"]
+    values.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return ServeSettings.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        raise ConfigError("unknown setting" if first["type"] == "extra_forbidden" else first["msg"],
+                          source=source, field=field) from None
+
+
+def make_driver(settings: ServeSettings, clock: Clock) -> Driver:
+    if settings.driver == "simulated":
+        from tensora.drivers.simulated import SimulatedDriver
+        from tensora.fleet import load_nodes
+
+        nodes_file = settings.nodes or Path(__file__).with_name("default_nodes.yaml")
+        return SimulatedDriver(load_nodes(nodes_file), clock, start_delay_s=settings.start_delay_s)
+    raise ConfigError(f"the {settings.driver} driver is not available in this version; use simulated",
+                      field="driver")
+
+
+def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
+    """Create the admin key on first start (or when its file no longer matches a live key)."""
+    path = data_dir / ADMIN_KEY_FILE
+    if path.exists():
+        secret = path.read_text().strip()
+        if well_formed(secret):
+            with db.read() as conn:
+                row = repo.key_by_digest(conn, digest(secret))
+            if row is not None and row["revoked_at"] is None:
+                return path
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with db.write() as conn:
+        secret, _ = create_key(conn, "admin", "admin (created on first start)", ["admin"], now)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path
+
+
+def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver | None = None,
+          catalog: Catalog | None = None) -> Services:
+    """Open the store (migrating it), the driver and the controller; nothing is served yet."""
+    clock = clock or SystemClock()
+    catalog = catalog or load_catalog(settings.catalog)
+    db = Database(settings.db_url)
+    db.migrate()
+    controller = None
+    if settings.controller:
+        controller = Controller(db, driver or make_driver(settings, clock), catalog, region=settings.region,
+                                clock=clock, lease_ttl_s=settings.lease_ttl_s, tick_s=settings.tick_s)
+    return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
+                    idempotency=Idempotency(db, clock), controller=controller)
+
+
+def run(settings: ServeSettings) -> None:
+    """Serve until interrupted."""
+    import uvicorn
+
+    from tensora.api.app import create_app
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    services = build(settings)
+    key_file = ensure_admin_key(services.db, settings.data_dir, services.clock.now())
+    app = create_app(services, max_in_flight=settings.max_in_flight, max_body_bytes=settings.max_body_bytes)
+    where = "PostgreSQL" if not services.db.is_sqlite else f"SQLite at {settings.db_url}"
+    print(f"tensora control API on http://{settings.host}:{settings.port}  (docs: /docs)", flush=True)
+    print(f"region {settings.region}, driver {settings.driver}, store {where}", flush=True)
+    print(f"admin key in {key_file}", flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                access_log=False, timeout_graceful_shutdown=10)

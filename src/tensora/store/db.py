@@ -1,0 +1,134 @@
+"""The database: one engine per URL, transactions, migrations, and the one place where
+SQLAlchemy's exceptions become Tensora's.
+
+SQLite (the default, a file in the data dir) runs in WAL mode; write transactions take
+the write lock at ``BEGIN IMMEDIATE`` so that two writers queue on ``busy_timeout``
+instead of failing when one upgrades a read lock. PostgreSQL is used by URL
+(``postgresql://...``, driven by psycopg 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from tensora.errors import Conflict, StoreUnavailable
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+
+
+def normalize_url(url: str) -> str:
+    """``postgresql://`` and ``postgres://`` mean psycopg 3; a bare path means a SQLite file."""
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://"):]
+    if url.startswith("postgresql://"):
+        return "postgresql+psycopg://" + url[len("postgresql://"):]
+    if "://" not in url:
+        return f"sqlite:///{Path(url).expanduser().resolve()}"
+    return url
+
+
+class Database:
+    """An engine and its transactions. ``write()`` and ``read()`` yield a Connection in a transaction."""
+
+    def __init__(self, url: str, *, pool_size: int = 20, connect_timeout_s: float = 2.0,
+                 busy_timeout_ms: int = 5000) -> None:
+        self.url = normalize_url(url)
+        parsed = make_url(self.url)
+        self.is_sqlite = parsed.get_backend_name() == "sqlite"
+        kwargs: dict[str, Any] = {"pool_pre_ping": not self.is_sqlite, "pool_timeout": connect_timeout_s}
+        if self.is_sqlite:
+            if parsed.database and parsed.database != ":memory:":
+                Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": busy_timeout_ms / 1000}
+            kwargs.update(pool_size=pool_size, max_overflow=pool_size)
+        else:
+            kwargs["connect_args"] = {"connect_timeout": max(1, int(connect_timeout_s))}
+            kwargs.update(pool_size=pool_size, max_overflow=pool_size)
+        self.engine: Engine = create_engine(self.url, **kwargs)
+        if self.is_sqlite:
+            _sqlite_setup(self.engine, busy_timeout_ms)
+        self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE") if self.is_sqlite else self.engine
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A write transaction: committed on success, rolled back on any error."""
+        with translate(), self._writer.begin() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Connection]:
+        with translate(), self.engine.begin() as conn:
+            yield conn
+
+    def ping(self) -> None:
+        with self.read() as conn:
+            conn.execute(text("SELECT 1"))
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest migration (idempotent; safe with several servers)."""
+        from alembic import command
+
+        with translate(), self.engine.begin() as conn:
+            cfg = alembic_config(self.url)
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", normalize_url(url).replace("%", "%%"))
+    return cfg
+
+
+def _sqlite_setup(engine: Engine, busy_timeout_ms: int) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql(f"BEGIN {conn.get_execution_options().get('sqlite_begin', 'DEFERRED')}")
+
+
+@contextlib.contextmanager
+def translate() -> Iterator[None]:
+    """SQLAlchemy errors become StoreUnavailable (retry later) or Conflict; nothing else leaks."""
+    try:
+        yield
+    except IntegrityError as exc:
+        raise Conflict(f"conflicting write: {exc.orig}") from exc
+    except (OperationalError, PoolTimeout) as exc:
+        raise StoreUnavailable(_short(exc)) from exc
+    except DBAPIError as exc:
+        if exc.connection_invalidated:
+            raise StoreUnavailable(_short(exc)) from exc
+        raise
+    except SQLAlchemyError as exc:
+        if "closed" in str(exc) or "connect" in str(exc):
+            raise StoreUnavailable(_short(exc)) from exc
+        raise
+
+
+def _short(exc: Exception) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    return str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__

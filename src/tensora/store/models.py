@@ -1,0 +1,165 @@
+"""The tables. Alembic migrations (``migrations/versions``) create them; a test checks that
+the migrations and these models agree.
+
+Times are float seconds since the epoch (UTC), the same as ``Clock.now()``; JSON columns
+hold lists and dicts as given. No table holds a price: Tensora accounts, it does not bill.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {dict[str, Any]: JSON, list[str]: JSON, list[Any]: JSON}
+
+
+class Workload(Base):
+    """A notebook, VM or endpoint. ``gpu_class`` is what was asked for (= ``requested_class``)."""
+
+    __tablename__ = "workloads"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(63))
+    region: Mapped[str] = mapped_column(String(63))
+    gpu_class: Mapped[str] = mapped_column(String(63))
+    requested_class: Mapped[str] = mapped_column(String(63))
+    placed_class: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    fallback: Mapped[list[str]] = mapped_column()
+    fallback_after_s: Mapped[float] = mapped_column(Float)
+    placement: Mapped[str] = mapped_column(String(16), default="policy")  # "requested": no fallback this time
+    state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    fallback_eligible_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    restart_available: Mapped[bool] = mapped_column(Boolean, default=False)
+    restart_reason: Mapped[str] = mapped_column(Text, default="")
+    replicas: Mapped[int] = mapped_column(Integer, default=1)
+    model: Mapped[str | None] = mapped_column(Text, nullable=True)
+    model_params: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    model_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    spec: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    queued_since: Mapped[float | None] = mapped_column(Float, nullable=True)
+    deleted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    __table_args__ = (Index("ix_workloads_region_state", "region", "state"),)
+
+
+class Replica(Base):
+    """One running instance of a workload. ``role``: ``primary`` serves; ``candidate`` is a move
+    back being started; ``draining`` is the replica a move replaces, being stopped."""
+
+    __tablename__ = "replicas"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    workload_id: Mapped[str] = mapped_column(ForeignKey("workloads.id"), index=True)
+    slot: Mapped[int] = mapped_column(Integer)
+    cls: Mapped[str] = mapped_column(String(63))
+    node: Mapped[str] = mapped_column(String(253))
+    region: Mapped[str] = mapped_column(String(63))
+    state: Mapped[str] = mapped_column(String(16))
+    role: Mapped[str] = mapped_column(String(16))
+    url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    detail: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (Index("ix_replicas_region_state", "region", "state"),)
+
+
+class Event(Base):
+    """One state transition (or notable step) of a workload, with the reason admission rendered."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    workload_id: Mapped[str] = mapped_column(ForeignKey("workloads.id"), index=True)
+    at: Mapped[float] = mapped_column(Float)
+    type: Mapped[str] = mapped_column(String(32))
+    from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    to_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    reason: Mapped[str] = mapped_column(Text)
+
+
+class UsageSegment(Base):
+    """Time a replica held ``placed_class``: open while ``ended_at`` is null. A move splits it."""
+
+    __tablename__ = "usage_segments"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    workload_id: Mapped[str] = mapped_column(ForeignKey("workloads.id"), index=True)
+    replica_id: Mapped[str] = mapped_column(String(32), unique=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    region: Mapped[str] = mapped_column(String(63))
+    kind: Mapped[str] = mapped_column(String(16))
+    placed_class: Mapped[str] = mapped_column(String(63))
+    started_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Node(Base):
+    """A node as the region's controller last observed it (the API computes capacity from these)."""
+
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(253), primary_key=True)
+    region: Mapped[str] = mapped_column(String(63), index=True)
+    cpu: Mapped[float] = mapped_column(Float)
+    memory: Mapped[int] = mapped_column(BigInteger)
+    gpus: Mapped[dict[str, Any]] = mapped_column()
+    labels: Mapped[dict[str, Any]] = mapped_column()
+    schedulable: Mapped[bool] = mapped_column(Boolean)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class ApiKey(Base):
+    """An API key: only its SHA-256 is kept; the secret is shown once, at creation."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    hint: Mapped[str] = mapped_column(String(16))
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    scopes: Mapped[list[str]] = mapped_column()
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class IdempotencyRecord(Base):
+    """One POST's claim on an Idempotency-Key, then its response for replay.
+
+    Claimed by an atomic insert; ``expires_at`` is short while in flight (a crash must not
+    lock the key) and 24 h once the response is stored.
+    """
+
+    __tablename__ = "idempotency_records"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    method: Mapped[str] = mapped_column(String(8), primary_key=True)
+    path: Mapped[str] = mapped_column(String(512), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16))
+    status: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    body: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float, index=True)
+
+
+class Lease(Base):
+    """Leadership: one holder per name (``controller/<region>``) until ``expires_at``."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[float] = mapped_column(Float)
+    acquired_at: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,154 @@
+"""What users do to workloads (create, stop, restart, delete) and how a workload reads back.
+
+Each action is a few writes in the caller's transaction, plus an event; the controller does
+the rest. Nothing here talks to a driver.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensora.admission import WorkloadKind
+from tensora.catalog import CPU_WORD, Catalog
+from tensora.errors import SpecError
+from tensora.spec import WorkloadSpec, check_against
+from tensora.store import repo
+from tensora.validator import read_model
+
+CPU_WARNING = ("CPU fallback is enabled: CPU serving is roughly 10-50x slower than a GPU "
+               "(notebooks and VMs get no GPU at all while on CPU)")
+
+
+class InvalidState(Exception):
+    """The action does not apply to the workload's current state (API: 409)."""
+
+
+def validate(spec: WorkloadSpec, catalog: Catalog) -> WorkloadSpec:
+    """Check classes against the catalog and read the model's size; SpecError names the field."""
+    problems = check_against(spec, catalog)
+    if problems:
+        field, message = problems[0]
+        if field == "gpu_class":
+            message += ": known classes are " + ", ".join(sorted(catalog))
+        raise SpecError(message, field=field)
+    if spec.kind == WorkloadKind.ENDPOINT:
+        if spec.model is None and spec.model_params is None:
+            raise SpecError("endpoints need a model (path to a safetensors file or directory)", field="model")
+        if spec.model is not None:
+            if spec.model_params is not None:
+                raise SpecError("give model or model_params, not both (the size is read from the model)",
+                                field="model_params")
+            try:
+                size = read_model(spec.model)
+            except Exception as exc:  # ModelFileError, or an OS error reading it
+                raise SpecError(str(exc), field="model") from None
+            spec = spec.model_copy(update={"model_params": size.params, "model_bytes": size.bytes})
+    return spec
+
+
+def uses_cpu(spec_fallback: list[str], catalog: Catalog) -> bool:
+    return any(e == CPU_WORD or (e in catalog and catalog[e].is_cpu) for e in spec_fallback)
+
+
+def create(conn: Any, spec: WorkloadSpec, owner: str, now: float) -> dict[str, Any]:
+    """Insert a queued workload and its first event; returns the row."""
+    row: dict[str, Any] = {
+        "id": repo.new_id("wl_"), "owner": owner, "kind": spec.kind.value, "name": spec.name,
+        "region": spec.region, "gpu_class": spec.gpu_class, "requested_class": spec.gpu_class,
+        "placed_class": None, "fallback": list(spec.fallback), "fallback_after_s": spec.fallback_after_s,
+        "placement": "policy", "state": "queued", "reason": f"queued for {spec.gpu_class}",
+        "fallback_eligible_at": None, "restart_available": False, "restart_reason": "",
+        "replicas": spec.replicas, "model": spec.model, "model_params": spec.model_params,
+        "model_bytes": spec.model_bytes,
+        "spec": {"kind_spec": spec.spec, "image": spec.image, "fallback_models": spec.fallback_models,
+                 "allow_cross_region": spec.allow_cross_region},
+        "created_at": now, "updated_at": now, "queued_since": now, "deleted_at": None,
+    }
+    repo.insert_workload(conn, row)
+    policy = f"; fallback to {', '.join(spec.fallback)} after {spec.fallback_after_s:g}s" if spec.fallback else ""
+    repo.add_event(conn, row["id"], now, "transition", f"created: queued for {spec.gpu_class}{policy}",
+                   None, "queued")
+    return row
+
+
+def stop(conn: Any, w: dict[str, Any], now: float, why: str = "stop requested") -> dict[str, Any]:
+    if w["state"] in ("stopped", "failed"):
+        return w
+    if w["state"] == "stopping":
+        return w
+    active = repo.replicas_of(conn, [w["id"]])
+    target = "stopping" if active else "stopped"
+    if not repo.update_workload(conn, w["id"], {"state": target, "updated_at": now, "restart_available": False},
+                                expect_state=w["state"]):
+        raise InvalidState("the workload changed meanwhile; try again")
+    for r in active:
+        repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
+    repo.add_event(conn, w["id"], now, "transition", f"{target}: {why}", w["state"], target)
+    return {**w, "state": target, "restart_available": False}
+
+
+def restart(conn: Any, w: dict[str, Any], now: float, placement: str) -> dict[str, Any]:
+    """Stop what runs and queue again. ``placement="requested"``: only the requested class
+    this time (the ADR's "restart on GPU"); ``"policy"``: the class, then the fallback list."""
+    if w["state"] in ("stopping",):
+        raise InvalidState("the workload is stopping; restart it once it has stopped")
+    for r in repo.replicas_of(conn, [w["id"]]):
+        repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
+    values = {"state": "queued", "placement": placement, "placed_class": None, "queued_since": now,
+              "updated_at": now, "restart_available": False, "restart_reason": "",
+              "reason": f"queued for {w['gpu_class']}", "fallback_eligible_at": None}
+    if not repo.update_workload(conn, w["id"], values, expect_state=w["state"]):
+        raise InvalidState("the workload changed meanwhile; try again")
+    on = f"on {w['gpu_class']} only" if placement == "requested" else "with its placement policy"
+    repo.add_event(conn, w["id"], now, "transition", f"queued: restart requested {on}", w["state"], "queued")
+    return {**w, **values}
+
+
+def delete(conn: Any, w: dict[str, Any], now: float) -> None:
+    w = stop(conn, w, now, "deleted")
+    repo.update_workload(conn, w["id"], {"deleted_at": now, "updated_at": now})
+
+
+def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) -> list[dict[str, Any]]:
+    """Visible conditions: ``degraded`` (cpu_fallback / class_fallback) and ``moving``."""
+    out = []
+    placed = w["placed_class"]
+    if placed and placed != w["gpu_class"] and w["state"] in ("starting", "running"):
+        on_cpu = placed in catalog and catalog[placed].is_cpu
+        message = (f"placed on {placed} instead of {w['gpu_class']}"
+                   + (": CPU serving is roughly 10-50x slower" if on_cpu else ""))
+        out.append({"type": "degraded", "reason": "cpu_fallback" if on_cpu else "class_fallback",
+                    "message": message})
+    movers = [r for r in replicas if r["role"] == "candidate" and r["state"] in repo.ACTIVE_REPLICA]
+    if movers:
+        out.append({"type": "moving", "reason": "move_back",
+                    "message": f"starting a replica on {movers[0]['cls']}; traffic shifts when it is ready"})
+    return out
+
+
+def view(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) -> dict[str, Any]:
+    """The API shape of a workload."""
+    spec = w["spec"] or {}
+    out: dict[str, Any] = {
+        "id": w["id"], "name": w["name"], "kind": w["kind"], "owner": w["owner"], "region": w["region"],
+        "state": w["state"], "gpu_class": w["gpu_class"], "requested_class": w["requested_class"],
+        "placed_class": w["placed_class"], "fallback": w["fallback"], "fallback_after_s": w["fallback_after_s"],
+        "placement": w["placement"], "conditions": conditions(w, replicas, catalog), "reason": w["reason"],
+        "fallback_eligible_at": w["fallback_eligible_at"], "restart_available": bool(w["restart_available"]),
+        "restart_reason": w["restart_reason"] or None, "created_at": w["created_at"],
+        "updated_at": w["updated_at"], "queued_since": w["queued_since"], "spec": spec.get("kind_spec") or {},
+    }
+    if uses_cpu(w["fallback"], catalog):
+        out["warning"] = CPU_WARNING
+    active = [r for r in replicas if r["state"] in repo.ACTIVE_REPLICA]
+    if w["kind"] == WorkloadKind.ENDPOINT:
+        out.update(model=w["model"], model_params=w["model_params"], replicas=[
+            {"id": r["id"], "class": r["cls"], "node": r["node"], "state": r["state"], "url": r["url"],
+             "role": r["role"]} for r in active],
+            fallback_models=spec.get("fallback_models", []), allow_cross_region=spec.get("allow_cross_region", False))
+    else:
+        primary = next((r for r in active if r["role"] == "primary"), None)
+        out["access"] = {"url": primary["url"] if primary else None, "node": primary["node"] if primary else None}
+        if w["kind"] == WorkloadKind.VM:
+            out["image"] = spec.get("image")
+    return out

@@ -1,6 +1,31 @@
+"""Fixtures shared by the suite. Tests that touch the store run on SQLite and on a real
+PostgreSQL server that the session starts itself (``db_url`` is parametrized over both)."""
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+from services import PgCluster, pg_cluster
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[PgCluster]:
+    cluster = pg_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return str(tmp_path / "tensora.db")
+    cluster: PgCluster = request.getfixturevalue("pg")
+    return cluster.new_database()

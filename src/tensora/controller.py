@@ -244,6 +244,7 @@ class Controller:
     def _replica_done(self, conn: Any, r: dict[str, Any], state: str, now: float, detail: str = "") -> None:
         repo.update_replica(conn, r["id"], {"state": state, "updated_at": now, "detail": detail})
         repo.close_segment(conn, r["id"], now)
+        r["state"] = state
 
     def _replica_failed(self, conn: Any, w: dict[str, Any], r: dict[str, Any], seen: ReplicaStatus,
                         siblings: list[dict[str, Any]], now: float, detail: str | None = None) -> int:

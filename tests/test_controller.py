@@ -1,0 +1,337 @@
+"""The controller on a fake clock, against the real store (SQLite and PostgreSQL):
+the ADR's example and its event sentences, move back, restart on GPU, failover and crashes."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from tensora import workloads
+from tensora.catalog import default_catalog
+from tensora.clock import FakeClock, SystemClock
+from tensora.controller import Controller
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
+from tensora.drivers.simulated import SimulatedDriver
+from tensora.spec import parse_spec
+from tensora.store import repo
+from tensora.store.db import Database
+
+from stack import T0, fleet
+
+CATALOG = default_catalog()
+
+
+class Crash(BaseException):
+    """The process dies here (not an Exception: nothing in the controller catches it)."""
+
+
+class CrashingDriver:
+    """The simulated fleet, but the controller 'dies' on the first start() it asks for."""
+
+    def __init__(self, inner: SimulatedDriver) -> None:
+        self.inner, self.armed = inner, True
+
+    def nodes(self) -> Any:
+        return self.inner.nodes()
+
+    def observe(self) -> Any:
+        return self.inner.observe()
+
+    def stop(self, replica_id: str) -> ReplicaStatus:
+        return self.inner.stop(replica_id)
+
+    def start(self, spec: ReplicaSpec) -> ReplicaStatus:
+        if self.armed:
+            self.armed = False
+            raise Crash("killed between recording the placement and starting it")
+        return self.inner.start(spec)
+
+
+@pytest.fixture
+def db(db_url: str) -> Any:
+    database = Database(db_url)
+    database.migrate()
+    yield database
+    database.dispose()
+
+
+def make(db: Database, clock: FakeClock, driver: Any = None, holder: str = "a", start_delay_s: float = 0.0,
+         ) -> tuple[Controller, SimulatedDriver]:
+    sim = driver or SimulatedDriver(fleet(), clock, start_delay_s=start_delay_s)
+    inner = sim.inner if isinstance(sim, CrashingDriver) else sim
+    return Controller(db, sim, CATALOG, clock=clock, holder=holder, lease_ttl_s=15), inner
+
+
+def submit(db: Database, clock: FakeClock, owner: str = "alice", **body: Any) -> str:
+    with db.write() as conn:
+        return str(workloads.create(conn, workloads.validate(parse_spec(body), CATALOG), owner, clock.now())["id"])
+
+
+def get(db: Database, wid: str) -> dict[str, Any]:
+    with db.read() as conn:
+        w = repo.get_workload(conn, wid, include_deleted=True)
+        assert w is not None
+        return w
+
+
+def events(db: Database, wid: str) -> list[str]:
+    with db.read() as conn:
+        return [e["reason"] for e in repo.list_events(conn, wid)]
+
+
+def replicas(db: Database, wid: str, active_only: bool = True) -> list[dict[str, Any]]:
+    with db.read() as conn:
+        return repo.replicas_of(conn, [wid], active_only=active_only)
+
+
+def view(db: Database, wid: str) -> dict[str, Any]:
+    return workloads.view(get(db, wid), replicas(db, wid), CATALOG)
+
+
+def segments(db: Database) -> list[dict[str, Any]]:
+    with db.read() as conn:
+        return sorted(repo.segments(conn, None, 0, 1e12), key=lambda s: (s["started_at"], s["id"]))
+
+
+def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock, start_delay_s=30)
+    l40s_user = submit(db, clock, owner="carol", kind="notebook", name="holds-l40s", gpu_class="l40s-48gb")
+    a100_user = submit(db, clock, owner="dave", kind="notebook", name="holds-a100", gpu_class="a100-80gb")
+    c.run_once()
+    ep = submit(db, clock, owner="alice", kind="endpoint", name="chat", gpu_class="l40s-48gb",
+                fallback=["a100-80gb", "cpu"], fallback_after="10m", model_params="7B")
+    c.run_once()
+    w = get(db, ep)
+    assert w["state"] == "queued"
+    assert w["reason"] == ("waiting for l40s-48gb (0 GPU free, 1 needed); fallback to a100-80gb, cpu from 08:10:00")
+
+    clock.advance(599)
+    c.run_once()
+    assert get(db, ep)["state"] == "queued"
+
+    clock.advance(1)
+    report = c.run_once()
+    assert report.placed == 1
+    w = get(db, ep)
+    assert (w["state"], w["placed_class"], w["requested_class"]) == ("starting", "cpu-16c-64g", "l40s-48gb")
+    placed_reason = ("placed on cpu-16c-64g: l40s-48gb unavailable for 10m; "
+                     "also tried a100-80gb (0 GPU free, 1 needed)")
+    assert w["reason"] == placed_reason
+
+    clock.advance(30)
+    c.run_once()
+    v = view(db, ep)
+    assert v["state"] == "running"
+    assert v["conditions"][0]["type"] == "degraded" and v["conditions"][0]["reason"] == "cpu_fallback"
+    assert "10-50x slower" in v["warning"]
+
+    # the L40S frees: the endpoint moves back by itself (start, ready, shift, stop)
+    with db.write() as conn:
+        workloads.stop(conn, get(db, l40s_user), clock.now())
+    c.run_once()
+    c.run_once()
+    v = view(db, ep)
+    assert v["state"] == "running" and [x["type"] for x in v["conditions"]] == ["degraded", "moving"]
+    assert sorted((r["cls"], r["role"]) for r in replicas(db, ep)) == [("cpu-16c-64g", "primary"),
+                                                                     ("l40s-48gb", "candidate")]
+    clock.advance(30)
+    c.run_once()
+    v = view(db, ep)
+    assert (v["state"], v["placed_class"], v["conditions"]) == ("running", "l40s-48gb", [])
+    assert sorted((r["class"], r["role"], r["state"]) for r in v["replicas"]) == [
+        ("cpu-16c-64g", "draining", "stopping"), ("l40s-48gb", "primary", "running")]
+    c.run_once()
+    assert [(r["class"], r["role"]) for r in view(db, ep)["replicas"]] == [("l40s-48gb", "primary")]
+
+    assert events(db, ep) == [
+        "created: queued for l40s-48gb; fallback to a100-80gb, cpu after 600s",
+        placed_reason,
+        "running on cpu-16c-64g at cpu-1",
+        "moving back to l40s-48gb from cpu-16c-64g: l40s-48gb has capacity again",
+        "moved back to l40s-48gb: replica ready at gpu-l40s-1, traffic shifted, stopping the cpu-16c-64g replica",
+    ]
+    # usage by placed_class: the move split the endpoint's time in two segments
+    mine = [(s["placed_class"], s["started_at"] - T0, None if s["ended_at"] is None else s["ended_at"] - T0)
+            for s in segments(db) if s["workload_id"] == ep]
+    assert mine == [("cpu-16c-64g", 600.0, 660.0), ("l40s-48gb", 630.0, None)]
+    assert get(db, a100_user)["state"] == "running"
+
+
+def test_freed_gpu_goes_to_its_requester_before_a_move_back(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, _ = make(db, clock)
+    holder = submit(db, clock, owner="carol", kind="notebook", name="holds", gpu_class="l40s-48gb")
+    c.run_once()
+    ep = submit(db, clock, kind="endpoint", name="chat", gpu_class="l40s-48gb", fallback=["cpu"],
+                fallback_after=0, model_params="1B")
+    c.run_once()
+    c.run_once()
+    assert get(db, ep)["placed_class"] == "cpu-16c-64g"
+    waiter = submit(db, clock, owner="bob", kind="notebook", name="wants-l40s", gpu_class="l40s-48gb")
+    c.run_once()
+    with db.write() as conn:
+        workloads.stop(conn, get(db, holder), clock.now())
+    c.run_once()
+    c.run_once()
+    assert get(db, waiter)["placed_class"] == "l40s-48gb"
+    assert get(db, ep)["placed_class"] == "cpu-16c-64g"
+    assert [r["role"] for r in replicas(db, ep)] == ["primary"]
+
+
+def test_notebook_on_cpu_is_offered_restart_on_gpu_and_never_moves_by_itself(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, _ = make(db, clock)
+    holder = submit(db, clock, owner="carol", kind="notebook", name="holds", gpu_class="l40s-48gb")
+    c.run_once()
+    nb = submit(db, clock, kind="notebook", name="nb", gpu_class="l40s-48gb", fallback=["cpu"], fallback_after=0)
+    c.run_once()
+    c.run_once()
+    cpu_replica = replicas(db, nb)[0]
+    assert (get(db, nb)["state"], cpu_replica["cls"]) == ("running", "cpu-16c-64g")
+    with db.write() as conn:
+        workloads.stop(conn, get(db, holder), clock.now())
+    c.run_once()
+    c.run_once()
+    w = get(db, nb)
+    assert w["restart_available"] and w["placed_class"] == "cpu-16c-64g"
+    assert [r["id"] for r in replicas(db, nb)] == [cpu_replica["id"]]
+    assert events(db, nb)[-1] == "l40s-48gb has capacity again: restart on it to leave cpu-16c-64g"
+
+    with db.write() as conn:
+        workloads.restart(conn, get(db, nb), clock.now(), "requested")
+    c.run_once()
+    c.run_once()
+    w = get(db, nb)
+    assert (w["state"], w["placed_class"], w["restart_available"]) == ("running", "l40s-48gb", False)
+    assert [r["cls"] for r in replicas(db, nb)] == ["l40s-48gb"]
+    assert [s["placed_class"] for s in segments(db) if s["workload_id"] == nb] == ["cpu-16c-64g", "l40s-48gb"]
+
+
+def test_failed_replica_fails_a_notebook_and_requeues_an_endpoint(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    nb = submit(db, clock, kind="notebook", name="nb", gpu_class="cpu-2c-8g")
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    c.run_once()
+    c.run_once()
+    driver.fail(replicas(db, nb)[0]["id"], "OOM killed")
+    driver.fail(replicas(db, ep)[0]["id"], "XID 79")
+    c.run_once()
+    assert get(db, nb)["state"] == "failed"
+    assert events(db, nb)[-1] == "failed: replica on cpu-2c-8g at cpu-1: OOM killed"
+    # the endpoint went back to the queue and, with capacity free, was placed again in the same cycle
+    assert events(db, ep)[-2:] == ["queued: its only replica (cpu-2c-8g at cpu-1) failed: XID 79",
+                                     "placed on cpu-2c-8g"]
+    c.run_once()
+    assert get(db, ep)["state"] == "running"
+    assert len(replicas(db, ep, active_only=False)) == 2
+
+
+def test_stop_and_delete_release_capacity_and_close_usage(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    a = submit(db, clock, kind="notebook", name="a", gpu_class="a100-80gb")
+    b = submit(db, clock, kind="notebook", name="b", gpu_class="a100-80gb")
+    c.run_once()
+    if get(db, a)["state"] == "queued":  # same owner, same moment: the id breaks the tie
+        a, b = b, a
+    assert get(db, b)["state"] == "queued"
+    clock.advance(120)
+    with db.write() as conn:
+        workloads.delete(conn, get(db, a), clock.now())
+    c.run_once()  # asks the driver to stop a's replica
+    c.run_once()  # sees it stopped: a is stopped, the A100 is free, b is placed
+    assert get(db, a)["state"] == "stopped" and get(db, a)["deleted_at"] is not None
+    assert (get(db, b)["state"], get(db, b)["placed_class"]) == ("starting", "a100-80gb")
+    seg = [s for s in segments(db) if s["workload_id"] == a]
+    assert [(s["started_at"] - T0, s["ended_at"] - T0) for s in seg] == [(0.0, 120.0)]
+    assert all(s.state.value == "stopped" for s in driver.observe() if s.workload_id == a)
+
+
+def test_only_the_lease_holder_acts_and_a_standby_takes_over_after_expiry(db: Database) -> None:
+    clock = FakeClock(T0)
+    sim = SimulatedDriver(fleet(), clock)
+    a, _ = make(db, clock, sim, holder="a")
+    b, _ = make(db, clock, sim, holder="b")
+    assert a.run_once().leader
+    first = submit(db, clock, kind="notebook", name="one", gpu_class="cpu-1c-4g")
+    assert not b.run_once().leader
+    assert get(db, first)["state"] == "queued"  # b wrote nothing
+    assert a.run_once().placed == 1
+    # a dies without releasing the lease; b waits until it expires
+    second = submit(db, clock, kind="notebook", name="two", gpu_class="cpu-1c-4g")
+    clock.advance(14)
+    assert not b.run_once().leader
+    clock.advance(2)
+    assert b.run_once().placed == 1
+    assert get(db, second)["state"] == "starting"
+    # a comes back: it is not the leader any more, and even a stale belief in it cannot write (the fence)
+    assert not a.run_once().leader
+    third = submit(db, clock, kind="notebook", name="three", gpu_class="cpu-1c-4g")
+    a._lead = lambda now: True  # type: ignore[method-assign]
+    assert not a.run_once().leader
+    assert get(db, third)["state"] == "queued"
+    assert b.run_once().placed == 1
+
+
+@pytest.mark.parametrize("crash_at", ["after the commit, before the driver call", "inside the transaction"])
+def test_a_crash_mid_cycle_loses_nothing_and_places_nothing_twice(db: Database, crash_at: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(T0)
+    sim = SimulatedDriver(fleet(), clock)
+    if crash_at == "inside the transaction":
+        real = repo.open_segment
+        calls = {"n": 0}
+
+        def dying(*args: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise Crash("killed while writing the second placement")
+            real(*args)
+
+        monkeypatch.setattr(repo, "open_segment", dying)
+        a, _ = make(db, clock, sim, holder="a")
+    else:
+        a, _ = make(db, clock, CrashingDriver(sim), holder="a")
+    ids = [submit(db, clock, kind="notebook", name=f"w{i}", gpu_class="cpu-1c-4g") for i in range(3)]
+    with pytest.raises(Crash):
+        a.run_once()
+    monkeypatch.undo()
+    clock.advance(16)  # the dead leader's lease runs out
+    b, _ = make(db, clock, sim, holder="b")
+    b.run_once()
+    b.run_once()
+    for wid in ids:
+        assert get(db, wid)["state"] == "running"
+        assert len(replicas(db, wid, active_only=False)) == 1
+        assert len([s for s in sim.observe() if s.workload_id == wid]) == 1
+    assert sum(1 for e in sum((events(db, w) for w in ids), []) if e.startswith("placed on")) == 3
+
+
+def test_two_controllers_racing_for_real_never_place_a_workload_twice(db: Database) -> None:
+    clock = SystemClock()
+    sim = SimulatedDriver(fleet(), clock)
+    controllers = [Controller(db, sim, CATALOG, clock=clock, holder=h, lease_ttl_s=0.2) for h in "ab"]
+    ids = [submit(db, clock, kind="notebook", name=f"w{i}", gpu_class="cpu-1c-4g")  # type: ignore[arg-type]
+           for i in range(20)]
+    errors: list[BaseException] = []
+
+    def spin(c: Controller) -> None:
+        try:
+            for _ in range(25):
+                c.run_once()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=spin, args=(c,)) for c in controllers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for wid in ids:
+        assert len(replicas(db, wid, active_only=False)) == 1, wid
+    assert len(sim.observe()) == len(ids)

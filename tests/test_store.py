@@ -1,0 +1,105 @@
+"""The store on SQLite and PostgreSQL: migrations match the models; the lease; atomic claims."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import inspect
+
+from tensora.errors import Conflict
+from tensora.store import repo
+from tensora.store.db import Database, normalize_url
+from tensora.store.models import Base
+
+
+@pytest.fixture
+def db(db_url: str) -> Any:
+    database = Database(db_url)
+    database.migrate()
+    yield database
+    database.dispose()
+
+
+def test_migrations_create_exactly_the_models(db: Database) -> None:
+    with db.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        tables = set(inspect(conn).get_table_names())
+    assert diff == []
+    assert set(Base.metadata.tables) <= tables
+
+
+def test_migrating_twice_changes_nothing(db: Database) -> None:
+    db.migrate()
+    with db.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+
+
+LEASE_CASES = {
+    "free lease -> taken": ([], ("a", 100.0), True),
+    "held by me -> renewed": ([("a", 100.0)], ("a", 105.0), True),
+    "held by another, live -> refused": ([("b", 100.0)], ("a", 110.0), False),
+    "held by another, expired -> taken": ([("b", 100.0)], ("a", 115.0), True),
+    "exactly at expiry -> taken": ([("b", 100.0)], ("a", 115.0 - 1e-9 + 1e-9), True),
+}
+
+
+@pytest.mark.parametrize("case", LEASE_CASES.values(), ids=LEASE_CASES.keys())
+def test_lease(db: Database, case: tuple[list[tuple[str, float]], tuple[str, float], bool]) -> None:
+    before, (holder, now), want = case
+    for who, at in before:
+        with db.write() as conn:
+            assert repo.acquire_lease(conn, "controller/local", who, at, 15.0)
+    with db.write() as conn:
+        got = repo.acquire_lease(conn, "controller/local", holder, now, 15.0)
+    assert got is want
+    with db.read() as conn:
+        assert repo.lease_holder(conn, "controller/local", now) == (holder if want else before[-1][0])
+
+
+def test_lease_is_per_region_and_released_on_request(db: Database) -> None:
+    with db.write() as conn:
+        assert repo.acquire_lease(conn, "controller/eu", "a", 0.0, 15.0)
+        assert repo.acquire_lease(conn, "controller/us", "b", 0.0, 15.0)
+        repo.release_lease(conn, "controller/eu", "a")
+    with db.write() as conn:
+        assert repo.acquire_lease(conn, "controller/eu", "c", 1.0, 15.0)
+        assert not repo.acquire_lease(conn, "controller/us", "c", 1.0, 15.0)
+
+
+def test_idempotency_claim_is_an_atomic_insert(db: Database) -> None:
+    pk = {"owner": "alice", "method": "POST", "path": "/v1/workloads", "key": "k1"}
+    row = {**pk, "fingerprint": "f", "state": "in_flight", "status": None, "body": None, "created_at": 0.0,
+           "expires_at": 60.0}
+    with db.write() as conn:
+        repo.claim_idempotency(conn, row)
+    with pytest.raises(Conflict), db.write() as conn:
+        repo.claim_idempotency(conn, row)
+    with db.write() as conn:
+        assert not repo.take_over_expired(conn, pk, row, now=30.0)
+        assert repo.take_over_expired(conn, pk, {**row, "created_at": 61.0, "expires_at": 121.0}, now=61.0)
+        assert repo.expire_idempotency(conn, now=200.0) == 1
+
+
+def test_a_failed_transaction_leaves_no_row(db: Database) -> None:
+    with pytest.raises(RuntimeError), db.write() as conn:
+        repo.insert_key(conn, {"id": "key_x", "digest": "d" * 64, "hint": "h", "owner": "o", "name": "n",
+                               "scopes": [], "created_at": 0.0, "revoked_at": None})
+        raise RuntimeError("crash before commit")
+    with db.read() as conn:
+        assert repo.list_keys(conn, None) == []
+
+
+URL_CASES = {
+    "bare path -> sqlite file": ("/tmp/x/tensora.db", "sqlite:////tmp/x/tensora.db"),
+    "postgresql -> psycopg 3": ("postgresql://u@h/db", "postgresql+psycopg://u@h/db"),
+    "postgres alias -> psycopg 3": ("postgres://u@h/db", "postgresql+psycopg://u@h/db"),
+    "explicit driver kept": ("postgresql+psycopg://u@h/db", "postgresql+psycopg://u@h/db"),
+}
+
+
+@pytest.mark.parametrize("case", URL_CASES.values(), ids=URL_CASES.keys())
+def test_normalize_url(case: tuple[str, str]) -> None:
+    assert normalize_url(case[0]) == case[1]

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from stack import T0, fleet
 from tensora import workloads
 from tensora.catalog import default_catalog
 from tensora.clock import FakeClock, SystemClock
@@ -17,8 +18,6 @@ from tensora.drivers.simulated import SimulatedDriver
 from tensora.spec import parse_spec
 from tensora.store import repo
 from tensora.store.db import Database
-
-from stack import T0, fleet
 
 CATALOG = default_catalog()
 
@@ -97,7 +96,7 @@ def segments(db: Database) -> list[dict[str, Any]]:
 
 def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) -> None:
     clock = FakeClock(T0)
-    c, driver = make(db, clock, start_delay_s=30)
+    c, _ = make(db, clock, start_delay_s=30)
     l40s_user = submit(db, clock, owner="carol", kind="notebook", name="holds-l40s", gpu_class="l40s-48gb")
     a100_user = submit(db, clock, owner="dave", kind="notebook", name="holds-a100", gpu_class="a100-80gb")
     c.run_once()
@@ -308,7 +307,7 @@ def test_a_crash_mid_cycle_loses_nothing_and_places_nothing_twice(db: Database, 
         assert get(db, wid)["state"] == "running"
         assert len(replicas(db, wid, active_only=False)) == 1
         assert len([s for s in sim.observe() if s.workload_id == wid]) == 1
-    assert sum(1 for e in sum((events(db, w) for w in ids), []) if e.startswith("placed on")) == 3
+    assert sum(1 for w in ids for e in events(db, w) if e.startswith("placed on")) == 3
 
 
 def test_two_controllers_racing_for_real_never_place_a_workload_twice(db: Database) -> None:
@@ -323,7 +322,7 @@ def test_two_controllers_racing_for_real_never_place_a_workload_twice(db: Databa
         try:
             for _ in range(25):
                 c.run_once()
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=spin, args=(c,)) for c in controllers]

@@ -334,3 +334,26 @@ def test_two_controllers_racing_for_real_never_place_a_workload_twice(db: Databa
     for wid in ids:
         assert len(replicas(db, wid, active_only=False)) == 1, wid
     assert len(sim.observe()) == len(ids)
+
+
+def test_a_new_workload_is_placed_at_once_not_at_the_next_tick(db: Database) -> None:
+    import time
+
+    clock = FakeClock(T0)
+    c = Controller(db, SimulatedDriver(fleet(), clock), CATALOG, clock=clock, holder="a", tick_s=3600)
+    c.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not c.is_leader():  # the first cycle, at start
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        wid = submit(db, clock, kind="notebook", name="now", gpu_class="cpu-1c-4g")
+        c.wake()
+        while get(db, wid)["state"] == "queued":
+            assert time.monotonic() < deadline, "not placed until the next tick (an hour away)"
+            time.sleep(0.01)
+        assert get(db, wid)["placed_class"] == "cpu-1c-4g"
+    finally:
+        c.stop()
+    with db.read() as conn:
+        assert repo.lease_holder(conn, "controller/local", clock.now()) is None  # released on a clean stop

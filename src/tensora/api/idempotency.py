@@ -103,9 +103,9 @@ class Idempotency:
             raise ApiError(422, "this Idempotency-Key was used with a different request body",
                            field="Idempotency-Key")
         if existing["state"] != "done":
-            wait = max(1, min(int(existing["expires_at"] - now) + 1, 5))
-            raise ApiError(409, "a request with this Idempotency-Key is still in progress", retry_after=wait,
-                           headers={"x-should-retry": "true"})
+            # The first request usually ends within milliseconds: ask for a short wait.
+            raise ApiError(409, "a request with this Idempotency-Key is still in progress", retry_after=1,
+                           headers={"x-should-retry": "true", "retry-after-ms": "100"})
         return Response(existing["body"], status_code=existing["status"], media_type="application/json",
                         headers={"Idempotent-Replayed": "true"})
 

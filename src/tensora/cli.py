@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensora.catalog import load_catalog
-from tensora.errors import ConfigError, ModelFileError
+from tensora.errors import ConfigError, ModelFileError, StoreUnavailable
 from tensora.fleet import load_nodes, load_workloads, plan
 from tensora.units import format_memory, parse_duration
 from tensora.validator import check_cpu, read_model
@@ -127,19 +127,26 @@ def serve_command(
     database_url: Annotated[str | None, typer.Option(help="postgresql://... (default: SQLite in --data-dir)")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML file of settings (flags and TENSORA_* env win)")] = None,
     no_controller: Annotated[bool, typer.Option("--no-controller", help="API only (another process leads)")] = False,
+    workers: Annotated[int | None, typer.Option(help="HTTP worker processes (default 1)")] = None,
 ) -> None:
     """The control API and the region's controller (SQLite by default; PostgreSQL by URL)."""
     from tensora import serve
 
     flags = {"data_dir": data_dir, "driver": driver, "nodes": nodes, "catalog": catalog, "host": host,
              "port": port, "region": region, "database_url": database_url,
-             "controller": False if no_controller else None}
+             "controller": False if no_controller else None, "workers": workers}
     try:
         settings = serve.load_settings(config, flags)
         serve.run(settings)
     except ConfigError as exc:
         raise _fail(exc) from None
+    except StoreUnavailable as exc:
+        raise _fail(ValueError(f"the database is unavailable: {exc}"), code=1) from None
 
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

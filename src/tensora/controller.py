@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,6 @@ from tensora.store.db import Database
 
 log = logging.getLogger("tensora.controller")
 
-LIVE_STATES = ("queued", "starting", "running", "stopping")
 
 
 class LostLease(Exception):
@@ -51,6 +51,8 @@ class CycleReport:
     leader: bool
     placed: int = 0
     waiting: int = 0
+    starting: int = 0
+    """Replicas still starting after this cycle: the loop looks again soon, not a whole tick later."""
     promoted: int = 0
     transitions: int = 0
     started: list[str] = field(default_factory=list)
@@ -68,19 +70,21 @@ class Controller:
 
     def __init__(self, db: Database, driver: Driver, catalog: Catalog, *, region: str = "local",
                  clock: Clock | None = None, policy: Policy | None = None, holder: str | None = None,
-                 lease_ttl_s: float = 15.0, tick_s: float = 2.0,
+                 lease_ttl_s: float = 15.0, tick_s: float = 2.0, min_gap_s: float = 0.02,
                  reserves: dict[str, GpuReserve] | None = None) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
         self.clock = clock or SystemClock()
         self.policy = policy or Policy()
         self.holder = holder or f"controller-{uuid.uuid4().hex[:12]}"
         self.lease_name = f"controller/{region}"
-        self.lease_ttl_s, self.tick_s = lease_ttl_s, tick_s
+        self.lease_ttl_s, self.tick_s, self.min_gap_s = lease_ttl_s, tick_s, min_gap_s
+        self.starting_tick_s = 0.5
         self.reserves = reserves
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._known_nodes: list[dict[str, Any]] | None = None
+        self._starting = 0
         self._cycles = 0
 
     # -- the loop -----------------------------------------------------------------------
@@ -108,13 +112,22 @@ class Controller:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
+            began = time.monotonic()
+            report = CycleReport(leader=False)
             try:
-                self.run_once()
+                report = self.run_once()
             except StoreUnavailable as exc:
                 log.warning("store unavailable, cycle skipped: %s", exc)
             except Exception:
                 log.exception("controller cycle failed; the next one redoes its work")
-            self._wake.wait(self.tick_s)
+            ended = time.monotonic()
+            self._wake.wait(min(self.tick_s, self.starting_tick_s) if report.starting else self.tick_s)
+            # Woken early (a burst of creates): rest at least min_gap_s, and twice as long as the
+            # last cycle took, before the next one. An idle controller still reacts at once; a
+            # busy one serves many requests per cycle and takes at most about a third of a core.
+            rest = max(self.min_gap_s, 2 * (ended - began)) - (time.monotonic() - ended)
+            if rest > 0:
+                self._stop.wait(rest)
 
     def run_once(self) -> CycleReport:
         """One cycle. Each numbered step is named for what it does."""
@@ -129,6 +142,7 @@ class Controller:
         observed = {s.id: s for s in self.driver.observe()}
         # 3. reconcile: record replica transitions; redo starts and stops a crash left undone
         effects = _Effects()
+        self._starting = 0
         try:
             with self.db.write() as conn:
                 self._fence(conn, now)
@@ -137,15 +151,19 @@ class Controller:
         except LostLease:
             return CycleReport(leader=False)
         self._apply_effects(effects, report)
-        # 4. capacity: nodes' allocatable minus every replica that holds capacity
+        # 4. capacity: nodes' allocatable minus every replica that holds capacity, from a snapshot
+        #    read (no write lock is held while admission decides; only this leader adds replicas,
+        #    so capacity can only have grown since)
+        with self.db.read() as conn:
+            capacity, queue, running, rows = self._snapshot(conn, nodes)
         # 5. decide: the pure admission decision
-        # 6. apply: record intents (fenced, one transaction), then tell the driver
+        decisions = decide(queue, capacity, running, now, self.policy)
+        # 6. apply: record intents (fenced, one transaction, each conditional on the state the
+        #    snapshot saw: a workload stopped meanwhile is left alone), then tell the driver
         effects = _Effects()
         try:
             with self.db.write() as conn:
                 self._fence(conn, now)
-                capacity, queue, running, rows = self._snapshot(conn, nodes)
-                decisions = decide(queue, capacity, running, now, self.policy)
                 self._apply(conn, decisions, rows, now, effects, report)
                 # 7. housekeeping: forget idempotency records past their expiry
                 self._cycles += 1
@@ -154,6 +172,7 @@ class Controller:
         except LostLease:
             return CycleReport(leader=False)
         self._apply_effects(effects, report)
+        report.starting = self._starting + len(effects.start)
         return report
 
     # -- 1. lead ------------------------------------------------------------------------
@@ -186,12 +205,10 @@ class Controller:
 
     def _reconcile(self, conn: Any, observed: dict[str, ReplicaStatus], now: float, fx: _Effects) -> int:
         replicas = repo.active_replicas(conn, self.region)
-        workloads = {w["id"]: w for w in repo.workloads_in(conn, self.region, LIVE_STATES)}
-        missing = {r["workload_id"] for r in replicas} - workloads.keys()
-        for wid in missing:  # e.g. failed workloads whose replicas still drain
-            w = repo.get_workload(conn, wid, include_deleted=True)
-            if w is not None:
-                workloads[wid] = w
+        # the workloads that hold replicas (failed or deleted ones too: their replicas still drain),
+        # and those asked to stop; queued workloads have nothing to reconcile and are not read here
+        held = {r["workload_id"] for r in replicas}
+        workloads = {w["id"]: w for w in repo.workloads_by_id_or_state(conn, held, self.region, ("stopping",))}
         transitions = 0
         by_workload: dict[str, list[dict[str, Any]]] = {}
         for r in replicas:
@@ -202,6 +219,7 @@ class Controller:
                 continue
             seen = observed.get(r["id"])
             transitions += self._reconcile_replica(conn, w, r, seen, by_workload[w["id"]], now, fx)
+            self._starting += r["state"] == "starting"
         # workloads asked to stop whose replicas are all gone
         for w in workloads.values():
             if w["state"] != "stopping":
@@ -233,6 +251,7 @@ class Controller:
             return self._replica_failed(conn, w, r, seen, siblings, now, "stopped by itself")
         if seen.state is ReplicaState.RUNNING and r["state"] == "starting":
             repo.update_replica(conn, r["id"], {"state": "running", "url": seen.url, "updated_at": now})
+            r["state"] = "running"
             if r["role"] == "candidate":
                 return self._finish_move(conn, w, r, siblings, now, fx)
             if w["state"] == "starting":
@@ -345,6 +364,8 @@ class Controller:
                                                       {"placed_class": d.cls, "reason": d.reason,
                                                        "fallback_eligible_at": None}):
                     continue  # someone else moved it meanwhile: never place twice
+                if slot > 0 and not self._still(conn, w, now):
+                    continue
                 replica = self._new_replica(conn, w, slot, d.cls, d.node, "primary", now)
                 if slot > 0:
                     events.append(_event(wid, now, "replica_placed", f"replica {slot}: {d.reason}"))
@@ -356,10 +377,12 @@ class Controller:
                 report.waiting += 1
                 if slot == 0 and (w["reason"] != d.reason or w["fallback_eligible_at"] != d.fallback_eligible_at):
                     repo.update_workload(conn, wid, {"reason": d.reason, "fallback_eligible_at":
-                                                     d.fallback_eligible_at})
+                                                     d.fallback_eligible_at}, expect_state="queued")
             elif isinstance(d, Promote):
                 wid, slot = _split(d.workload.id)
                 w = rows[wid]
+                if not self._still(conn, w, now):
+                    continue
                 replica = self._new_replica(conn, w, slot, d.to_class, d.node, "candidate", now)
                 events.append(_event(wid, now, "moving", d.reason))
                 fx.start.append(self._replica_spec(w, replica))
@@ -370,10 +393,17 @@ class Controller:
         for wid, w in rows.items():
             offer = restart.get(wid)
             if offer is not None and not w["restart_available"]:
-                repo.update_workload(conn, wid, {"restart_available": True, "restart_reason": offer.reason})
-                repo.add_event(conn, wid, now, "restart_available", offer.reason)
+                if repo.update_workload(conn, wid, {"restart_available": True, "restart_reason": offer.reason},
+                                        expect_state=w["state"]):
+                    repo.add_event(conn, wid, now, "restart_available", offer.reason)
             elif offer is None and w["restart_available"]:
                 repo.update_workload(conn, wid, {"restart_available": False, "restart_reason": ""})
+
+    @staticmethod
+    def _still(conn: Any, w: dict[str, Any], now: float) -> bool:
+        """The workload is still in the state the snapshot saw (and not deleted since)."""
+        return repo.update_workload(conn, w["id"], {"updated_at": now}, expect_state=w["state"],
+                                    live_only=True)
 
     def _new_replica(self, conn: Any, w: dict[str, Any], slot: int, cls: str, node: str, role: str,
                      now: float) -> dict[str, Any]:

@@ -10,6 +10,7 @@ selects PostgreSQL. On first start an admin key is created and written to
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +57,8 @@ class ServeSettings(BaseModel):
     lease_ttl_s: float = Field(default=15.0, gt=0)
     start_delay_s: float = Field(default=2.0, ge=0, description="simulated driver: seconds until a replica runs")
     controller: bool = True
+    workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; >1 runs the controller "
+                         "in the supervising process and wakes it over a unix socket")
     log_level: str = "warning"
 
     @property
@@ -66,24 +69,31 @@ class ServeSettings(BaseModel):
 def load_settings(config: Path | None, flags: dict[str, Any], env: dict[str, str] | None = None) -> ServeSettings:
     env = dict(os.environ) if env is None else env
     values: dict[str, Any] = {}
-    source = "<flags>"
+    origin: dict[str, str] = {}  # setting -> where its value came from, so an error names that place
+    lines: yamlsource.Lines | None = None
     if config is not None:
-        source = str(config)
-        data, _ = yamlsource.load(Path(config), ConfigError)
+        data, lines = yamlsource.load(Path(config), ConfigError)
         if not isinstance(data, dict):
-            raise ConfigError("the config file must be a mapping of settings", source=source)
+            raise ConfigError("the config file must be a mapping of settings", source=str(config))
         values.update(data)
+        origin.update(dict.fromkeys(data, str(config)))
     for name in ServeSettings.model_fields:
         if f"TENSORA_{name.upper()}" in env:
             values[name] = env[f"TENSORA_{name.upper()}"]
-    values.update({k: v for k, v in flags.items() if v is not None})
+            origin[name] = f"TENSORA_{name.upper()}"
+    for name, value in flags.items():
+        if value is not None:
+            values[name], origin[name] = value, "--" + name.replace("_", "-")
     try:
         return ServeSettings.model_validate(values)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
+        name = str(first["loc"][0]) if first["loc"] else ""
+        source = origin.get(name, "<settings>")
+        line = lines.line((name,)) if lines is not None and source == str(config) else None
         raise ConfigError("unknown setting" if first["type"] == "extra_forbidden" else first["msg"],
-                          source=source, field=field) from None
+                          source=source, line=line, field=field) from None
 
 
 def make_driver(settings: ServeSettings, clock: Clock) -> Driver:
@@ -124,14 +134,59 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     """Open the store (migrating it), the driver and the controller; nothing is served yet."""
     clock = clock or SystemClock()
     catalog = catalog or load_catalog(settings.catalog)
+    if settings.controller:  # before the store: a bad driver or nodes file leaves no database behind
+        driver = driver or make_driver(settings, clock)
     db = Database(settings.db_url)
     db.migrate()
     controller = None
     if settings.controller:
-        controller = Controller(db, driver or make_driver(settings, clock), catalog, region=settings.region,
+        assert driver is not None
+        controller = Controller(db, driver, catalog, region=settings.region,
                                 clock=clock, lease_ttl_s=settings.lease_ttl_s, tick_s=settings.tick_s)
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
                     idempotency=Idempotency(db, clock), controller=controller)
+
+
+def _exit_clean(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+WORKER_SETTINGS_ENV = "TENSORA_SERVE_WORKER_SETTINGS"
+
+
+def worker_app() -> Any:
+    """The app of one HTTP worker of ``serve --workers N``: no controller here; wakes go over a socket."""
+    from tensora.api.app import create_app
+    from tensora.wake import WakeSender, socket_path
+
+    settings = ServeSettings.model_validate_json(os.environ[WORKER_SETTINGS_ENV])
+    services = build(settings.model_copy(update={"controller": False}))
+    if settings.controller:
+        services.waker = WakeSender(socket_path(settings.data_dir, settings.region))
+    return create_app(services, max_in_flight=settings.max_in_flight, max_body_bytes=settings.max_body_bytes,
+                      run_controller=False)
+
+
+def _run_workers(settings: ServeSettings, services: Services) -> None:
+    """N HTTP worker processes (uvicorn's supervisor) and, in this process, the controller."""
+    import uvicorn
+
+    from tensora.wake import WakeListener, socket_path
+
+    listener = None
+    if services.controller is not None:
+        listener = WakeListener(socket_path(settings.data_dir, settings.region), services.controller.wake).start()
+        services.controller.start()
+    os.environ[WORKER_SETTINGS_ENV] = settings.model_dump_json()
+    try:
+        uvicorn.run("tensora.serve:worker_app", factory=True, workers=settings.workers, host=settings.host,
+                    port=settings.port, log_level=settings.log_level, access_log=False,
+                    timeout_graceful_shutdown=10)
+    finally:
+        if services.controller is not None:
+            services.controller.stop()
+        if listener is not None:
+            listener.close()
 
 
 def run(settings: ServeSettings) -> None:
@@ -140,13 +195,20 @@ def run(settings: ServeSettings) -> None:
 
     from tensora.api.app import create_app
 
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
     services = build(settings)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
     key_file = ensure_admin_key(services.db, settings.data_dir, services.clock.now())
-    app = create_app(services, max_in_flight=settings.max_in_flight, max_body_bytes=settings.max_body_bytes)
     where = "PostgreSQL" if not services.db.is_sqlite else f"SQLite at {settings.db_url}"
     print(f"tensora control API on http://{settings.host}:{settings.port}  (docs: /docs)", flush=True)
     print(f"region {settings.region}, driver {settings.driver}, store {where}", flush=True)
     print(f"admin key in {key_file}", flush=True)
+    if settings.workers > 1:
+        _run_workers(settings, services)
+        return
+    app = create_app(services, max_in_flight=settings.max_in_flight, max_body_bytes=settings.max_body_bytes)
+    # uvicorn drains on SIGTERM/SIGINT, then raises the signal again under the handler found here:
+    # that shutdown was clean, so end with exit code 0 rather than die by the signal (143).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_clean)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False, timeout_graceful_shutdown=10)

@@ -1,8 +1,9 @@
 """The control API application: ``create_app(services)``.
 
 The controller (when this process runs one) starts and stops with the app. On shutdown
-the server first answers 503 + Retry-After to new requests, then stops the controller;
-running workloads are left running (they never depend on the control API).
+uvicorn stops accepting connections and lets requests in flight finish; from then on the
+app answers anything that still reaches it with 503 + Retry-After, and stops the
+controller. Running workloads are left running (they never depend on the control API).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from tensora.errors import ConfigError, Conflict, StoreUnavailable
 
@@ -22,6 +23,9 @@ log = logging.getLogger("tensora.api")
 _TYPES = {400: "invalid_request", 401: "authentication_error", 403: "permission_denied", 404: "not_found",
           405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
           422: "invalid_request", 429: "rate_limited", 503: "service_unavailable"}
+
+# FastAPI's 400 for a body it could not read at all (not UTF-8): the same 422 as malformed JSON.
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
 
 
 class ApiError(Exception):
@@ -69,10 +73,11 @@ def install(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
         message = "unknown field" if first.get("type") == "extra_forbidden" else str(first.get("msg"))
-        if first.get("type") == "json_invalid":
-            message = "the body is not valid JSON"
+        field = _field(first.get("loc", ()))
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            message, field = "the body is not valid JSON", None
         message = message.removeprefix("Value error, ")
-        return response(ApiError(422, message, field=_field(first.get("loc", ()))))
+        return response(ApiError(422, message, field=field))
 
     @app.exception_handler(ConfigError)
     async def _config(_: Request, exc: ConfigError) -> JSONResponse:
@@ -88,9 +93,14 @@ def install(app: FastAPI) -> None:
         return response(ApiError(409, "a concurrent request changed this resource; retry", retry_after=1))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "error"
-        return response(ApiError(exc.status_code, message, headers=dict(exc.headers or {})))
+        if exc.status_code == 400 and message == _FASTAPI_BODY_ERROR:  # e.g. a body that is not UTF-8
+            return response(ApiError(422, "the body is not valid JSON"))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette's Allow names one route's methods; a path may have several
+            headers["Allow"] = ", ".join(_allowed_methods(request))
+        return response(ApiError(exc.status_code, message, headers=headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -98,3 +108,12 @@ def install(app: FastAPI) -> None:
         log.error("unhandled error on %s %s (request %s): %r", request.method, request.url.path, rid, exc,
                   exc_info=exc)
         return response(ApiError(500, f"internal error (request {rid})", type_="internal_error"))
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)

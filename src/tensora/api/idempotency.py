@@ -5,8 +5,9 @@ of the body. It is claimed by an atomic INSERT (never check-then-insert): the lo
 race reads the winner's record. While the first request runs, the claim expires after
 ``in_flight_s`` (60 s: a request's timeout scale, so a crash does not lock the key for
 long); once its response is stored, the record is kept ``keep_s`` (24 h) and then
-forgotten. Validation failures (422) and server errors are not stored, so a corrected or
-retried request runs afresh.
+forgotten. Validation failures (422), server errors and answers that ask for a retry
+(``Retry-After``, e.g. a 409 "still stopping") are not stored, so a corrected or retried
+request runs afresh.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Idempotency:
                 if 200 <= status < 300:
                     repo.complete_idempotency(conn, claim.pk, status, text, self.clock.now() + self.keep_s)
         except ApiError as exc:
-            if exc.status in (422, 400) or exc.status >= 500:
+            if exc.status in (422, 400) or exc.status >= 500 or "Retry-After" in exc.headers:
                 self._release(claim)
             else:
                 self._store_error(claim, exc)

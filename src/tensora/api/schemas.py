@@ -62,6 +62,12 @@ class WorkloadOut(BaseModel):
                                                           "CPU serving is roughly 10-50x slower")
     replicas: list[ReplicaOut] | None = None
     access: dict[str, Any] | None = None
+    spec: dict[str, Any] = Field(default_factory=dict, description="kind-specific settings, as given")
+    model: str | None = Field(default=None, description="endpoints: the safetensors model")
+    model_params: int | None = Field(default=None, description="endpoints: parameters, read from the model")
+    fallback_models: list[str] | None = None
+    allow_cross_region: bool | None = None
+    image: str | None = Field(default=None, description="vms: disk image path")
 
 
 class WorkloadList(BaseModel):
@@ -96,7 +102,9 @@ class KeyCreate(BaseModel):
     name: str = Field(default="key", min_length=1, max_length=128)
     owner: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@-]+$",
                               description="admin keys only: create a key for this owner")
-    scopes: list[Literal[SCOPES]] | None = Field(default=None, max_length=len(SCOPES))  # type: ignore[valid-type]
+    scopes: list[Literal[SCOPES]] | None = Field(  # type: ignore[valid-type]
+        default=None, max_length=len(SCOPES),
+        description="default: the default scopes (workloads, usage, inference) that the calling key holds")
 
 
 class KeyOut(BaseModel):

@@ -3,6 +3,7 @@ idempotency, and a way to wake the controller."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +26,15 @@ class Services:
     idempotency: Idempotency
     controller: Controller | None = None
     reserves: dict[str, GpuReserve] | None = None
+    waker: Callable[[], None] | None = None
+    """Wakes a controller in another process (``serve --workers``), when there is none here."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def wake(self) -> None:
         if self.controller is not None:
             self.controller.wake()
+        elif self.waker is not None:
+            self.waker()
 
     def controller_state(self) -> str:
         if self.controller is None:

@@ -10,10 +10,12 @@ instead of failing when one upgrades a read lock. PostgreSQL is used by URL
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
@@ -43,7 +45,10 @@ class Database:
         self.url = normalize_url(url)
         parsed = make_url(self.url)
         self.is_sqlite = parsed.get_backend_name() == "sqlite"
-        kwargs: dict[str, Any] = {"pool_pre_ping": not self.is_sqlite, "pool_timeout": connect_timeout_s}
+        # No pool_pre_ping: it costs a round trip on every checkout. A connection that died with
+        # the server fails its request with a 503 (Retry-After); SQLAlchemy then sees a
+        # disconnect and drops the whole pool, so the next requests connect afresh.
+        kwargs: dict[str, Any] = {"pool_timeout": connect_timeout_s, "pool_recycle": 3600}
         if self.is_sqlite:
             if parsed.database and parsed.database != ":memory:":
                 Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
@@ -52,16 +57,32 @@ class Database:
         else:
             kwargs["connect_args"] = {"connect_timeout": max(1, int(connect_timeout_s))}
             kwargs.update(pool_size=pool_size, max_overflow=pool_size)
+        kwargs.update(json_serializer=_json_dumps, json_deserializer=orjson.loads)
         self.engine: Engine = create_engine(self.url, **kwargs)
         if self.is_sqlite:
             _sqlite_setup(self.engine, busy_timeout_ms)
         self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE") if self.is_sqlite else self.engine
+        # SQLite has one writer at a time. Threads of this process queue for it on a mutex, so
+        # the lock passes straight to the next writer; SQLite's own busy handler (which sleeps
+        # 1, 2, 5 ... 100 ms between tries, the cause of long tail latencies under load) is left
+        # to arbitrate only between processes.
+        self._write_mutex = threading.Lock() if self.is_sqlite else None
+        self._busy_timeout_s = busy_timeout_ms / 1000
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Connection]:
         """A write transaction: committed on success, rolled back on any error."""
-        with translate(), self._writer.begin() as conn:
-            yield conn
+        if self._write_mutex is None:
+            with translate(), self._writer.begin() as conn:
+                yield conn
+            return
+        if not self._write_mutex.acquire(timeout=self._busy_timeout_s):
+            raise StoreUnavailable("the SQLite database is busy (a write waited too long)")
+        try:
+            with translate(), self._writer.begin() as conn:
+                yield conn
+        finally:
+            self._write_mutex.release()
 
     @contextlib.contextmanager
     def read(self) -> Iterator[Connection]:
@@ -83,6 +104,10 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def _json_dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
 
 
 def alembic_config(url: str) -> Any:

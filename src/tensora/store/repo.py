@@ -9,7 +9,7 @@ import string
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, and_, case, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, Table, and_, bindparam, case, delete, func, insert, or_, select, update
 
 from tensora.store.models import (
     ApiKey,
@@ -31,6 +31,23 @@ K = cast(Table, ApiKey.__table__)
 I = cast(Table, IdempotencyRecord.__table__)  # noqa: E741
 L = cast(Table, Lease.__table__)
 
+# Hot-path statements are built once with bound parameters and executed with a dict of
+# values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
+# computing a cache key on every call (that was most of a create's cost).
+_INSERT_W, _INSERT_E, _INSERT_R, _INSERT_U, _INSERT_K, _INSERT_I = (insert(t) for t in (W, E, R, U, K, I))
+_PK_I = and_(I.c.owner == bindparam("k_owner"), I.c.method == bindparam("k_method"),
+             I.c.path == bindparam("k_path"), I.c.key == bindparam("k_key"))
+_COMPLETE_I = update(I).where(_PK_I).values(state="done", status=bindparam("b_status"), body=bindparam("b_body"),
+                                            expires_at=bindparam("b_expires_at"))
+_GET_I = select(I).where(_PK_I)
+_KEY_BY_DIGEST = select(K).where(K.c.digest == bindparam("b_digest"))
+_DROP_I = delete(I).where(_PK_I)
+
+
+def _pk(pk: dict[str, Any]) -> dict[str, Any]:
+    return {"k_" + k: v for k, v in pk.items()}
+
+
 _B62 = string.digits + string.ascii_letters
 ACTIVE_REPLICA = ("pending", "starting", "running", "stopping")
 """Replica states that hold capacity. ``pending``: written, not yet handed to the driver."""
@@ -43,19 +60,27 @@ def new_id(prefix: str, n: int = 14) -> str:
 # -- workloads ------------------------------------------------------------------------
 
 def insert_workload(conn: Connection, row: dict[str, Any]) -> None:
-    conn.execute(insert(W).values(**row))
+    conn.execute(_INSERT_W, row)
 
 
 def get_workload(conn: Connection, workload_id: str, owner: str | None = None,
                  include_deleted: bool = False) -> dict[str, Any] | None:
     """The workload, or None if absent, deleted, or (with ``owner``) someone else's."""
-    q = select(W).where(W.c.id == workload_id)
+    q = _GET_W[(include_deleted, owner is not None)]
+    row = conn.execute(q, {"b_id": workload_id, "b_owner": owner}).mappings().first()
+    return dict(row) if row else None
+
+
+def _get_w(include_deleted: bool, by_owner: bool) -> Any:
+    q = select(W).where(W.c.id == bindparam("b_id"))
     if not include_deleted:
         q = q.where(W.c.deleted_at.is_(None))
-    if owner is not None:
-        q = q.where(W.c.owner == owner)
-    row = conn.execute(q).mappings().first()
-    return dict(row) if row else None
+    if by_owner:
+        q = q.where(W.c.owner == bindparam("b_owner"))
+    return q
+
+
+_GET_W = {(d, o): _get_w(d, o) for d in (False, True) for o in (False, True)}
 
 
 def list_workloads(conn: Connection, owner: str | None, kind: str | None = None, state: str | None = None,
@@ -73,9 +98,12 @@ def list_workloads(conn: Connection, owner: str | None, kind: str | None = None,
 
 
 def update_workload(conn: Connection, workload_id: str, values: dict[str, Any],
-                    expect_state: str | Sequence[str] | None = None) -> bool:
-    """Update a workload; with ``expect_state``, only if it is still in that state (True if it was)."""
+                    expect_state: str | Sequence[str] | None = None, live_only: bool = False) -> bool:
+    """Update a workload; with ``expect_state``, only if it is still in that state (True if it was);
+    with ``live_only``, only if it is not deleted."""
     q = update(W).where(W.c.id == workload_id)
+    if live_only:
+        q = q.where(W.c.deleted_at.is_(None))
     if isinstance(expect_state, str):
         q = q.where(W.c.state == expect_state)
     elif expect_state is not None:
@@ -88,10 +116,18 @@ def workloads_in(conn: Connection, region: str, states: Iterable[str]) -> list[d
     return [dict(r) for r in conn.execute(q).mappings()]
 
 
+def workloads_by_id_or_state(conn: Connection, ids: Iterable[str], region: str,
+                             states: Iterable[str]) -> list[dict[str, Any]]:
+    """Workloads named in ``ids`` (deleted ones too), and the region's workloads in ``states``."""
+    q = select(W).where(or_(W.c.id.in_(bindparam("ids", expanding=True)),
+                            and_(W.c.region == region, W.c.state.in_(bindparam("states", expanding=True)))))
+    return [dict(r) for r in conn.execute(q, {"ids": list(ids), "states": list(states)}).mappings()]
+
+
 def add_event(conn: Connection, workload_id: str, at: float, type_: str, reason: str,
               from_state: str | None = None, to_state: str | None = None) -> None:
-    conn.execute(insert(E).values(workload_id=workload_id, at=at, type=type_, reason=reason,
-                                  from_state=from_state, to_state=to_state))
+    conn.execute(_INSERT_E, {"workload_id": workload_id, "at": at, "type": type_, "reason": reason,
+                             "from_state": from_state, "to_state": to_state})
 
 
 def add_events(conn: Connection, rows: list[dict[str, Any]]) -> None:
@@ -107,16 +143,18 @@ def list_events(conn: Connection, workload_id: str, limit: int = 1000) -> list[d
 # -- replicas -------------------------------------------------------------------------
 
 def insert_replica(conn: Connection, row: dict[str, Any]) -> None:
-    conn.execute(insert(R).values(**row))
+    conn.execute(_INSERT_R, row)
 
 
 def replicas_of(conn: Connection, workload_ids: Sequence[str], active_only: bool = True) -> list[dict[str, Any]]:
     if not workload_ids:
         return []
-    q = select(R).where(R.c.workload_id.in_(list(workload_ids)))
-    if active_only:
-        q = q.where(R.c.state.in_(ACTIVE_REPLICA))
-    return [dict(r) for r in conn.execute(q.order_by(R.c.created_at, R.c.id)).mappings()]
+    q = _REPLICAS_OF_ACTIVE if active_only else _REPLICAS_OF
+    return [dict(r) for r in conn.execute(q, {"ids": list(workload_ids)}).mappings()]
+
+
+_REPLICAS_OF = select(R).where(R.c.workload_id.in_(bindparam("ids", expanding=True))).order_by(R.c.created_at, R.c.id)
+_REPLICAS_OF_ACTIVE = _REPLICAS_OF.where(R.c.state.in_(ACTIVE_REPLICA))
 
 
 def active_replicas(conn: Connection, region: str) -> list[dict[str, Any]]:
@@ -135,9 +173,9 @@ def update_replica(conn: Connection, replica_id: str, values: dict[str, Any],
 # -- usage ----------------------------------------------------------------------------
 
 def open_segment(conn: Connection, replica: dict[str, Any], workload: dict[str, Any], at: float) -> None:
-    conn.execute(insert(U).values(workload_id=workload["id"], replica_id=replica["id"], owner=workload["owner"],
-                                  region=workload["region"], kind=workload["kind"], placed_class=replica["cls"],
-                                  started_at=at, ended_at=None))
+    conn.execute(_INSERT_U, {"workload_id": workload["id"], "replica_id": replica["id"], "owner": workload["owner"],
+                             "region": workload["region"], "kind": workload["kind"],
+                             "placed_class": replica["cls"], "started_at": at, "ended_at": None})
 
 
 def close_segment(conn: Connection, replica_id: str, at: float) -> None:
@@ -173,11 +211,11 @@ def replace_nodes(conn: Connection, region: str, rows: list[dict[str, Any]]) -> 
 # -- api keys -------------------------------------------------------------------------
 
 def insert_key(conn: Connection, row: dict[str, Any]) -> None:
-    conn.execute(insert(K).values(**row))
+    conn.execute(_INSERT_K, row)
 
 
 def key_by_digest(conn: Connection, digest: str) -> dict[str, Any] | None:
-    row = conn.execute(select(K).where(K.c.digest == digest)).mappings().first()
+    row = conn.execute(_KEY_BY_DIGEST, {"b_digest": digest}).mappings().first()
     return dict(row) if row else None
 
 
@@ -204,7 +242,7 @@ def count_admin_keys(conn: Connection) -> int:
 
 def claim_idempotency(conn: Connection, row: dict[str, Any]) -> None:
     """Atomic insert of an in-flight claim; raises Conflict (from translate) if the key exists."""
-    conn.execute(insert(I).values(**row))
+    conn.execute(_INSERT_I, row)
 
 
 def take_over_expired(conn: Connection, pk: dict[str, Any], row: dict[str, Any], now: float) -> bool:
@@ -214,17 +252,16 @@ def take_over_expired(conn: Connection, pk: dict[str, Any], row: dict[str, Any],
 
 
 def get_idempotency(conn: Connection, pk: dict[str, Any]) -> dict[str, Any] | None:
-    row = conn.execute(select(I).where(*(I.c[k] == v for k, v in pk.items()))).mappings().first()
+    row = conn.execute(_GET_I, _pk(pk)).mappings().first()
     return dict(row) if row else None
 
 
 def complete_idempotency(conn: Connection, pk: dict[str, Any], status: int, body: str, expires_at: float) -> None:
-    conn.execute(update(I).where(*(I.c[k] == v for k, v in pk.items()))
-                 .values(state="done", status=status, body=body, expires_at=expires_at))
+    conn.execute(_COMPLETE_I, {**_pk(pk), "b_status": status, "b_body": body, "b_expires_at": expires_at})
 
 
 def drop_idempotency(conn: Connection, pk: dict[str, Any]) -> None:
-    conn.execute(delete(I).where(*(I.c[k] == v for k, v in pk.items())))
+    conn.execute(_DROP_I, _pk(pk))
 
 
 def expire_idempotency(conn: Connection, now: float) -> int:

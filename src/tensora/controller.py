@@ -322,7 +322,8 @@ class Controller:
         replicas = repo.active_replicas(conn, self.region)
         placed = [Placed(r["node"], r["cls"], r["workload_id"]) for r in replicas]
         capacity = Capacity([n for n in nodes if n.region == self.region], placed, self.catalog, self.reserves)
-        rows = {w["id"]: w for w in repo.workloads_in(conn, self.region, ("queued", "starting", "running"))}
+        rows = {w["id"]: w for w in repo.workloads_in(conn, self.region, ("queued", "starting", "running"),
+                                                      without=("spec", "name", "restart_reason"))}
         by_slot: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for r in replicas:
             by_slot.setdefault((r["workload_id"], r["slot"]), []).append(r)
@@ -356,6 +357,7 @@ class Controller:
                fx: _Effects, report: CycleReport) -> None:
         restart: dict[str, RestartAvailable] = {}
         events: list[dict[str, Any]] = []
+        waits: list[dict[str, Any]] = []
         for d in decisions:
             if isinstance(d, Place):
                 wid, slot = _split(d.workload.id)
@@ -376,8 +378,7 @@ class Controller:
                 w = rows[wid]
                 report.waiting += 1
                 if slot == 0 and (w["reason"] != d.reason or w["fallback_eligible_at"] != d.fallback_eligible_at):
-                    repo.update_workload(conn, wid, {"reason": d.reason, "fallback_eligible_at":
-                                                     d.fallback_eligible_at}, expect_state="queued")
+                    waits.append({"id": wid, "reason": d.reason, "fallback_eligible_at": d.fallback_eligible_at})
             elif isinstance(d, Promote):
                 wid, slot = _split(d.workload.id)
                 w = rows[wid]
@@ -390,6 +391,7 @@ class Controller:
             elif isinstance(d, RestartAvailable):
                 restart[_split(d.workload.id)[0]] = d
         repo.add_events(conn, events)
+        repo.set_wait_reasons(conn, waits)
         for wid, w in rows.items():
             offer = restart.get(wid)
             if offer is not None and not w["restart_available"]:

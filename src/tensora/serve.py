@@ -57,8 +57,8 @@ class ServeSettings(BaseModel):
     lease_ttl_s: float = Field(default=15.0, gt=0)
     start_delay_s: float = Field(default=2.0, ge=0, description="simulated driver: seconds until a replica runs")
     controller: bool = True
-    workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; >1 runs the controller "
-                         "in the supervising process and wakes it over a unix socket")
+    workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
+                         "the supervising process, woken over a unix socket")
     log_level: str = "warning"
 
     @property
@@ -152,6 +152,7 @@ def _exit_clean(signum: int, frame: Any) -> None:
 
 
 WORKER_SETTINGS_ENV = "TENSORA_SERVE_WORKER_SETTINGS"
+CONTROLLER_HOLDER_ENV = "TENSORA_SERVE_CONTROLLER_HOLDER"
 
 
 def worker_app() -> Any:
@@ -163,13 +164,20 @@ def worker_app() -> Any:
     services = build(settings.model_copy(update={"controller": False}))
     if settings.controller:
         services.waker = WakeSender(socket_path(settings.data_dir, settings.region))
+        services.controller_holder = os.environ.get(CONTROLLER_HOLDER_ENV)
     return create_app(services, max_in_flight=settings.max_in_flight, max_body_bytes=settings.max_body_bytes,
                       run_controller=False)
 
 
 def _run_workers(settings: ServeSettings, services: Services) -> None:
-    """N HTTP worker processes (uvicorn's supervisor) and, in this process, the controller."""
-    import uvicorn
+    """HTTP in worker processes (uvicorn's supervisor), the controller in this process.
+
+    Even with one worker: a controller cycle over a long queue is CPU work, and in the HTTP
+    process it would hold the GIL against the requests (the latency of every request would
+    grow with the queue). Apart, each has a core of its own when the machine has two.
+    """
+    from uvicorn import Config
+    from uvicorn.supervisors import Multiprocess
 
     from tensora.wake import WakeListener, socket_path
 
@@ -178,10 +186,13 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
         listener = WakeListener(socket_path(settings.data_dir, settings.region), services.controller.wake).start()
         services.controller.start()
     os.environ[WORKER_SETTINGS_ENV] = settings.model_dump_json()
-    try:
-        uvicorn.run("tensora.serve:worker_app", factory=True, workers=settings.workers, host=settings.host,
+    if services.controller is not None:
+        os.environ[CONTROLLER_HOLDER_ENV] = services.controller.holder
+    config = Config("tensora.serve:worker_app", factory=True, workers=settings.workers, host=settings.host,
                     port=settings.port, log_level=settings.log_level, access_log=False,
                     timeout_graceful_shutdown=10)
+    try:
+        Multiprocess(config, sockets=[config.bind_socket()]).run()
     finally:
         if services.controller is not None:
             services.controller.stop()
@@ -202,7 +213,7 @@ def run(settings: ServeSettings) -> None:
     print(f"tensora control API on http://{settings.host}:{settings.port}  (docs: /docs)", flush=True)
     print(f"region {settings.region}, driver {settings.driver}, store {where}", flush=True)
     print(f"admin key in {key_file}", flush=True)
-    if settings.workers > 1:
+    if services.controller is not None or settings.workers > 1:
         _run_workers(settings, services)
         return
     app = create_app(services, max_in_flight=settings.max_in_flight, max_body_bytes=settings.max_body_bytes)

@@ -13,6 +13,7 @@ from tensora.capacity import GpuReserve
 from tensora.catalog import Catalog
 from tensora.clock import Clock
 from tensora.controller import Controller
+from tensora.store import repo
 from tensora.store.db import Database
 
 
@@ -36,10 +37,17 @@ class Services:
         elif self.waker is not None:
             self.waker()
 
+    controller_holder: str | None = None
+    """The lease holder name of this server's controller when it runs in another process."""
+
     def controller_state(self) -> str:
-        if self.controller is None:
-            return "not in this process"
+        """leader / standby: this server's controller leads the region or waits; or none here."""
+        holder = self.controller.holder if self.controller is not None else self.controller_holder
+        if holder is None:
+            return "not in this server"
         try:
-            return "leader" if self.controller.is_leader() else "standby"
+            with self.db.read() as conn:
+                current = repo.lease_holder(conn, f"controller/{self.region}", self.clock.now())
         except Exception:
             return "unknown"
+        return "leader" if current == holder else "standby"

@@ -10,7 +10,10 @@ instead of failing when one upgrades a read lock. PostgreSQL is used by URL
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,11 @@ class Database:
         # to arbitrate only between processes.
         self._write_mutex = threading.Lock() if self.is_sqlite else None
         self._busy_timeout_s = busy_timeout_ms / 1000
+        # Between processes of one server (``serve --workers``, the controller), a lock file
+        # does the same: waiting on it polls every 0.2-2 ms where SQLite's handler sleeps up to 100.
+        self._lock_file = (Path(parsed.database + ".write-lock")
+                           if self.is_sqlite and parsed.database and parsed.database != ":memory:" else None)
+        self._lock_fd: int | None = None
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Connection]:
@@ -76,13 +84,38 @@ class Database:
             with translate(), self._writer.begin() as conn:
                 yield conn
             return
+        deadline = time.monotonic() + self._busy_timeout_s
         if not self._write_mutex.acquire(timeout=self._busy_timeout_s):
             raise StoreUnavailable("the SQLite database is busy (a write waited too long)")
         try:
-            with translate(), self._writer.begin() as conn:
-                yield conn
+            locked = self._lock_between_processes(deadline)
+            try:
+                with translate(), self._writer.begin() as conn:
+                    yield conn
+            finally:
+                if locked:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)  # type: ignore[arg-type]
         finally:
             self._write_mutex.release()
+
+    def _lock_between_processes(self, deadline: float) -> bool:
+        """Take the lock file (held with the thread mutex); False where there is none to take.
+        Past the deadline, go on without it: SQLite's own lock still guards the data, and its
+        busy timeout turns a database that stays locked into StoreUnavailable."""
+        if self._lock_file is None:
+            return False
+        if self._lock_fd is None:
+            self._lock_fd = os.open(self._lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        pause = 0.0002
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, 0.002)
 
     @contextlib.contextmanager
     def read(self) -> Iterator[Connection]:
@@ -104,6 +137,9 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def _json_dumps(value: Any) -> str:

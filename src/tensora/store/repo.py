@@ -111,9 +111,23 @@ def update_workload(conn: Connection, workload_id: str, values: dict[str, Any],
     return conn.execute(q.values(**values)).rowcount == 1
 
 
-def workloads_in(conn: Connection, region: str, states: Iterable[str]) -> list[dict[str, Any]]:
-    q = select(W).where(W.c.region == region, W.c.state.in_(list(states)))
+def workloads_in(conn: Connection, region: str, states: Iterable[str],
+                 without: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The region's workloads in ``states``; ``without`` names columns not to read (e.g. ``spec``)."""
+    cols = [c for c in W.c if c.name not in without]
+    q = select(*cols).where(W.c.region == region, W.c.state.in_(list(states)))
     return [dict(r) for r in conn.execute(q).mappings()]
+
+
+_SET_WAIT = (update(W).where(W.c.id == bindparam("b_id"), W.c.state == "queued")
+             .values(reason=bindparam("b_reason"), fallback_eligible_at=bindparam("b_at")))
+
+
+def set_wait_reasons(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    """The admission reason of queued workloads (one statement for all; ones no longer queued are left)."""
+    if rows:
+        conn.execute(_SET_WAIT, [{"b_id": r["id"], "b_reason": r["reason"], "b_at": r["fallback_eligible_at"]}
+                                 for r in rows])
 
 
 def workloads_by_id_or_state(conn: Connection, ids: Iterable[str], region: str,

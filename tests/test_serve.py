@@ -166,6 +166,15 @@ class Proc:
     def output(self) -> str:
         return self.out.read_text(errors="replace") + self.err.read_text(errors="replace")
 
+    def exit_code(self) -> int:
+        """For a start that should fail: its exit code (killed, and the test fails, if it does not exit)."""
+        try:
+            return self.popen.wait(timeout=START_DEADLINE_S)
+        finally:
+            if self.popen.poll() is None:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+
     def terminate(self) -> int:
         """SIGTERM to this child only; its exit code, waited for within EXIT_DEADLINE_S."""
         if self.popen.poll() is None:
@@ -371,12 +380,7 @@ def test_rejected_settings_exit_2_naming_file_and_field_and_write_nothing(
     elif kind == "driver":
         args += ["--driver", text]
     proc = _launch(tmp_path, args, env=env, tag="rejected")
-    try:
-        rc = proc.popen.wait(timeout=START_DEADLINE_S)
-    finally:
-        if proc.popen.poll() is None:
-            proc.popen.kill()
-            proc.popen.wait(timeout=10)
+    rc = proc.exit_code()
     stderr = proc.err.read_text()
     assert rc == 2, proc.output()
     assert stderr.startswith("error: ")
@@ -392,12 +396,7 @@ def test_an_unreachable_database_exits_1_with_a_clear_error(tmp_path: Path) -> N
     dead = f"postgresql://nobody@127.0.0.1:{free_port()}/tensora"  # a free port: nothing listens there
     proc = _launch(tmp_path, ["--data-dir", str(data_dir), "--database-url", dead, "--port", str(free_port())],
                    tag="nodb")
-    try:
-        rc = proc.popen.wait(timeout=START_DEADLINE_S)
-    finally:
-        if proc.popen.poll() is None:
-            proc.popen.kill()
-            proc.popen.wait(timeout=10)
+    rc = proc.exit_code()
     stderr = proc.err.read_text()
     assert rc == 1, proc.output()
     assert stderr.startswith("error: the database is unavailable: ")

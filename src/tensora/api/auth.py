@@ -47,7 +47,13 @@ class KeyChecker:
         self._cache: dict[str, tuple[float, Principal]] = {}
         self._lock = threading.Lock()
 
-    def check(self, request: Request) -> Principal:
+    def cached(self, request: Request) -> Principal | None:
+        """The caller from the cache, without I/O (None on a miss); 401 for a missing or malformed key."""
+        hit = self._cache.get(self._digest(request))
+        return hit[1] if hit and hit[0] > time.monotonic() else None
+
+    @staticmethod
+    def _digest(request: Request) -> str:
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
@@ -56,7 +62,10 @@ class KeyChecker:
         key = key.strip()
         if not apikeys.well_formed(key):
             raise ApiError(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        d = apikeys.digest(key)
+        return apikeys.digest(key)
+
+    def check(self, request: Request) -> Principal:
+        d = self._digest(request)
         now = time.monotonic()
         hit = self._cache.get(d)
         if hit and hit[0] > now:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
 from tensora import workloads
@@ -49,8 +50,9 @@ IdemKey = Annotated[str | None, Header(alias="Idempotency-Key", description=(
 
 
 # Dependencies are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in the
-# thread pool, one hop per dependency per request. These do no I/O, except the key lookup
-# on a cache miss (one indexed read every 2 s per key), so they run on the event loop.
+# thread pool, one hop per dependency per request. They do no I/O on the event loop: a key
+# found in the cache is checked there, and only a miss (once per key every 2 s) goes to a
+# thread to read the store, so a database that hangs never blocks the loop.
 def _services(request: Request) -> Services:
     svc: Services = request.app.state.services
     return svc
@@ -62,7 +64,10 @@ async def services(request: Request) -> Services:
 
 def caller(scope: str) -> Callable[..., Any]:
     async def dependency(request: Request) -> Principal:
-        p = _services(request).keys.check(request)
+        keys = _services(request).keys
+        p = keys.cached(request)
+        if p is None:
+            p = await run_in_threadpool(keys.check, request)
         p.require(scope)
         return p
 

@@ -134,7 +134,7 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
     assert info.value.source == str(missing)
 
 
-@pytest.mark.parametrize("driver", ["local", "kubernetes"])
+@pytest.mark.parametrize("driver", ["kubernetes"])
 def test_build_refuses_unavailable_drivers_before_touching_the_store(driver: str, tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     settings = ServeSettings(data_dir=data_dir, driver=driver)  # type: ignore[arg-type]
@@ -359,7 +359,6 @@ REJECTED = {
     "unparsable config": ("config", "port: [1\n", {}, ["{config}", "not valid YAML"]),
     "bad region from env": ("env", "", {"TENSORA_REGION": "EU_West"}, ["TENSORA_REGION", "region"]),
     "missing --nodes file": ("nodes", "", {}, ["{missing}", "cannot read file"]),
-    "--driver local": ("driver", "local", {}, ["driver", "local driver is not available"]),
     "--driver kubernetes": ("driver", "kubernetes", {}, ["driver", "kubernetes driver is not available"]),
 }
 

@@ -144,6 +144,63 @@ def serve_command(
         raise _fail(ValueError(f"the database is unavailable: {exc}"), code=1) from None
 
 
+@app.command("up")
+def up_command(
+    data_dir: Annotated[Path | None, typer.Option(help="where the SQLite store, admin-key, replicas and logs live "
+                                                  "(env TENSORA_DATA_DIR)")] = None,
+    host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="control API port (default 8700)")] = None,
+    catalog: CatalogFile = None,
+    config: Annotated[Path | None, typer.Option(help="YAML file of settings, e.g. node: {reserve_cpu: 2}")] = None,
+) -> None:
+    """Tensora on this machine: the control API and the controller with the local driver (real notebooks,
+    VMs and model servers as child processes). Ctrl-C stops the servers, not the workloads."""
+    from tensora import serve
+
+    flags = {"data_dir": data_dir, "driver": "local", "host": host, "port": port, "catalog": catalog}
+    try:
+        settings = serve.load_settings(config, flags)
+        serve.run(settings, profile="up")
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    except StoreUnavailable as exc:
+        raise _fail(ValueError(f"the database is unavailable: {exc}"), code=1) from None
+
+
+@app.command("node")
+def node_command(
+    config: Annotated[Path | None, typer.Option(help="YAML file of settings (its node: section applies)")] = None,
+    catalog: CatalogFile = None,
+    output: Output = "table",
+) -> None:
+    """This machine as the local driver sees it: detected CPU, memory and GPUs, and the node it offers."""
+    from tensora import hardware, serve
+    from tensora.catalog import load_catalog
+    from tensora.units import format_memory
+
+    _check_output(output)
+    try:
+        settings = serve.load_settings(config, {"catalog": catalog})
+        cat = load_catalog(settings.catalog)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    hw = hardware.detect(cat)
+    node = hardware.local_node(hw, settings.node, settings.region)
+    info = hardware.describe(hw, node)
+    if output == "json":
+        sys.stdout.write(json.dumps(info) + "\n")
+        return
+    out.print(f"detected: {hw.cpu} cores, {format_memory(hw.memory)} memory, GPUs via {hw.source}")
+    for g in hw.gpus:
+        out.print(f"  GPU {g.index}: {g.name}, {format_memory(g.memory)} -> {g.model or 'no catalog class'}")
+    for note in hw.notes:
+        out.print(f"  note: {note}")
+    gpus = ", ".join(f"{n}x {m}" for m, n in node.gpus.items()) or "no GPUs"
+    out.print(f"offered as node {node.name} ({node.region}): {node.cpu:g} cores, {format_memory(node.memory)}, "
+              f"{gpus} (after the host reserve of {settings.node.reserve_cpu:g} cores, "
+              f"{settings.node.reserve_memory})", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     app()
 

@@ -52,7 +52,7 @@ class CycleReport:
     placed: int = 0
     waiting: int = 0
     starting: int = 0
-    """Replicas still starting after this cycle: the loop looks again soon, not a whole tick later."""
+    """Replicas still starting or stopping after this cycle: the loop looks again soon, not a tick later."""
     promoted: int = 0
     transitions: int = 0
     started: list[str] = field(default_factory=list)
@@ -219,7 +219,7 @@ class Controller:
                 continue
             seen = observed.get(r["id"])
             transitions += self._reconcile_replica(conn, w, r, seen, by_workload[w["id"]], now, fx)
-            self._starting += r["state"] == "starting"
+            self._starting += r["state"] in ("starting", "stopping")
         # workloads asked to stop whose replicas are all gone
         for w in workloads.values():
             if w["state"] != "stopping":
@@ -307,6 +307,8 @@ class Controller:
     def _transition(self, conn: Any, w: dict[str, Any], from_state: str, to_state: str, reason: str, now: float,
                     extra: dict[str, Any] | None = None) -> bool:
         values = {"state": to_state, "updated_at": now, **(extra or {})}
+        if to_state == "failed":  # the why of a failure is what a user needs to see first
+            values.setdefault("reason", reason)
         if to_state != "queued":
             values.setdefault("restart_available", False)
         if not repo.update_workload(conn, w["id"], values, expect_state=from_state):
@@ -323,7 +325,7 @@ class Controller:
         placed = [Placed(r["node"], r["cls"], r["workload_id"]) for r in replicas]
         capacity = Capacity([n for n in nodes if n.region == self.region], placed, self.catalog, self.reserves)
         rows = {w["id"]: w for w in repo.workloads_in(conn, self.region, ("queued", "starting", "running"),
-                                                      without=("spec", "name", "restart_reason"))}
+                                                      without=("name", "restart_reason"))}
         by_slot: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for r in replicas:
             by_slot.setdefault((r["workload_id"], r["slot"]), []).append(r)
@@ -418,7 +420,8 @@ class Controller:
 
     @staticmethod
     def _replica_spec(w: dict[str, Any], r: dict[str, Any]) -> ReplicaSpec:
-        return ReplicaSpec(r["id"], w["id"], WorkloadKind(w["kind"]), r["cls"], r["node"], w["model"])
+        return ReplicaSpec(r["id"], w["id"], WorkloadKind(w["kind"]), r["cls"], r["node"], w["model"],
+                           (w.get("spec") or {}).get("image"))
 
     def _apply_effects(self, fx: _Effects, report: CycleReport) -> None:
         """Driver calls, after the intents committed. A failure here is redone next cycle."""

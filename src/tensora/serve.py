@@ -26,6 +26,7 @@ from tensora.clock import Clock, SystemClock
 from tensora.controller import Controller
 from tensora.drivers.base import Driver
 from tensora.errors import ConfigError
+from tensora.hardware import NodeOverrides
 from tensora.store import repo
 from tensora.store.db import Database
 
@@ -56,6 +57,8 @@ class ServeSettings(BaseModel):
     tick_s: float = Field(default=2.0, gt=0)
     lease_ttl_s: float = Field(default=15.0, gt=0)
     start_delay_s: float = Field(default=2.0, ge=0, description="simulated driver: seconds until a replica runs")
+    node: NodeOverrides = Field(default_factory=NodeOverrides, description="local driver: what to declare "
+                                "instead of (or keep back from) the detected hardware")
     controller: bool = True
     workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
                          "the supervising process, woken over a unix socket")
@@ -103,8 +106,19 @@ def make_driver(settings: ServeSettings, clock: Clock) -> Driver:
 
         nodes_file = settings.nodes or Path(__file__).with_name("default_nodes.yaml")
         return SimulatedDriver(load_nodes(nodes_file), clock, start_delay_s=settings.start_delay_s)
-    raise ConfigError(f"the {settings.driver} driver is not available in this version; use simulated",
+    if settings.driver == "local":
+        return local_driver(settings, load_catalog(settings.catalog))
+    raise ConfigError(f"the {settings.driver} driver is not available in this version; use simulated or local",
                       field="driver")
+
+
+def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
+    from tensora.drivers.local import LocalDriver
+    from tensora.hardware import detect, local_node
+
+    hw = detect(catalog)
+    node = local_node(hw, settings.node, settings.region)
+    return LocalDriver(settings.data_dir, node, catalog, [g.index for g in hw.gpus if g.model])
 
 
 def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
@@ -200,8 +214,8 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
             listener.close()
 
 
-def run(settings: ServeSettings) -> None:
-    """Serve until interrupted."""
+def run(settings: ServeSettings, profile: str = "serve") -> None:
+    """Serve until interrupted. ``profile="up"``: one machine, and say so."""
     import uvicorn
 
     from tensora.api.app import create_app
@@ -213,6 +227,13 @@ def run(settings: ServeSettings) -> None:
     print(f"tensora control API on http://{settings.host}:{settings.port}  (docs: /docs)", flush=True)
     print(f"region {settings.region}, driver {settings.driver}, store {where}", flush=True)
     print(f"admin key in {key_file}", flush=True)
+    if profile == "up" and services.controller is not None:
+        node = services.controller.driver.nodes()[0]
+        gpus = ", ".join(f"{n}x {m}" for m, n in node.gpus.items()) or "no GPUs"
+        print(f"this machine as node {node.name}: {node.cpu:g} cores, {node.memory / 2**30:.1f} GiB, {gpus}",
+              flush=True)
+        print(f"replicas and their logs in {settings.data_dir / 'replicas'}; Ctrl-C stops the servers, "
+              "not the workloads (the next `tensora up` adopts them)", flush=True)
     if services.controller is not None or settings.workers > 1:
         _run_workers(settings, services)
         return

@@ -33,6 +33,8 @@ class ReplicaSpec:
     cls: str
     node: str
     model: str | None = None
+    image: str | None = None
+    """VMs: the disk image to boot, if any."""
 
 
 @dataclass(frozen=True, slots=True)

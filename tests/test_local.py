@@ -1,0 +1,229 @@
+"""The local driver with real processes (JupyterLab, QEMU), and ``tensora up`` end to end:
+placed on CPU, reachable, left running across a restart of the servers and adopted."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services import free_port
+from tensora.admission import WorkloadKind
+from tensora.capacity import Node
+from tensora.catalog import default_catalog
+from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.local import LocalDriver, qmp
+
+pytestmark = pytest.mark.slow
+CATALOG = default_catalog()
+NODE = Node("box", "local", 4, 16 * 2**30)
+
+
+def wait_for(driver: LocalDriver, replica_id: str, states: set[ReplicaState], deadline_s: float = 90) -> Any:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        seen = {s.id: s for s in driver.observe()}.get(replica_id)
+        if seen is not None and seen.state in states:
+            return seen
+        assert time.monotonic() < deadline, f"{replica_id} not {states} in {deadline_s}s: {seen}"
+        time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rpartition(")")[2].split()[0] != "Z"
+
+
+def meta(driver: LocalDriver, replica_id: str) -> dict[str, Any]:
+    m = driver._read(replica_id)
+    assert m is not None
+    return m
+
+
+@pytest.fixture
+def driver(tmp_path: Path) -> Iterator[LocalDriver]:
+    d = LocalDriver(tmp_path / "data", NODE, CATALOG)
+    yield d
+    for s in d.observe():  # leave no process behind, whatever the test did
+        if s.state not in (ReplicaState.STOPPED, ReplicaState.FAILED):
+            m = meta(d, s.id)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(m["pid"], signal.SIGKILL)
+
+
+def test_a_notebook_is_jupyterlab_on_loopback_with_a_token_and_no_gpus(driver: LocalDriver) -> None:
+    driver.start(ReplicaSpec("rp_nb1", "wl_nb1", WorkloadKind.NOTEBOOK, "cpu-1c-4g", "box"))
+    running = wait_for(driver, "rp_nb1", {ReplicaState.RUNNING, ReplicaState.FAILED})
+    assert running.state is ReplicaState.RUNNING, running.detail
+    m = meta(driver, "rp_nb1")
+    assert running.url == f"http://127.0.0.1:{m['port']}/lab?token={m['token']}"
+    status = f"http://127.0.0.1:{m['port']}/api/status"
+    assert httpx.get(status, params={"token": m["token"]}, timeout=10).status_code == 200
+    assert httpx.get(status, timeout=10).status_code == 403
+    assert httpx.get(running.url, timeout=10).status_code == 200
+    with socket.socket() as s:  # bound to 127.0.0.1 only
+        s.settimeout(2)
+        assert s.connect_ex(("127.0.0.2", m["port"])) != 0
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{m['pid']}/environ").read_text().split("\0") if "=" in kv)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # CPU placement hides every GPU
+    assert os.getsid(m["pid"]) == m["pid"]  # a session of its own: it outlives the server
+    driver.stop("rp_nb1")
+    stopped = wait_for(driver, "rp_nb1", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30)
+    assert stopped.state is ReplicaState.STOPPED
+    assert not alive(m["pid"])
+
+
+def test_a_vm_boots_its_firmware_reports_running_over_qmp_and_stops(driver: LocalDriver) -> None:
+    driver.start(ReplicaSpec("rp_vm1", "wl_vm1", WorkloadKind.VM, "cpu-1c-4g", "box"))
+    running = wait_for(driver, "rp_vm1", {ReplicaState.RUNNING, ReplicaState.FAILED}, 30)
+    assert running.state is ReplicaState.RUNNING, running.detail
+    m = meta(driver, "rp_vm1")
+    assert running.url == f"qmp+unix://{m['socket']}"
+    assert qmp(m["socket"], {"execute": "query-status"})[0]["status"] == "running"
+    assert running.detail in ("accel kvm", "accel tcg")
+    started = time.monotonic()
+    driver.stop("rp_vm1")  # no OS answers the powerdown: QMP quit follows
+    assert wait_for(driver, "rp_vm1", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is ReplicaState.STOPPED
+    assert time.monotonic() - started < 15
+    assert not alive(m["pid"])
+
+
+def test_a_vm_with_a_missing_image_fails_with_the_reason(driver: LocalDriver, tmp_path: Path) -> None:
+    status = driver.start(ReplicaSpec("rp_vm2", "wl_vm2", WorkloadKind.VM, "cpu-1c-4g", "box",
+                                      image=str(tmp_path / "nope.qcow2")))
+    assert status.state is ReplicaState.FAILED
+    assert "nope.qcow2 does not exist" in status.detail
+
+
+def test_an_endpoint_without_a_runtime_fails_with_the_reason(driver: LocalDriver) -> None:
+    status = driver.start(ReplicaSpec("rp_ep1", "wl_ep1", WorkloadKind.ENDPOINT, "cpu-1c-4g", "box", "/m"))
+    assert status.state is ReplicaState.FAILED
+    assert "no model runtime" in status.detail
+
+
+def test_a_new_driver_adopts_what_runs_and_reports_what_died(driver: LocalDriver) -> None:
+    for rid in ("rp_a", "rp_b"):
+        driver.start(ReplicaSpec(rid, f"wl_{rid}", WorkloadKind.VM, "cpu-1c-4g", "box"))
+    for rid in ("rp_a", "rp_b"):
+        assert wait_for(driver, rid, {ReplicaState.RUNNING, ReplicaState.FAILED}, 30).state is ReplicaState.RUNNING
+    successor = LocalDriver(driver.root.parent, NODE, CATALOG)  # as after a restart of tensora up
+    assert {s.id: s.state for s in successor.observe()} == {"rp_a": ReplicaState.RUNNING,
+                                                             "rp_b": ReplicaState.RUNNING}
+    os.killpg(meta(successor, "rp_b")["pid"], signal.SIGKILL)
+    # the successor is not its parent (as after a restart): it sees it gone, zombie or reaped
+    dead = wait_for(successor, "rp_b", {ReplicaState.FAILED, ReplicaState.STOPPED}, 10)
+    assert dead.state is ReplicaState.FAILED and "out.log" in dead.detail
+    successor.stop("rp_a")
+    assert wait_for(successor, "rp_a", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is ReplicaState.STOPPED
+
+
+# -- tensora up, end to end --------------------------------------------------------------------
+
+CONFIG = "node: {cpu: 10, memory: 48Gi, reserve_cpu: 0, reserve_memory: 0}\ntick_s: 1\n"
+
+
+def _up(tmp_path: Path, port: int, n: int) -> tuple[subprocess.Popen[bytes], Path]:
+    (tmp_path / "up.yaml").write_text(CONFIG)
+    log = tmp_path / f"up-{n}.log"
+    with log.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(tmp_path / "data"),
+                                 "--port", str(port), "--config", str(tmp_path / "up.yaml")],
+                                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, log.read_text()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).json().get("controller") == "leader":
+                return proc, log
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
+def _interrupt(proc: subprocess.Popen[bytes]) -> int:
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _state(c: httpx.Client, wid: str, states: set[str], deadline_s: float = 90) -> dict[str, Any]:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        w: dict[str, Any] = c.get(f"/v1/workloads/{wid}").json()
+        if w["state"] in states:
+            return w
+        assert time.monotonic() < deadline, w
+        time.sleep(0.3)
+
+
+def test_tensora_up_runs_real_workloads_leaves_them_running_and_adopts_them(tmp_path: Path) -> None:
+    port = free_port()
+    proc, log = _up(tmp_path, port, 0)
+    pids: list[int] = []
+    clients: list[httpx.Client] = []
+    try:
+        key = (tmp_path / "data" / "admin-key").read_text().strip()
+        out = log.read_text()
+        assert "this machine as node" in out and "10 cores" in out and "Ctrl-C stops the servers" in out
+        c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        clients.append(c)
+        nb = c.post("/v1/workloads", json={"kind": "notebook", "name": "nb", "gpu_class": "l40s-48gb",
+                                            "fallback": ["cpu"], "fallback_after": 0}).json()
+        vm = c.post("/v1/workloads", json={"kind": "vm", "name": "vm", "gpu_class": "cpu-1c-4g"}).json()
+        nb, vm = _state(c, nb["id"], {"running", "failed"}), _state(c, vm["id"], {"running", "failed"})
+        assert (nb["state"], vm["state"]) == ("running", "running"), (nb, vm)
+        assert nb["placed_class"].startswith("cpu-") and nb["requested_class"] == "l40s-48gb"
+        assert "l40s-48gb" in nb["reason"] and nb["conditions"][0]["reason"] == "cpu_fallback"
+        url = nb["access"]["url"]
+        assert httpx.get(url, timeout=10).status_code == 200
+        replicas = tmp_path / "data" / "replicas"
+        pids = [int(json.loads(p.read_text())["pid"]) for p in replicas.glob("*/replica.json")]
+        assert len(pids) == 2
+
+        assert _interrupt(proc) == 0, log.read_text()
+        assert all(alive(p) for p in pids), "Ctrl-C must stop the servers, not the workloads"
+        assert httpx.get(url, timeout=10).status_code == 200
+        vm_replica = next(p for p in replicas.glob("*/replica.json") if '"kind": "vm"' in p.read_text())
+        vm_pid = int(json.loads(vm_replica.read_text())["pid"])
+        os.killpg(vm_pid, signal.SIGKILL)  # the VM dies while tensora is down
+
+        proc, log = _up(tmp_path, port, 1)
+        c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        clients.append(c)
+        assert _state(c, nb["id"], {"running"})["access"]["url"] == url  # adopted, not restarted
+        failed = _state(c, vm["id"], {"failed"}, 30)
+        assert "the process is gone" in failed["reason"], failed
+        events = [e["reason"] for e in c.get(f"/v1/workloads/{vm['id']}/events").json()["data"]]
+        assert any("the process is gone" in r for r in events), events
+        assert c.post(f"/v1/workloads/{nb['id']}/stop").status_code == 200
+        assert _state(c, nb["id"], {"stopped"}, 30)["state"] == "stopped"
+        nb_pid = next(p for p in pids if p != vm_pid)
+        deadline = time.monotonic() + 15
+        while alive(nb_pid):
+            assert time.monotonic() < deadline, "the notebook process outlived its stop"
+            time.sleep(0.2)
+    finally:
+        for client in clients:
+            client.close()
+        if proc.poll() is None:
+            _interrupt(proc)
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p, signal.SIGKILL)

@@ -19,11 +19,13 @@ import httpx
 import pytest
 
 from services import free_port
+from tensora import runtimes
 from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.local import LocalDriver, qmp
+from tensora.tinymodel import write_tiny_model
 
 pytestmark = pytest.mark.slow
 CATALOG = default_catalog()
@@ -110,10 +112,50 @@ def test_a_vm_with_a_missing_image_fails_with_the_reason(driver: LocalDriver, tm
     assert "nope.qcow2 does not exist" in status.detail
 
 
-def test_an_endpoint_without_a_runtime_fails_with_the_reason(driver: LocalDriver) -> None:
-    status = driver.start(ReplicaSpec("rp_ep1", "wl_ep1", WorkloadKind.ENDPOINT, "cpu-1c-4g", "box", "/m"))
+def test_an_endpoint_without_a_runtime_fails_with_the_reason(tmp_path: Path) -> None:
+    bare = LocalDriver(tmp_path / "bare", NODE, CATALOG, runtimes_dir=tmp_path / "no-runtimes")
+    status = bare.start(ReplicaSpec("rp_ep1", "wl_ep1", WorkloadKind.ENDPOINT, "cpu-1c-4g", "box", "/m"))
     assert status.state is ReplicaState.FAILED
-    assert "no model runtime" in status.detail
+    assert "no model runtime is installed for cpu endpoints" in status.detail
+    assert "tensora runtime install tensora-transformers" in status.detail
+
+
+def _runtimes() -> Path:
+    """The runtimes the test command installs (TENSORA_RUNTIMES_DIR); without it, the test cannot run."""
+    where = os.environ.get("TENSORA_RUNTIMES_DIR")
+    if not where:
+        pytest.skip("TENSORA_RUNTIMES_DIR is not set: ./scripts/test installs tensora-transformers there")
+    root = Path(where).resolve()
+    assert runtimes.installed(root, "tensora-transformers"), f"tensora-transformers is not installed in {root}"
+    return root
+
+
+def test_an_endpoint_serves_the_tiny_model_with_transformers_serve(tmp_path: Path) -> None:
+    root = _runtimes()
+    write_tiny_model(tmp_path / "tiny")
+    d = LocalDriver(tmp_path / "data", NODE, CATALOG, runtimes_dir=root)
+    try:
+        d.start(ReplicaSpec("rp_ep2", "wl_ep2", WorkloadKind.ENDPOINT, "cpu-1c-4g", "box", str(tmp_path / "tiny")))
+        up = wait_for(d, "rp_ep2", {ReplicaState.RUNNING, ReplicaState.FAILED}, 120)
+        assert up.state is ReplicaState.RUNNING, up.detail
+        m = meta(d, "rp_ep2")
+        assert m["runtime"] == "tensora-transformers" and up.url == f"http://127.0.0.1:{m['port']}/v1"
+        r = httpx.post(f"{up.url}/chat/completions", timeout=60, json={
+            "model": m["served_model"], "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["role"] == "assistant"
+        assert body["usage"]["completion_tokens"] == 5
+        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{m['pid']}/environ").read_text().split("\0") if "=" in kv)
+        assert env["CUDA_VISIBLE_DEVICES"] == "" and env["OMP_NUM_THREADS"] == "1"
+        d.stop("rp_ep2")
+        assert wait_for(d, "rp_ep2", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is ReplicaState.STOPPED
+        assert not alive(m["pid"])
+    finally:
+        for s in d.observe():
+            if s.state not in (ReplicaState.STOPPED, ReplicaState.FAILED):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(meta(d, s.id)["pid"], signal.SIGKILL)
 
 
 def test_a_new_driver_adopts_what_runs_and_reports_what_died(driver: LocalDriver) -> None:
@@ -227,3 +269,45 @@ def test_tensora_up_runs_real_workloads_leaves_them_running_and_adopts_them(tmp_
         for p in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p, signal.SIGKILL)
+
+
+def test_the_quick_start_tiny_model_endpoint_falls_back_to_cpu_and_answers(tmp_path: Path) -> None:
+    """The README's quick start: tiny model -> endpoint asking for an L40S, CPU fallback at once ->
+    placed on CPU with the reason shown -> a chat completion from its replica."""
+    _runtimes()
+    model = tmp_path / "tiny"
+    made = subprocess.run([sys.executable, "-m", "tensora.cli", "dev", "tiny-model", str(model)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    port = free_port()
+    proc, log = _up(tmp_path, port, 0)
+    pid = None
+    try:
+        key = (tmp_path / "data" / "admin-key").read_text().strip()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"},
+                          timeout=10) as c:
+            created = c.post("/v1/workloads", json={"kind": "endpoint", "name": "chat", "gpu_class": "l40s-48gb",
+                                                     "fallback": ["cpu"], "fallback_after": 0, "model": str(model)})
+            assert created.status_code == 201, created.text
+            assert "10-50x slower" in created.json()["warning"]
+            ep = _state(c, created.json()["id"], {"running", "failed"}, 150)
+            assert ep["state"] == "running", (ep, log.read_text())
+            assert ep["placed_class"].startswith("cpu-") and ep["conditions"][0]["reason"] == "cpu_fallback"
+            assert ep["reason"].startswith(f"placed on {ep['placed_class']}: l40s-48gb unavailable")
+            url = ep["replicas"][0]["url"]
+            pid = json.loads(next((tmp_path / "data" / "replicas").glob("*/replica.json")).read_text())["pid"]
+            r = httpx.post(f"{url}/chat/completions", timeout=60, json={
+                "model": str(model), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+            assert c.delete(f"/v1/workloads/{ep['id']}").status_code == 204
+        deadline = time.monotonic() + 30
+        while alive(pid):
+            assert time.monotonic() < deadline, "the model server outlived its delete"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            _interrupt(proc)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)

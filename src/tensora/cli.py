@@ -6,16 +6,17 @@ Exit codes: 0 ok, 1 API error, 2 bad usage or a bad file (the message names it),
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from tensora.catalog import load_catalog
-from tensora.errors import ConfigError, ModelFileError, StoreUnavailable
+from tensora.errors import ConfigError, ModelFileError, StoreUnavailable, TensoraError
 from tensora.fleet import load_nodes, load_workloads, plan
 from tensora.units import format_memory, parse_duration
 from tensora.validator import check_cpu, read_model
@@ -199,6 +200,78 @@ def node_command(
     out.print(f"offered as node {node.name} ({node.region}): {node.cpu:g} cores, {format_memory(node.memory)}, "
               f"{gpus} (after the host reserve of {settings.node.reserve_cpu:g} cores, "
               f"{settings.node.reserve_memory})", highlight=False, soft_wrap=True)
+
+
+dev_app = typer.Typer(help="Tools for development and demos.", no_args_is_help=True)
+app.add_typer(dev_app, name="dev")
+
+
+@dev_app.command("tiny-model")
+def tiny_model_command(
+    directory: Annotated[Path, typer.Argument(help="where to write it (created; must be empty)")],
+    seed: Annotated[int, typer.Option(help="seed of the random weights and the tokenizer's made-up words")] = 0,
+) -> None:
+    """Write a tiny random Llama (safetensors, byte-level BPE tokenizer, chat template): no download."""
+    from tensora.tinymodel import write_tiny_model
+    from tensora.validator import read_model
+
+    try:
+        write_tiny_model(directory, seed)
+        size = read_model(directory)
+    except (TensoraError, ModelFileError) as exc:
+        raise _fail(exc) from None
+    out.print(f"wrote {directory}: {size.describe()}, LlamaForCausalLM, vocab 1024", highlight=False, soft_wrap=True)
+
+
+runtime_app = typer.Typer(help="Model-server runtimes for endpoints on this machine.", no_args_is_help=True)
+app.add_typer(runtime_app, name="runtime")
+RuntimesDir = Annotated[Path | None, typer.Option(
+    "--runtimes-dir", help="where runtimes live (default DATA_DIR/runtimes; env TENSORA_RUNTIMES_DIR)")]
+DataDir = Annotated[Path | None, typer.Option(help="the data dir of tensora up (env TENSORA_DATA_DIR)")]
+
+
+def _runtimes_root(runtimes_dir: Path | None, data_dir: Path | None) -> Path:
+    from tensora import runtimes
+    from tensora.serve import default_data_dir
+
+    if runtimes_dir is not None:
+        return runtimes_dir
+    return runtimes.runtimes_dir(data_dir or Path(os.environ.get("TENSORA_DATA_DIR") or default_data_dir()))
+
+
+@runtime_app.command("list")
+def runtime_list(runtimes_dir: RuntimesDir = None, data_dir: DataDir = None, output: Output = "table") -> None:
+    """The runtimes, which kinds prefer them, and which are installed."""
+    from tensora import runtimes
+
+    _check_output(output)
+    root = _runtimes_root(runtimes_dir, data_dir)
+    rows: list[dict[str, Any]] = [
+            {"name": r.name, "description": r.description, "installed": runtimes.installed(root, r.name),
+             "preferred_for": [k for k, names in runtimes.PREFERRED.items() if r.name in names]}
+            for r in runtimes.REGISTRY.values()]
+    if output == "json":
+        sys.stdout.write(json.dumps({"runtimes_dir": str(root), "runtimes": rows}) + "\n")
+        return
+    for r in rows:
+        mark = "installed" if r["installed"] else "-"
+        out.print(f"{r['name']:<22} {mark:<10} {', '.join(r['preferred_for']):<14} {r['description']}",
+                  highlight=False, soft_wrap=True)
+    out.print(f"in {root}", highlight=False, soft_wrap=True)
+
+
+@runtime_app.command("install")
+def runtime_install(name: Annotated[str, typer.Argument(help="e.g. tensora-transformers")],
+                    runtimes_dir: RuntimesDir = None, data_dir: DataDir = None) -> None:
+    """Create NAME's own Python environment and install its packages (pinned torch: no CUDA build sneaks in)."""
+    from tensora import runtimes
+
+    root = _runtimes_root(runtimes_dir, data_dir)
+    try:
+        where = runtimes.install(root, name)
+    except runtimes.RuntimeNotAvailable as exc:
+        raise _fail(exc, code=1 if name in runtimes.REGISTRY else 2) from None
+    out.print(f"{name} installed in {where}", highlight=False, soft_wrap=True)
 
 
 def main() -> None:

@@ -11,8 +11,9 @@ data dir adopts the replicas still running and reports the ones that died as fai
 * vm: QEMU with QMP on a unix socket; KVM when ``/dev/kvm`` opens, else TCG; an optional
   disk image; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``,
   then ``quit``, then SIGKILL.
-* endpoint: a model server from the runtime registry (not in this version: the replica
-  fails with a reason that says so).
+* endpoint: a model server from the runtime registry (``runtimes``) on 127.0.0.1 and a free
+  port; ready when ``/v1/models`` answers. Without an installed runtime the replica fails
+  with a reason that says which to install.
 
 Stop is graceful first (SIGTERM to the process group, or QMP), then SIGKILL after a deadline;
 ``observe`` does the escalation, so nothing here blocks the controller.
@@ -37,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from tensora import runtimes
 from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import Catalog
@@ -90,7 +92,9 @@ def qmp(path: str, *commands: dict[str, Any], timeout: float = 2.0) -> list[Any]
 class LocalDriver:
     """Child processes on this machine, one node (this machine's, from ``hardware``)."""
 
-    def __init__(self, data_dir: Path, node: Node, catalog: Catalog, gpu_indices: Sequence[int] = ()) -> None:
+    def __init__(self, data_dir: Path, node: Node, catalog: Catalog, gpu_indices: Sequence[int] = (),
+                 runtimes_dir: Path | None = None) -> None:
+        self.runtimes = runtimes_dir or runtimes.runtimes_dir(Path(data_dir))
         self.root = Path(data_dir) / "replicas"
         self.root.mkdir(parents=True, exist_ok=True)
         self.work = Path(data_dir) / "workdirs"
@@ -217,7 +221,25 @@ class LocalDriver:
                 cmd += ["-drive", f"file={spec.image},if=virtio"]
             meta.update(socket=sock, url=f"qmp+unix://{sock}", detail=f"accel {accel}")
             return cmd, env, str(d)
-        raise RuntimeError("no model runtime is installed for endpoints on this machine yet")
+        return self._endpoint(spec, cls, meta, env)
+
+    def _endpoint(self, spec: ReplicaSpec, cls: Any, meta: dict[str, Any],
+                  env: dict[str, str]) -> tuple[list[str], dict[str, str], str]:
+        kind = "metal" if (cls.gpu_model or "").upper().endswith("METAL") else ("cpu" if cls.is_cpu else "gpu")
+        runtime = runtimes.choose(self.runtimes, kind)
+        if runtime is None:
+            raise RuntimeError(f"no model runtime is installed for {kind} endpoints in {self.runtimes}: "
+                               "tensora runtime install tensora-transformers")
+        if not spec.model:
+            raise RuntimeError("an endpoint needs a model")
+        port = free_port()
+        device = {"cpu": "cpu", "metal": "mps", "gpu": "cuda"}[kind]
+        env.update(runtime.env)
+        meta.update(port=port, url=f"http://127.0.0.1:{port}/v1", runtime=runtime.name,
+                    served_model=spec.model if runtime.served_as_path else spec.workload_id,
+                    detail=f"runtime {runtime.name}")
+        d = self.root / spec.id
+        return runtimes.command(runtime, self.runtimes, spec.model, spec.workload_id, port, device), env, str(d)
 
     def _claim_gpus(self, count: int) -> list[int]:
         taken = {g for m in self._live_metas() for g in m.get("gpus", [])}
@@ -269,7 +291,11 @@ class LocalDriver:
             except (OSError, ValueError):
                 return False
             return bool(status.get("running"))
-        return False
+        try:  # an endpoint's model server
+            r = httpx.get(f"{meta['url']}/models", timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
 
     def _exit_code(self, meta: dict[str, Any]) -> int | None:
         """None while the process lives; its exit code (or -1 if unknown) once it is gone."""

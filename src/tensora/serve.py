@@ -63,6 +63,10 @@ class ServeSettings(BaseModel):
     workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
                          "the supervising process, woken over a unix socket")
     log_level: str = "warning"
+    gateway: dict[str, Any] = Field(default_factory=dict, description="the gateway's settings (tensora gateway "
+                                    "and tensora up read them here), e.g. {port: 8701, redis_url: ...}")
+    gateway_port: int | None = Field(default=None, ge=0, le=65535, description="tensora up: the gateway's port "
+                                     "(default 8701); the gateway runs beside the API in its own process")
 
     @property
     def db_url(self) -> str:
@@ -97,6 +101,18 @@ def load_settings(config: Path | None, flags: dict[str, Any], env: dict[str, str
         line = lines.line((name,)) if lines is not None and source == str(config) else None
         raise ConfigError("unknown setting" if first["type"] == "extra_forbidden" else first["msg"],
                           source=source, line=line, field=field) from None
+
+
+def load_gateway_settings(config: Path | None, flags: dict[str, Any],
+                          env: dict[str, str] | None = None) -> Any:
+    """``tensora gateway``: the config file's ``gateway:`` section, TENSORA_GATEWAY_* env, flags;
+    ``data_dir``, region and the control API's address are the server's unless set there."""
+    server = load_settings(config, {"data_dir": flags.get("data_dir")}, env)
+    return gateway_settings_for(server, flags, env)
+
+
+def _client_host(bind: str) -> str:
+    return "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
 
 
 def make_driver(settings: ServeSettings, clock: Clock) -> Driver:
@@ -214,6 +230,57 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
             listener.close()
 
 
+GATEWAY_SETTINGS_ENV = "TENSORA_GATEWAY_SETTINGS"
+
+
+def gateway_settings_for(server: ServeSettings, flags: dict[str, Any] | None = None,
+                         env: dict[str, str] | None = None) -> Any:
+    from tensora.gateway.app import GatewaySettings
+
+    env = dict(os.environ) if env is None else env
+    values: dict[str, Any] = {"data_dir": server.data_dir, "region": server.region, "host": server.host,
+                              "control_url": f"http://{_client_host(server.host)}:{server.port}",
+                              **server.gateway}
+    origin = dict.fromkeys(server.gateway, "gateway")
+    for name in GatewaySettings.model_fields:
+        if f"TENSORA_GATEWAY_{name.upper()}" in env:
+            values[name] = env[f"TENSORA_GATEWAY_{name.upper()}"]
+            origin[name] = f"TENSORA_GATEWAY_{name.upper()}"
+    for name, value in (flags or {}).items():
+        if value is not None:
+            values[name], origin[name] = value, "--" + name.replace("_", "-")
+    try:
+        return GatewaySettings.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        source = origin.get(str(first["loc"][0]) if first["loc"] else "", "gateway settings")
+        raise ConfigError("unknown setting" if first["type"] == "extra_forbidden" else first["msg"],
+                          source=source, field=f"gateway.{field}" if field else None) from None
+
+
+def _start_gateway(gw: Any) -> Any:
+    """tensora up: the gateway in a process of its own (its own core, its own event loop), reading
+    routes from this server. It stops with ``tensora up``; the workloads do not."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{GATEWAY_SETTINGS_ENV: gw.model_dump_json()})
+    return subprocess.Popen([sys.executable, "-m", "tensora.gateway"], env=env)
+
+
+def _stop_gateway(proc: Any) -> None:
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def run(settings: ServeSettings, profile: str = "serve") -> None:
     """Serve until interrupted. ``profile="up"``: one machine, and say so."""
     import uvicorn
@@ -234,9 +301,18 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
               flush=True)
         print(f"replicas and their logs in {settings.data_dir / 'replicas'}; Ctrl-C stops the servers, "
               "not the workloads (the next `tensora up` adopts them)", flush=True)
-    if services.controller is not None or settings.workers > 1:
-        _run_workers(settings, services)
-        return
+    gateway = None
+    if profile == "up":
+        gw = gateway_settings_for(settings, {"port": settings.gateway_port})
+        print(f"OpenAI-compatible gateway on http://{gw.host}:{gw.port}/v1  (the same keys)", flush=True)
+        gateway = _start_gateway(gw)
+    try:
+        if services.controller is not None or settings.workers > 1:
+            _run_workers(settings, services)
+            return
+    finally:
+        if gateway is not None:
+            _stop_gateway(gateway)
     app = create_app(services, max_in_flight=settings.max_in_flight, max_body_bytes=settings.max_body_bytes)
     # uvicorn drains on SIGTERM/SIGINT, then raises the signal again under the handler found here:
     # that shutdown was clean, so end with exit code 0 rather than die by the signal (143).

@@ -114,7 +114,9 @@ def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catal
     out = []
     placed = w["placed_class"]
     if placed and placed != w["gpu_class"] and w["state"] in ("starting", "running"):
-        on_cpu = placed in catalog and catalog[placed].is_cpu
+        # cpu_fallback: a GPU class asked for, a CPU class serving (the 10-50x case); else a class fallback
+        asked_gpu = w["gpu_class"] in catalog and not catalog[w["gpu_class"]].is_cpu
+        on_cpu = asked_gpu and placed in catalog and catalog[placed].is_cpu
         message = (f"placed on {placed} instead of {w['gpu_class']}"
                    + (": CPU serving is roughly 10-50x slower" if on_cpu else ""))
         out.append({"type": "degraded", "reason": "cpu_fallback" if on_cpu else "class_fallback",

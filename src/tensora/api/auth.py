@@ -88,10 +88,12 @@ class KeyChecker:
                     del self._cache[d]
 
 
-def create_key(conn: Any, owner: str, name: str, scopes: list[str], now: float) -> tuple[str, dict[str, Any]]:
+def create_key(conn: Any, owner: str, name: str, scopes: list[str], now: float, *, rpm: int | None = None,
+               tpm: int | None = None) -> tuple[str, dict[str, Any]]:
     """A new key: (the secret, shown once; the stored row)."""
     secret = apikeys.generate()
     row = {"id": repo.new_id("key_"), "digest": apikeys.digest(secret), "hint": apikeys.hint(secret),
-           "owner": owner, "name": name, "scopes": list(scopes), "created_at": now, "revoked_at": None}
+           "owner": owner, "name": name, "scopes": list(scopes), "created_at": now, "revoked_at": None,
+           "rpm": rpm, "tpm": tpm}
     repo.insert_key(conn, row)
     return secret, row

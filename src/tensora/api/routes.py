@@ -8,9 +8,11 @@ own workloads and keys: anyone else's is a 404, as if it did not exist.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Callable
 from typing import Annotated, Any
 
+import orjson
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +28,9 @@ from tensora.api.schemas import (
     KeyList,
     KeyOut,
     RestartBody,
+    TokenUsageOut,
+    UsageBatch,
+    UsageBatchOut,
     UsageOut,
     WorkloadList,
     WorkloadOut,
@@ -117,6 +122,11 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
         body = body.model_copy(update={"region": svc.region})
     elif body.region != svc.region:
         raise ApiError(422, f"this server serves region {svc.region!r}", field="region")
+    if body.spec.get("serverless") and not p.is_admin:
+        raise ApiError(403, "only admin keys may run serverless (shared) endpoints", field="spec.serverless")
+    ttft = body.spec.get("ttft_deadline_s")
+    if ttft is not None and (not isinstance(ttft, int | float) or isinstance(ttft, bool) or not 0 < ttft <= 600):
+        raise ApiError(422, "ttft_deadline_s must be a number of seconds in (0, 600]", field="spec.ttft_deadline_s")
     spec = workloads.validate(body, svc.catalog)
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
@@ -256,7 +266,8 @@ def usage(svc: Svc, p: UsageReader,
 
 def _key_out(row: dict[str, Any], secret: str | None = None) -> dict[str, Any]:
     return {"id": row["id"], "name": row["name"], "owner": row["owner"], "scopes": row["scopes"],
-            "hint": row["hint"], "created_at": iso(row["created_at"]), "key": secret}
+            "hint": row["hint"], "created_at": iso(row["created_at"]), "key": secret,
+            "requests_per_minute": row.get("rpm"), "tokens_per_minute": row.get("tpm")}
 
 
 @router.post("/v1/keys", status_code=201, response_model=KeyOut, responses=ERRORS, tags=["keys"],
@@ -274,7 +285,8 @@ def create_api_key(svc: Svc, p: KeyAdmin, body: Annotated[KeyCreate | None, Body
             raise ApiError(403, f"a key cannot grant the {s!r} scope it lacks", field="scopes")
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
-        secret, row = create_key(conn, owner, body.name, scopes, svc.clock.now())
+        secret, row = create_key(conn, owner, body.name, scopes, svc.clock.now(), rpm=body.requests_per_minute,
+                                 tpm=body.tokens_per_minute)
         return 201, _key_out(row, secret)
 
     return svc.idempotency.run(p.owner, "POST", "/v1/keys", idem, body.model_dump(mode="json"), action)
@@ -293,6 +305,84 @@ def revoke_api_key(key_id: str, svc: Svc, p: KeyAdmin) -> Response:
             raise ApiError(404, f"no key {key_id!r}")
     svc.keys.forget(key_id)
     return Response(status_code=204)
+
+
+# -- the gateway's side -----------------------------------------------------------------
+
+Admin = Annotated[Principal, Depends(caller("admin"))]
+
+
+@router.get("/v1/gateway/routes", responses=ERRORS, tags=["gateway"],
+            description="What the region's gateways route by: serving endpoints and their ready replicas, and "
+                        "the digests (never secrets) of live keys. Admin keys only. Send If-None-Match with "
+                        "the last ETag: 304 when nothing changed.")
+def gateway_routes(request: Request, svc: Svc, _: Admin) -> Response:
+    with svc.db.read() as conn:
+        table = routes_table(conn, svc)
+    etag = '"' + table["version"] + '"'
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers={"ETag": etag})
+    return JSONResponse(table, headers={"ETag": etag})
+
+
+@router.post("/v1/gateway/usage", response_model=UsageBatchOut, responses=ERRORS, tags=["gateway"],
+             description="Token usage metered by a gateway, in batches. A record whose id was seen before is "
+                         "not counted again (a gateway resends a batch it is not sure arrived).")
+def gateway_usage(svc: Svc, _: Admin, body: Annotated[UsageBatch, Body()]) -> dict[str, Any]:
+    rows = [r.model_dump() for r in body.records]
+    with svc.db.write() as conn:
+        new = repo.insert_token_usage(conn, rows)
+    return {"received": len(rows), "new": new}
+
+
+@router.get("/v1/usage/tokens", response_model=TokenUsageOut, responses=ERRORS, tags=["usage"],
+            description="Tokens the gateway served, by endpoint, product (the endpoint's own replicas, the "
+                        "serverless pool, a fallback model, another region), model that answered and served_by.")
+def usage_tokens(svc: Svc, p: UsageReader,
+                 since: Annotated[float | None, Query(ge=0, le=1e11, description="epoch seconds")] = None,
+                 until: Annotated[float | None, Query(ge=0, le=1e11, description="epoch seconds")] = None,
+                 ) -> dict[str, Any]:
+    now = svc.clock.now()
+    start, end = since or 0.0, until or now + 1
+    with svc.db.read() as conn:
+        rows = repo.token_usage(conn, p.owner_filter(), start, end)
+    return {"since": iso(start), "until": iso(end), "data": rows}
+
+
+def routes_table(conn: Any, svc: Services) -> dict[str, Any]:
+    """The gateway's route table: endpoints serving in this region with their routable replicas."""
+    endpoints = repo.serving_endpoints(conn, svc.region)
+    replicas = repo.replicas_of(conn, [w["id"] for w in endpoints])
+    by_w: dict[str, list[dict[str, Any]]] = {}
+    for r in replicas:
+        if r["state"] == "running" and r["role"] == "primary" and r["url"]:
+            by_w.setdefault(r["workload_id"], []).append(r)
+
+    def is_cpu(cls: str) -> bool:
+        return cls in svc.catalog and svc.catalog[cls].is_cpu
+
+    out = []
+    for w in endpoints:
+        fallback = w["fallback"] or []
+        spec = w["spec"] or {}
+        kind_spec = spec.get("kind_spec") or {}
+        out.append({
+            "id": w["id"], "name": w["name"], "owner": w["owner"], "region": w["region"], "model": w["model"],
+            "requested_cpu": is_cpu(w["requested_class"]),
+            "cpu_fallback": any(c == "cpu" or is_cpu(c) for c in fallback),
+            "fallback_models": spec.get("fallback_models") or [],
+            "allow_cross_region": bool(spec.get("allow_cross_region")),
+            "serverless": bool(kind_spec.get("serverless")), "ttft_s": kind_spec.get("ttft_deadline_s"),
+            "replicas": [{"id": r["id"], "url": r["url"], "cls": r["cls"], "cpu": is_cpu(r["cls"]),
+                          "upstream_model": w["model"]} for r in sorted(by_w.get(w["id"], []), key=_slot)]})
+    keys = repo.gateway_keys(conn)
+    body = {"region": svc.region, "endpoints": out, "keys": keys}
+    version = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    return {"version": version, **body}
+
+
+def _slot(r: dict[str, Any]) -> tuple[int, str]:
+    return r["slot"], r["id"]
 
 
 # -- health ---------------------------------------------------------------------------

@@ -105,6 +105,10 @@ class KeyCreate(BaseModel):
     scopes: list[Literal[SCOPES]] | None = Field(  # type: ignore[valid-type]
         default=None, max_length=len(SCOPES),
         description="default: the default scopes (workloads, usage, inference) that the calling key holds")
+    requests_per_minute: int | None = Field(default=None, ge=1, description="the gateway's limit for this key; "
+                                            "default: the gateway's own setting")
+    tokens_per_minute: int | None = Field(default=None, ge=1, description="tokens (prompt + max_tokens reserved, "
+                                          "settled to what was used) per minute at the gateway")
 
 
 class KeyOut(BaseModel):
@@ -114,6 +118,8 @@ class KeyOut(BaseModel):
     scopes: list[str]
     hint: str
     created_at: str
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
     key: str | None = Field(default=None, description="the secret: shown once, in the response that creates it")
 
 
@@ -151,3 +157,50 @@ class UsageOut(BaseModel):
     group_by: list[str]
     data: list[UsageRow]
     total_seconds: float
+
+
+class TokenUsageRow(BaseModel):
+    owner: str
+    endpoint: str = Field(description="the endpoint the requests named")
+    product: str = Field(description="endpoint (its own replicas), serverless, fallback-model or cross-region")
+    model: str = Field(description="the model that answered")
+    served_by: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class TokenUsageOut(BaseModel):
+    since: str
+    until: str
+    data: list[TokenUsageRow]
+
+
+class UsageRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=64)
+    at: float
+    owner: str = Field(max_length=128)
+    key_id: str = Field(max_length=32)
+    endpoint: str = Field(max_length=63)
+    endpoint_id: str | None = Field(default=None, max_length=32)
+    product: Literal["endpoint", "serverless", "fallback-model", "cross-region"]
+    answered_by: str | None = Field(default=None, max_length=32)
+    model: str = Field(max_length=128)
+    served_by: str = Field(max_length=32)
+    region: str = Field(max_length=63)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    status: int
+
+
+class UsageBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    records: list[UsageRecord] = Field(max_length=10000)
+
+
+class UsageBatchOut(BaseModel):
+    received: int
+    new: int

@@ -236,7 +236,7 @@ class LocalDriver:
         device = {"cpu": "cpu", "metal": "mps", "gpu": "cuda"}[kind]
         env = runtimes.clean_env(env) | runtime.env
         meta.update(port=port, url=f"http://127.0.0.1:{port}/v1", runtime=runtime.name,
-                    served_model=spec.model if runtime.served_as_path else spec.workload_id,
+                    served_model=spec.model,
                     detail=f"runtime {runtime.name}")
         d = self.root / spec.id
         return runtimes.command(runtime, self.runtimes, spec.model, spec.workload_id, port, device), env, str(d)

@@ -131,6 +131,30 @@ class ApiKey(Base):
     scopes: Mapped[list[str]] = mapped_column()
     created_at: Mapped[float] = mapped_column(Float)
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    rpm: Mapped[int | None] = mapped_column(Integer, nullable=True)  # requests per minute at the gateway
+    tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)  # tokens per minute at the gateway
+
+
+class TokenUsage(Base):
+    """One inference request as the gateway metered it. ``id`` is the gateway's request id:
+    a batch sent twice (the gateway retries after an outage) is counted once."""
+
+    __tablename__ = "token_usage"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    at: Mapped[float] = mapped_column(Float, index=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    key_id: Mapped[str] = mapped_column(String(32))
+    endpoint: Mapped[str] = mapped_column(String(63))  # the name the request asked for
+    endpoint_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    product: Mapped[str] = mapped_column(String(32))  # endpoint | serverless | fallback-model | cross-region
+    answered_by: Mapped[str | None] = mapped_column(String(32), nullable=True)  # the endpoint that answered
+    model: Mapped[str] = mapped_column(String(128))  # the public name of the model that answered
+    served_by: Mapped[str] = mapped_column(String(32))
+    region: Mapped[str] = mapped_column(String(63))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    status: Mapped[int] = mapped_column(Integer)
 
 
 class IdempotencyRecord(Base):

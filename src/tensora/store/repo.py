@@ -18,6 +18,7 @@ from tensora.store.models import (
     Lease,
     Node,
     Replica,
+    TokenUsage,
     UsageSegment,
     Workload,
 )
@@ -30,6 +31,7 @@ N = cast(Table, Node.__table__)
 K = cast(Table, ApiKey.__table__)
 I = cast(Table, IdempotencyRecord.__table__)  # noqa: E741
 L = cast(Table, Lease.__table__)
+T = cast(Table, TokenUsage.__table__)
 
 # Hot-path statements are built once with bound parameters and executed with a dict of
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
@@ -250,6 +252,43 @@ def revoke_key(conn: Connection, key_id: str, owner: str | None, at: float) -> b
 def count_admin_keys(conn: Connection) -> int:
     rows = conn.execute(select(K.c.scopes).where(K.c.revoked_at.is_(None))).scalars()
     return sum(1 for scopes in rows if "admin" in scopes)
+
+
+# -- gateway: routes and token usage ------------------------------------------------
+
+def gateway_keys(conn: Connection) -> list[dict[str, Any]]:
+    """The keys a gateway checks locally (digests only), so it authenticates without the store."""
+    q = select(K.c.id, K.c.digest, K.c.owner, K.c.scopes, K.c.rpm, K.c.tpm).where(K.c.revoked_at.is_(None))
+    return [dict(r) for r in conn.execute(q.order_by(K.c.id)).mappings()]
+
+
+def serving_endpoints(conn: Connection, region: str) -> list[dict[str, Any]]:
+    q = (select(W).where(W.c.region == region, W.c.kind == "endpoint", W.c.deleted_at.is_(None),
+                         W.c.state.in_(("starting", "running")))
+         .order_by(W.c.id))
+    return [dict(r) for r in conn.execute(q).mappings()]
+
+
+def insert_token_usage(conn: Connection, rows: list[dict[str, Any]]) -> int:
+    """Insert the records not seen before (by id); returns how many were new."""
+    if not rows:
+        return 0
+    ids = [r["id"] for r in rows]
+    seen = set(conn.execute(select(T.c.id).where(T.c.id.in_(ids))).scalars())
+    new = [r for r in {r["id"]: r for r in rows}.values() if r["id"] not in seen]
+    if new:
+        conn.execute(insert(T), new)
+    return len(new)
+
+
+def token_usage(conn: Connection, owner: str | None, since: float, until: float) -> list[dict[str, Any]]:
+    cols = (T.c.owner, T.c.endpoint, T.c.product, T.c.model, T.c.served_by)
+    q = (select(*cols, func.count().label("requests"), func.sum(T.c.prompt_tokens).label("prompt_tokens"),
+                func.sum(T.c.completion_tokens).label("completion_tokens"))
+         .where(T.c.at >= since, T.c.at < until).group_by(*cols).order_by(*cols))
+    if owner is not None:
+        q = q.where(T.c.owner == owner)
+    return [dict(r) for r in conn.execute(q).mappings()]
 
 
 # -- idempotency ----------------------------------------------------------------------

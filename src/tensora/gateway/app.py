@@ -1,0 +1,200 @@
+"""``tensora gateway``: settings, the route table from the control API, and the server.
+
+The route table is polled from the control API (``GET /v1/gateway/routes`` with If-None-Match,
+every ``poll_s``), kept in memory and in ``DATA_DIR/gateway/routes.json``; while the control API
+is down the gateway serves from the last table it has (ADR-0008), from disk after a restart.
+Usage goes back in batches (``metering``); rate limits are in memory, or in Redis with
+``redis_url`` so that several gateways share them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from tensora.gateway.breaker import Policy
+from tensora.gateway.chain import Peer
+from tensora.gateway.limits import Limiter, MemoryLimiter, RedisLimiter
+from tensora.gateway.metering import Meter
+from tensora.gateway.proxy import Gateway, Options
+from tensora.gateway.routes import RouteTable, table_from_json
+
+log = logging.getLogger("tensora.gateway")
+
+
+class PeerSetting(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    region: str
+    url: str = Field(description="the peer gateway's base URL, ending in /v1")
+
+
+class GatewaySettings(BaseModel):
+    """Everything ``tensora gateway`` can be told (config file ``gateway:`` keys, TENSORA_GATEWAY_*, flags)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_dir: Path
+    control_url: str = "http://127.0.0.1:8700"
+    key_file: Path | None = Field(default=None, description="an admin key to read routes and send usage with; "
+                                  "default DATA_DIR/admin-key")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8701, ge=0, le=65535)
+    region: str = "local"
+    poll_s: float = Field(default=1.0, gt=0)
+    ttft_s: float = Field(default=30.0, gt=0, description="per attempt: time to the first token")
+    deadline_s: float = Field(default=120.0, gt=0, description="per request, all attempts together")
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    retry_after_s: int = Field(default=5, ge=1)
+    requests_per_minute: int = Field(default=600, ge=1)
+    tokens_per_minute: int = Field(default=1_000_000, ge=1)
+    default_max_tokens: int = Field(default=256, ge=1)
+    redis_url: str | None = None
+    breaker_consecutive: int = Field(default=5, ge=1)
+    breaker_base_s: float = Field(default=30.0, gt=0)
+    breaker_max_s: float = Field(default=300.0, gt=0)
+    usage_flush_s: float = Field(default=1.0, gt=0)
+    usage_spool_max_bytes: int = Field(default=256 << 20, ge=1 << 16)
+    peers: list[PeerSetting] = Field(default_factory=list)
+    log_level: str = "warning"
+
+    def options(self) -> Options:
+        return Options(region=self.region, ttft_s=self.ttft_s, deadline_s=self.deadline_s,
+                       connect_timeout_s=self.connect_timeout_s, retry_after_s=self.retry_after_s,
+                       rpm=self.requests_per_minute, tpm=self.tokens_per_minute,
+                       default_max_tokens=self.default_max_tokens,
+                       breaker=Policy(self.breaker_consecutive, self.breaker_base_s, self.breaker_max_s),
+                       peers=tuple(Peer(p.region, p.url.rstrip("/")) for p in self.peers))
+
+    @property
+    def dir(self) -> Path:
+        return self.data_dir / "gateway"
+
+
+class RouteSource:
+    """The latest route table: polled from the control API, cached on disk."""
+
+    def __init__(self, control_url: str, key: str, cache: Path, poll_s: float) -> None:
+        self.url = control_url.rstrip("/") + "/v1/gateway/routes"
+        self.key, self.cache, self.poll_s = key, cache, poll_s
+        self.table = RouteTable()
+        self.etag: str | None = None
+        self.fresh_at: float | None = None
+        self.changed = asyncio.Event()
+        if cache.exists():
+            try:
+                self._set(orjson.loads(cache.read_bytes()), save=False)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("route cache %s unreadable (%s); waiting for the control API", cache, exc)
+
+    def _set(self, data: dict[str, Any], save: bool = True) -> None:
+        self.table = table_from_json(data)
+        self.etag = f'"{self.table.version}"'
+        if save:
+            tmp = self.cache.with_suffix(".tmp")
+            tmp.write_bytes(orjson.dumps(data))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.cache)
+        self.changed.set()
+
+    async def poll_once(self, client: httpx.AsyncClient) -> bool:
+        headers = {"authorization": f"Bearer {self.key}"}
+        if self.etag:
+            headers["if-none-match"] = self.etag
+        r = await client.get(self.url, headers=headers)
+        if r.status_code == 304:
+            return False
+        r.raise_for_status()
+        self._set(r.json())
+        return True
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            down = False
+            while True:
+                try:
+                    await self.poll_once(client)
+                    if down:
+                        log.warning("control API back: routes %s", self.table.version)
+                    down = False
+                except Exception as exc:
+                    if not down:
+                        log.warning("control API unreachable (%s): serving routes %s from memory",
+                                    type(exc).__name__, self.table.version or "(none yet)")
+                    down = True
+                await asyncio.sleep(self.poll_s)
+
+
+def read_key(settings: GatewaySettings) -> str:
+    env = os.environ.get("TENSORA_GATEWAY_KEY")
+    if env:
+        return env.strip()
+    path = settings.key_file or settings.data_dir / "admin-key"
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        from tensora.errors import ConfigError
+
+        raise ConfigError(f"cannot read the gateway's key: {exc.strerror}", source=str(path),
+                          field="key_file") from None
+
+
+def build(settings: GatewaySettings) -> Gateway:
+    key = read_key(settings)
+    settings.dir.mkdir(parents=True, exist_ok=True)
+    source = RouteSource(settings.control_url, key, settings.dir / "routes.json", settings.poll_s)
+    usage_url = settings.control_url.rstrip("/") + "/v1/gateway/usage"
+    client: dict[str, httpx.AsyncClient] = {}
+
+    async def send_usage(records: list[dict[str, Any]]) -> bool:
+        r = await client["c"].post(usage_url, content=orjson.dumps({"records": records}),
+                                   headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+        if r.status_code >= 400:
+            log.warning("usage batch refused: %s %s", r.status_code, r.text[:200])
+        return r.status_code < 500 and r.status_code != 429
+
+    meter = Meter(settings.dir / "spool", send_usage, flush_s=settings.usage_flush_s,
+                  max_bytes=settings.usage_spool_max_bytes)
+    limiter: Limiter = RedisLimiter(settings.redis_url) if settings.redis_url else MemoryLimiter()
+    gw = Gateway(settings.options(), lambda: source.table, limiter, meter)
+    tasks: list[asyncio.Task[None]] = []
+
+    async def startup() -> None:
+        client["c"] = httpx.AsyncClient(timeout=10.0)
+        tasks.append(asyncio.create_task(source.run()))
+        tasks.append(asyncio.create_task(meter.run()))
+
+    async def shutdown() -> None:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(meter.flush(), 5)
+        meter.close()
+        await client["c"].aclose()
+        await limiter.close()
+
+    gw.on_startup.append(startup)
+    gw.on_shutdown.append(shutdown)
+    gw.source = source  # type: ignore[attr-defined]
+    return gw
+
+
+def run(settings: GatewaySettings, quiet: bool = False) -> None:
+    import uvicorn
+
+    gw = build(settings)
+    if not quiet:
+            print(f"tensora gateway on http://{settings.host}:{settings.port}/v1  (region {settings.region}, "
+              f"routes from {settings.control_url})", flush=True)
+    uvicorn.run(gw, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+                loop="uvloop", http="httptools", lifespan="on", timeout_graceful_shutdown=10)

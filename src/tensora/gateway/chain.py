@@ -1,0 +1,109 @@
+"""The fallback chain of ADR-0010 part B as a pure plan: which backends to try, in which order.
+
+1. the endpoint's own replicas (its requested class, or any class that is not a CPU fallback);
+2. its CPU replicas, when it accepts CPU fallback;
+3. the serverless shared pool for the same model, when that model is in the curated catalog;
+4. its ``fallback_models``, in order;
+5. peer regions' gateways, only with ``allow_cross_region`` (and never for a request that already
+   hopped, so two regions cannot bounce a request between them);
+6. nothing left: the proxy answers 503 with Retry-After (``Plan.retry_after``).
+
+A backend whose breaker is open is left out at once and listed in ``Plan.skipped``. Within a tier
+the replicas are rotated by ``turn`` so that load spreads. Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from tensora.gateway.routes import EndpointRoute, RouteTable
+
+
+class ServedBy(StrEnum):
+    REPLICA = "replica"
+    CPU = "cpu"
+    SERVERLESS = "serverless"
+    FALLBACK_MODEL = "fallback-model"
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    key: str  # what X-Tensora-Attempts names it by: "<endpoint>/<replica>" or "peer:<region>"
+    base_url: str  # ends in /v1
+    upstream_model: str  # the ``model`` sent upstream
+    model: str  # the public name of the model that answers: what the response's ``model`` says
+    served_by: ServedBy
+    endpoint_id: str  # whose tokens these are (accounting): the endpoint, pool or fallback model
+    region: str
+    ttft_s: float | None = None
+    peer: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    region: str
+    url: str  # the peer gateway's base URL, ending in /v1
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    attempts: tuple[Backend, ...]
+    skipped: tuple[Backend, ...]  # breaker open
+    retry_after: float | None  # the soonest time a skipped backend takes requests again
+
+
+def _rotate(items: Sequence[Backend], turn: int) -> list[Backend]:
+    if not items:
+        return []
+    k = turn % len(items)
+    return [*items[k:], *items[:k]]
+
+
+def _replicas(e: EndpointRoute, served_by: ServedBy, *, cpu: bool | None, model: str) -> list[Backend]:
+    return [Backend(f"{e.name}/{r.id}", r.url, r.upstream_model, model, served_by, e.id, e.region, e.ttft_s)
+            for r in e.replicas if cpu is None or r.cpu == cpu]
+
+
+def tiers(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], *, hopped: bool,
+          turn: int = 0) -> list[list[Backend]]:
+    """Every backend the chain allows, tier by tier, before breakers are looked at."""
+    e = endpoint
+    if e.requested_cpu:  # a CPU endpoint's replicas are its own class, not a fallback
+        own, cpu = _replicas(e, ServedBy.REPLICA, cpu=None, model=e.name), []
+    else:
+        own = _replicas(e, ServedBy.REPLICA, cpu=False, model=e.name)
+        cpu = _replicas(e, ServedBy.CPU, cpu=True, model=e.name) if e.cpu_fallback else []
+    pool: list[Backend] = []
+    if not e.serverless and e.model:
+        for s in table.serverless_by_model.get(e.model, ()):
+            pool += _replicas(s, ServedBy.SERVERLESS, cpu=None, model=s.name)
+    fallbacks: list[list[Backend]] = []
+    for name in e.fallback_models:
+        f = table.resolve(e.owner, name)
+        if f is not None and f.id != e.id:
+            fallbacks.append(_rotate(_replicas(f, ServedBy.FALLBACK_MODEL, cpu=None, model=f.name), turn))
+    remote: list[Backend] = []
+    if e.allow_cross_region and not hopped:
+        remote = [Backend(f"peer:{p.region}", p.url, e.name, e.name, ServedBy.REPLICA, e.id, p.region, e.ttft_s,
+                          peer=True) for p in peers if p.region != e.region]
+    return [_rotate(own, turn), _rotate(cpu, turn), _rotate(pool, turn), *fallbacks, remote]
+
+
+def plan(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], open_until: Callable[[str], float | None],
+         *, hopped: bool = False, turn: int = 0) -> Plan:
+    """The attempts in order. ``open_until(key)``: when that backend's open breaker lets a probe
+    through again, or None when it takes requests now (closed, or half-open)."""
+    attempts: list[Backend] = []
+    skipped: list[Backend] = []
+    soonest: float | None = None
+    for tier in tiers(endpoint, table, peers, hopped=hopped, turn=turn):
+        for b in tier:
+            until = open_until(b.key)
+            if until is None:
+                attempts.append(b)
+            else:
+                skipped.append(b)
+                soonest = until if soonest is None else min(soonest, until)
+    return Plan(tuple(attempts), tuple(skipped), soonest)

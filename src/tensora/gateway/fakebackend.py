@@ -1,0 +1,188 @@
+"""A fast fake OpenAI-compatible backend, for fault injection and the gateway benchmark.
+
+``python -m tensora.gateway.fakebackend --port N --name r1 [--mode ok] [--chunks 20]``. It answers
+``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE) and ``GET /v1/models``, and misbehaves
+on purpose by mode: ``http_500``, ``http_503``, ``http_429``, ``http_400``, ``close`` (drops the
+connection), ``stall_head`` (never answers), ``stall_after_headers`` (a 200 stream with no event),
+``die_mid_stream`` (three content events, then the connection drops), ``no_done`` (a stream with
+no ``[DONE]``, as transformers serve sends). ``POST /_mode {"mode": ...}`` changes the mode live;
+``GET /_stats`` counts requests. Raw asyncio and httptools: it must be much faster than what it
+is put behind, or the benchmark measures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import httptools
+import orjson
+
+MODES = ("ok", "http_500", "http_503", "http_429", "http_400", "close", "stall_head", "stall_after_headers",
+         "die_mid_stream", "no_done")
+
+
+class State:
+    def __init__(self, name: str, mode: str, chunks: int) -> None:
+        self.name, self.mode, self.chunks = name, mode, chunks
+        self.requests = 0
+
+
+def _json(status: int, obj: Any, extra: bytes = b"") -> bytes:
+    body = orjson.dumps(obj)
+    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 429: b"Too Many Requests",
+              500: b"Internal Server Error", 503: b"Service Unavailable"}.get(status, b"X")
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
+            % (status, reason, len(body), extra)) + body
+
+
+class _Proto(asyncio.Protocol):
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.body: list[bytes] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        url, body = self.url, b"".join(self.body)
+        self.url, self.body = b"", []
+        method = self.parser.get_method()
+        t = asyncio.get_running_loop().create_task(self.handle(method, url, body))
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    async def handle(self, method: bytes, url: bytes, body: bytes) -> None:
+        s = self.state
+        if url == b"/_mode":
+            s.mode = orjson.loads(body)["mode"]
+            self.write(_json(200, {"mode": s.mode}))
+            return
+        if url == b"/_stats":
+            self.write(_json(200, {"requests": s.requests, "mode": s.mode, "name": s.name}))
+            return
+        if url == b"/v1/models":
+            self.write(_json(200, {"object": "list", "data": [{"id": s.name, "object": "model"}]}))
+            return
+        s.requests += 1
+        mode = s.mode
+        if mode == "close":
+            assert self.transport is not None
+            self.transport.close()
+            return
+        if mode == "stall_head":
+            await asyncio.sleep(3600)
+            return
+        if mode.startswith("http_"):
+            code = int(mode[5:])
+            self.write(_json(code, {"error": {"message": f"{s.name} says {code}", "type": "server_error",
+                                              "code": code}}))
+            return
+        req = orjson.loads(body) if body else {}
+        model = req.get("model", s.name)
+        chat = url.endswith(b"/chat/completions")
+        n = int(req.get("max_tokens") or s.chunks)
+        n = min(n, s.chunks)
+        created = int(time.time())
+        if not req.get("stream"):
+            text = " ".join(["tok"] * n)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": f"{s.name}: {text}"},
+                       "finish_reason": "stop"} if chat else {"index": 0, "text": f"{s.name}: {text}",
+                                                              "finish_reason": "stop"})
+            self.write(_json(200, {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
+                                   "created": created, "model": model, "choices": [choice],
+                                   "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}},
+                             b"x-backend: " + s.name.encode() + b"\r\n"))
+            return
+        self.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+                   b"x-backend: " + s.name.encode() + b"\r\n\r\n")
+        if mode == "stall_after_headers":
+            await asyncio.sleep(3600)
+            return
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(payload: bytes) -> None:
+            ev = b"data: " + payload + b"\n\n"
+            self.write(b"%x\r\n%s\r\n" % (len(ev), ev))
+
+        def delta(content: str | None, finish: str | None = None, role: bool = False) -> bytes:
+            if chat:
+                d: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                    {"content": content} if content is not None else {})
+                c: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": content or "", "finish_reason": finish}
+            return orjson.dumps({"id": "cmpl-1", "object": obj, "created": created, "model": model, "choices": [c]})
+
+        if chat:
+            chunk(delta(None, role=True))
+        for i in range(n):
+            if mode == "die_mid_stream" and i == 3:
+                await asyncio.sleep(0.01)
+                assert self.transport is not None
+                self.transport.close()
+                return
+            chunk(delta(f"{s.name}:{i} " if i == 0 else "tok "))
+        chunk(delta(None, "stop"))
+        opts = req.get("stream_options") or {}
+        if opts.get("include_usage"):
+            chunk(orjson.dumps({"id": "cmpl-1", "object": obj, "created": created, "model": model, "choices": [],
+                                "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}}))
+        if mode != "no_done":
+            chunk(b"[DONE]")
+        self.write(b"0\r\n\r\n")
+
+
+async def serve(port: int, name: str, mode: str, chunks: int, host: str = "127.0.0.1") -> None:
+    state = State(name, mode, chunks)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Proto(state), host, port, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--name", default="fake")
+    ap.add_argument("--mode", default="ok", choices=MODES)
+    ap.add_argument("--chunks", type=int, default=20)
+    a = ap.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(a.port, a.name, a.mode, a.chunks))
+
+
+if __name__ == "__main__":
+    main()

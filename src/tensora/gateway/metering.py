@@ -1,0 +1,98 @@
+"""Token usage records: written to a spool on disk at once, sent to the control API in batches.
+
+Each record is appended (one JSON line) to ``spool/current.jsonl`` when its request ends, so a
+crash of the gateway loses nothing that was answered. Every ``flush_s`` the current file is
+closed and renamed to a numbered batch, and batches are sent oldest first; a batch is deleted
+only after the control API has taken it. The control API ignores record ids it has seen, so a
+batch sent twice (the answer was lost) is counted once. While the control API is down batches
+pile up, bounded by ``max_bytes``: past it the oldest batch is dropped, and that is counted in
+``dropped`` and logged (the only way a record is ever lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+log = logging.getLogger("tensora.gateway")
+
+Send = Callable[[list[dict[str, Any]]], Awaitable[bool]]
+
+
+class Meter:
+    def __init__(self, spool: Path, send: Send, *, flush_s: float = 1.0, max_bytes: int = 256 << 20) -> None:
+        self.dir = Path(spool)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.send, self.flush_s, self.max_bytes = send, flush_s, max_bytes
+        self._file: IO[bytes] | None = None
+        self._count = 0
+        self.sent = 0
+        self.dropped = 0
+        self._seq = int(time.time() * 1000)
+
+    @property
+    def current(self) -> Path:
+        return self.dir / "current.jsonl"
+
+    def record(self, rec: dict[str, Any]) -> None:
+        if self._file is None:
+            self._file = open(self.current, "ab")  # noqa: SIM115 (kept open between records)
+        self._file.write(orjson.dumps(rec) + b"\n")
+        self._file.flush()  # in the OS's hands: a crash of this process loses nothing
+        self._count += 1
+
+    def _rotate(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.current.exists() and self.current.stat().st_size > 0:
+            self._seq += 1
+            os.replace(self.current, self.dir / f"batch-{self._seq:016d}.jsonl")
+        self._count = 0
+
+    def batches(self) -> list[Path]:
+        return sorted(self.dir.glob("batch-*.jsonl"))
+
+    def _bound(self) -> None:
+        files = self.batches()
+        total = sum(f.stat().st_size for f in files)
+        while files and total > self.max_bytes:
+            f = files.pop(0)
+            n = sum(1 for _ in f.open("rb"))
+            total -= f.stat().st_size
+            f.unlink()
+            self.dropped += n
+            log.error("usage spool over %d bytes: dropped %d records of %s", self.max_bytes, n, f.name)
+
+    async def flush(self) -> None:
+        """Rotate, then send what is spooled, oldest first; stops at the first batch not taken."""
+        self._rotate()
+        self._bound()
+        for f in self.batches():
+            records = [orjson.loads(line) for line in f.read_bytes().splitlines() if line.strip()]
+            try:
+                ok = await self.send(records)
+            except Exception as exc:  # the control API is down or slow: keep the batch for later
+                log.warning("usage batch %s not sent (%s); kept for later", f.name, type(exc).__name__)
+                ok = False
+            if not ok:
+                return
+            f.unlink()
+            self.sent += len(records)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._rotate()

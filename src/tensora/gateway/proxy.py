@@ -1,0 +1,530 @@
+"""The gateway's request path: check the key, admit against the rate limits, walk the chain.
+
+A raw ASGI app (no framework on the hot path: a request costs one JSON parse and one dump of
+its body, and one per streamed event). Steps of a request:
+
+1. authenticate (the key's digest against the route table; 401/403 in OpenAI's error shape);
+2. read and check the body; resolve ``model`` to the caller's endpoint or a serverless model;
+3. admit: one request and its token reservation against the key's per-minute windows (429);
+4. plan the chain (``chain.plan``: pure) and walk it within one deadline budget; every attempt
+   has a time-to-first-token deadline, and a failure before the first token moves on;
+5. answer with what really served it (headers, and ``model`` in the body); settle the token
+   reservation; meter the usage. Nothing left to try: 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from tensora import apikeys
+from tensora.gateway import chain, sse
+from tensora.gateway.breaker import Breaker, Policy, State
+from tensora.gateway.chain import Backend, Peer, ServedBy
+from tensora.gateway.limits import Limiter, Quota
+from tensora.gateway.metering import Meter
+from tensora.gateway.routes import EndpointRoute, KeyRoute, RouteTable
+from tensora.gateway.upstream import Client, Response, UpstreamError
+
+log = logging.getLogger("tensora.gateway")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_PATHS = {"/v1/chat/completions": "/chat/completions", "/v1/completions": "/completions"}
+_JSON = (b"content-type", b"application/json")
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_RID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+HOP = b"x-tensora-hop"
+
+
+@dataclass
+class Options:
+    region: str = "local"
+    ttft_s: float = 30.0  # per attempt: until the first token (streams) or the response head
+    deadline_s: float = 120.0  # per request, all attempts together
+    connect_timeout_s: float = 2.0
+    retry_after_s: int = 5  # a 503 with no breaker to wait for
+    rpm: int = 600  # a key's limits unless the key says otherwise
+    tpm: int = 1_000_000
+    default_max_tokens: int = 256  # reserved when a request gives no max_tokens
+    max_body_bytes: int = 8 << 20
+    breaker: Policy = field(default_factory=Policy)
+    peers: tuple[Peer, ...] = ()
+
+
+class Failed(Exception):
+    """An attempt that did not work out; the chain moves on."""
+
+    def __init__(self, kind: str, *, breaker: bool = True) -> None:
+        super().__init__(kind)
+        self.kind, self.breaker = kind, breaker
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+@dataclass(slots=True)
+class Served:
+    backend: Backend
+    served_by: str
+    region: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    status: int = 200
+
+
+class Gateway:
+    def __init__(self, options: Options, table: Callable[[], RouteTable], limiter: Limiter, meter: Meter | None,
+                 *, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self.o = options
+        self.table = table
+        self.limiter = limiter
+        self.meter = meter
+        self.clock, self.wall = clock, wall
+        self.client = Client(options.connect_timeout_s)
+        self.breakers: dict[str, Breaker] = {}
+        self._turn = 0
+        self.on_startup: list[Callable[[], Awaitable[None]]] = []
+        self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
+
+    # -- ASGI -----------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        rid = _request_id(scope)
+        path, method = scope["path"], scope["method"]
+        try:
+            if path in _PATHS:
+                if method != "POST":
+                    await self._error(send, rid, 405, "use POST", "invalid_request_error")
+                    return
+                await self._infer(scope, receive, send, rid, _PATHS[path])
+            elif path == "/v1/models" and method == "GET":
+                await self._models(scope, send, rid)
+            elif path in ("/healthz", "/readyz"):
+                await self._send(send, 200, orjson.dumps({"status": "ok", "routes": self.table().version}), rid)
+            else:
+                await self._error(send, rid, 404, f"no route {method} {path}", "invalid_request_error",
+                                  "not_found")
+        except Exception:  # a bug: answer as OpenAI would rather than drop the connection
+            log.exception("gateway request %s failed", rid)
+            with contextlib.suppress(Exception):
+                await self._error(send, rid, 500, "internal gateway error", "server_error")
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                for fn in self.on_startup:
+                    await fn()
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                for fn in self.on_shutdown:
+                    with contextlib.suppress(Exception):
+                        await fn()
+                self.client.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _send(self, send: Send, status: int, body: bytes, rid: str,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        h = [_JSON, (b"x-request-id", rid.encode()), (b"x-tensora-region", self.o.region.encode())]
+        await send({"type": "http.response.start", "status": status, "headers": h + (headers or [])})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _error(self, send: Send, rid: str, status: int, message: str, type_: str, code: str | None = None,
+                     param: str | None = None, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        await self._send(send, status, error_body(message, type_, code, param), rid, headers)
+
+    # -- step 1: who is calling -------------------------------------------------------------
+
+    def _key(self, scope: Scope, table: RouteTable) -> KeyRoute | tuple[int, str, str]:
+        auth = _header(scope, b"authorization")
+        if auth is None or auth[:7].lower() != b"bearer ":
+            return 401, "missing API key: send Authorization: Bearer <key>", "invalid_api_key"
+        secret = auth[7:].strip().decode("latin-1")
+        if not apikeys.well_formed(secret):
+            return 401, "Incorrect API key provided", "invalid_api_key"
+        key = table.keys.get(apikeys.digest(secret))  # a digest of a random secret: its lookup leaks nothing
+        if key is None:
+            return 401, "Incorrect API key provided", "invalid_api_key"
+        if not apikeys.allows(key.scopes, "inference"):
+            return 403, "this key lacks the 'inference' scope", "insufficient_scope"
+        return key
+
+    async def _models(self, scope: Scope, send: Send, rid: str) -> None:
+        table = self.table()
+        key = self._key(scope, table)
+        if not isinstance(key, KeyRoute):
+            status, message, code = key
+            await self._error(send, rid, status, message, "invalid_request_error", code)
+            return
+        data = [{"id": e.name, "object": "model", "created": 0,
+                 "owned_by": "tensora-serverless" if e.serverless else e.owner} for e in table.visible(key.owner)]
+        await self._send(send, 200, orjson.dumps({"object": "list", "data": data}), rid)
+
+    # -- steps 2-5 ----------------------------------------------------------------------------
+
+    async def _infer(self, scope: Scope, receive: Receive, send: Send, rid: str, path: str) -> None:
+        table = self.table()
+        key = self._key(scope, table)
+        if not isinstance(key, KeyRoute):
+            status, message, code = key
+            await self._error(send, rid, status, message, "invalid_request_error", code)
+            return
+        raw = await _read_body(receive, self.o.max_body_bytes)
+        if raw is None:
+            await self._error(send, rid, 413, f"the body is over {self.o.max_body_bytes} bytes",
+                              "invalid_request_error")
+            return
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            await self._error(send, rid, 400, "the body must be a JSON object", "invalid_request_error")
+            return
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            await self._error(send, rid, 400, "model is required: an endpoint's name", "invalid_request_error",
+                              "missing_model", "model")
+            return
+        endpoint = table.resolve(key.owner, name)
+        if endpoint is None:
+            await self._error(send, rid, 404, f"The model '{name}' does not exist or you do not have access to it.",
+                              "invalid_request_error", "model_not_found", "model")
+            return
+        stream = body.get("stream") is True
+        opts = body.get("stream_options")
+        client_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
+
+        # step 3: admission, tokens reserved
+        reserve = _estimate(body, self.o.default_max_tokens)
+        quota = Quota(key.rpm or self.o.rpm, key.tpm or self.o.tpm)
+        if reserve > quota.tpm:
+            await self._error(send, rid, 429, f"this request reserves {reserve} tokens (prompt + max_tokens), more "
+                              f"than this key's {quota.tpm} per minute: lower max_tokens", "tokens",
+                              "rate_limit_exceeded", "max_tokens")
+            return
+        adm = await self.limiter.admit(key.id, quota, reserve, self.wall())
+        limit_headers = adm.headers()
+        if not adm.ok:
+            await self._error(send, rid, 429, f"Rate limit reached for {adm.reason} per minute: limit "
+                              f"{quota.rpm if adm.reason == 'requests' else quota.tpm}; retry after "
+                              f"{adm.retry_after} s", adm.reason, "rate_limit_exceeded",
+                              headers=[(b"retry-after", str(adm.retry_after).encode()), *limit_headers])
+            return
+
+        # step 4: the chain
+        served: Served | None = None
+        try:
+            served = await self._walk(scope, send, rid, path, key, endpoint, body, stream, client_usage,
+                                      limit_headers)
+        finally:
+            used = served.prompt_tokens + served.completion_tokens if served is not None else 0
+            await self.limiter.settle(key.id, adm.window, reserve, used)
+        if served is not None and self.meter is not None:
+            b = served.backend
+            product = ("cross-region" if b.peer else "serverless" if served.served_by == ServedBy.SERVERLESS
+                       else "fallback-model" if served.served_by == ServedBy.FALLBACK_MODEL else "endpoint")
+            self.meter.record({
+                "id": rid, "at": self.wall(), "owner": key.owner, "key_id": key.id, "endpoint": endpoint.name,
+                "endpoint_id": endpoint.id, "product": product, "answered_by": b.endpoint_id, "model": b.model,
+                "served_by": served.served_by, "region": served.region, "prompt_tokens": served.prompt_tokens,
+                "completion_tokens": served.completion_tokens, "status": served.status})
+
+    def _breaker(self, key: str) -> Breaker:
+        b = self.breakers.get(key)
+        if b is None:
+            b = self.breakers[key] = Breaker(self.o.breaker)
+        return b
+
+    def _open_until(self, now: float) -> Callable[[str], float | None]:
+        def open_until(key: str) -> float | None:
+            b = self.breakers.get(key)
+            return b.retry_at(now) if b is not None else None
+        return open_until
+
+    async def _walk(self, scope: Scope, send: Send, rid: str, path: str, key: KeyRoute, endpoint: EndpointRoute,
+                    body: dict[str, Any], stream: bool, client_usage: bool,
+                    limit_headers: list[tuple[bytes, bytes]]) -> Served | None:
+        start = self.clock()
+        deadline = start + self.o.deadline_s
+        self._turn += 1
+        plan = chain.plan(endpoint, self.table(), self.o.peers, self._open_until(start),
+                          hopped=_header(scope, HOP) is not None, turn=self._turn)
+        attempts: list[str] = []
+        auth = _header(scope, b"authorization") or b""
+        for b in plan.attempts:
+            now = self.clock()
+            if now >= deadline:
+                attempts.append(f"{b.key}:deadline")
+                break
+            breaker = self._breaker(b.key)
+            if not breaker.allow(now):  # opened meanwhile, or half-open with its one probe out
+                attempts.append(f"{b.key}:breaker_open")
+                continue
+            ttft = min(b.ttft_s or self.o.ttft_s, deadline - now)
+            try:
+                served = await self._attempt(send, rid, path, b, body, stream, client_usage, attempts, ttft,
+                                             deadline, auth, limit_headers)
+            except Failed as f:
+                attempts.append(f"{b.key}:{f.kind}")
+                if f.breaker:
+                    breaker.failure(self.clock())
+                else:
+                    breaker.release()
+                continue
+            breaker.success(self.clock())
+            return served
+        attempts += [f"{b.key}:breaker_open" for b in plan.skipped]
+        now = self.clock()
+        soonest = [t for t in (self.breakers[b.key].retry_at(now) for b in (*plan.attempts, *plan.skipped)
+                               if b.key in self.breakers) if t is not None]
+        retry = max(1, math.ceil(min(soonest) - now)) if soonest else self.o.retry_after_s
+        what = "no replica of it is ready" if not attempts else "every backend failed or is cooling down"
+        await self._error(send, rid, 503, f"{endpoint.name} cannot serve now: {what}; retry after {retry} s",
+                          "server_error", "service_unavailable", headers=[
+                              (b"retry-after", str(retry).encode()), (b"x-tensora-fallback", b"false"),
+                              (b"x-tensora-attempts", ",".join(attempts).encode()), *limit_headers])
+        return None
+
+    async def _attempt(self, send: Send, rid: str, path: str, b: Backend, body: dict[str, Any], stream: bool,
+                       client_usage: bool, attempts: list[str], ttft: float, deadline: float, auth: bytes,
+                       limit_headers: list[tuple[bytes, bytes]]) -> Served:
+        up = dict(body)
+        up["model"] = b.upstream_model
+        headers = [("x-request-id", rid)]
+        if b.peer:
+            headers += [("authorization", auth.decode("latin-1")), (HOP.decode(), self.o.region)]
+        if stream:
+            opts = body.get("stream_options")
+            up["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+        first_by = self.clock() + ttft
+        try:
+            resp = await self.client.post(b.base_url, path, orjson.dumps(up), headers, ttft)
+        except UpstreamError as exc:
+            raise Failed(exc.kind) from None
+        try:
+            if resp.status != 200:
+                return await self._not_ok(send, rid, b, resp, deadline, attempts, limit_headers)
+            if stream:
+                return await self._stream(send, rid, b, resp, client_usage, attempts, first_by, deadline,
+                                          limit_headers)
+            return await self._whole(send, rid, b, resp, attempts, deadline, limit_headers)
+        finally:
+            resp.release()
+
+    def _headers(self, b: Backend, resp: Response, attempts: list[str], ok: str,
+                 limit_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], str, str]:
+        served_by, region = b.served_by.value, b.region
+        if b.peer:  # the peer says what served it there
+            served_by = (resp.header(b"x-tensora-served-by") or b"replica").decode("latin-1")
+            region = (resp.header(b"x-tensora-region") or b.region.encode()).decode("latin-1")
+        fallback = b.peer or b.served_by is not ServedBy.REPLICA
+        trail = ",".join([*attempts, f"{b.key}:{ok}"])
+        return [(b"x-tensora-served-by", served_by.encode()),
+                (b"x-tensora-fallback", b"true" if fallback else b"false"),
+                (b"x-tensora-attempts", trail.encode()), *limit_headers], served_by, region
+
+    async def _not_ok(self, send: Send, rid: str, b: Backend, resp: Response, deadline: float, attempts: list[str],
+                      limit_headers: list[tuple[bytes, bytes]]) -> Served:
+        status = resp.status
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(max(0.0, min(deadline - self.clock(), 2.0))):
+                data = await resp.read()
+        if status >= 500:
+            raise Failed(f"http_{status}")
+        if status == 429:  # busy, not broken: move on, without counting against its breaker
+            raise Failed("http_429", breaker=False)
+        # a client error (400, 422...): the same request fails everywhere; pass it through as is
+        headers, served_by, region = self._headers(b, resp, attempts, f"http_{status}", limit_headers)
+        await send({"type": "http.response.start", "status": status, "headers": [
+            _JSON, (b"x-request-id", rid.encode()), (b"x-tensora-region", region.encode()), *headers]})
+        await send({"type": "http.response.body", "body": data})
+        return Served(b, served_by, region, status=status)
+
+    async def _whole(self, send: Send, rid: str, b: Backend, resp: Response, attempts: list[str], deadline: float,
+                     limit_headers: list[tuple[bytes, bytes]]) -> Served:
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self.clock())):
+                data = await resp.read()
+        except TimeoutError:
+            raise Failed("timeout") from None
+        except UpstreamError as exc:
+            raise Failed(exc.kind) from None
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise Failed("bad_response") from None
+        if not isinstance(obj, dict):
+            raise Failed("bad_response")
+        obj["model"] = b.model
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            usage = {}
+        headers, served_by, region = self._headers(b, resp, attempts, "ok", limit_headers)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            _JSON, (b"x-request-id", rid.encode()), (b"x-tensora-region", region.encode()), *headers]})
+        await send({"type": "http.response.body", "body": orjson.dumps(obj)})
+        return Served(b, served_by, region, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+
+    async def _stream(self, send: Send, rid: str, b: Backend, resp: Response, client_usage: bool,
+                      attempts: list[str], first_by: float, deadline: float,
+                      limit_headers: list[tuple[bytes, bytes]]) -> Served:
+        """Hold the status until the first content event: a failure before it moves on (a real
+        503 or 429 later, never a 200 with an empty stream); a failure after it ends the stream
+        with an error event, never splicing another model's output in."""
+        events = sse.Events()
+        held: list[bytes] = []
+        sending = False  # the head is out: from here a failure ends the stream with an error event
+        served = Served(b, b.served_by.value, b.region)
+        content = counted = 0
+        done = False
+        while not done:
+            try:
+                async with asyncio.timeout(max(0.0, (deadline if sending else first_by) - self.clock())):
+                    chunk = await resp.next_chunk()
+            except (TimeoutError, UpstreamError) as exc:
+                kind = exc.kind if isinstance(exc, UpstreamError) else "timeout"
+                if not sending:
+                    raise Failed(kind) from None
+                await send({"type": "http.response.body", "body": sse.event(error_body(
+                    f"the model server failed mid-stream ({kind}); the answer is incomplete", "server_error",
+                    "upstream_failed")) + sse.event(sse.DONE), "more_body": False})
+                served.status = 502
+                served.completion_tokens = served.completion_tokens or counted
+                return served
+            if chunk is None:
+                done = True
+            out: list[bytes] = []
+            for p in events.feed(chunk) if chunk is not None else events.tail():
+                if p == sse.DONE:
+                    done = True
+                    break
+                try:
+                    obj = orjson.loads(p)
+                except orjson.JSONDecodeError:
+                    continue
+                if not isinstance(obj, dict):
+                    continue
+                if "error" in obj and not sending:
+                    raise Failed("stream_error")
+                usage, choices = obj.get("usage"), obj.get("choices")
+                if isinstance(usage, dict) and not choices:  # the usage chunk the gateway asked for
+                    served.prompt_tokens = _int(usage.get("prompt_tokens"))
+                    served.completion_tokens = _int(usage.get("completion_tokens"))
+                    if not client_usage:
+                        continue
+                elif usage is None and not client_usage:
+                    obj.pop("usage", None)
+                if "model" in obj:
+                    obj["model"] = b.model
+                has = _has_content(choices)
+                content |= has
+                counted += has
+                out.append(sse.event(orjson.dumps(obj)))
+            if done:
+                out.append(sse.event(sse.DONE))  # always, even when the runtime leaves it out
+            if not sending:
+                held += out
+                if not (content or done):
+                    continue
+                headers, served.served_by, served.region = self._headers(b, resp, attempts, "ok", limit_headers)
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    *_SSE, (b"x-request-id", rid.encode()), (b"x-tensora-region", served.region.encode()), *headers]})
+                sending, out, held = True, held, []
+            if out or done:
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": not done})
+        served.completion_tokens = served.completion_tokens or counted
+        return served
+
+
+def _has_content(choices: Any) -> int:
+    if not isinstance(choices, list):
+        return 0
+    for c in choices:
+        if not isinstance(c, dict):
+            continue
+        if c.get("finish_reason") or c.get("text"):
+            return 1
+        delta = c.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")
+                                        or delta.get("reasoning_content")):
+            return 1
+    return 0
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and v >= 0 else 0
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v  # type: ignore[no-any-return]
+    return None
+
+
+def _request_id(scope: Scope) -> str:
+    given = _header(scope, b"x-request-id")
+    if given is not None:
+        rid = given.decode("latin-1")
+        if _RID.match(rid):
+            return rid
+    return "req_" + secrets.token_hex(12)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not msg.get("more_body"):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _estimate(body: dict[str, Any], default_max: int) -> int:
+    """Tokens to reserve: the prompt at ~4 characters a token, plus what the answer may take."""
+    chars = 0
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        for m in msgs:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                chars += len(c) + 16
+            elif isinstance(c, list):
+                chars += sum(len(p.get("text", "")) for p in c if isinstance(p, dict)) + 16
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        chars += sum(len(p) for p in prompt if isinstance(p, str))
+    most = body.get("max_completion_tokens") or body.get("max_tokens")
+    answer = most if isinstance(most, int) and most > 0 else default_max
+    return chars // 4 + 1 + answer
+
+
+__all__ = ["Failed", "Gateway", "Options", "State"]

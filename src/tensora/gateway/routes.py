@@ -1,0 +1,86 @@
+"""The route table: what the gateway knows of endpoints, replicas, keys and peers.
+
+It comes from the control API (``GET /v1/gateway/routes``), is kept in memory and written to
+disk, and the gateway serves from the last one it has while the control API is down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRoute:
+    id: str
+    url: str  # the runtime's OpenAI base URL, ending in /v1
+    cls: str
+    cpu: bool  # placed on a CPU class
+    upstream_model: str  # the model id this runtime answers to
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointRoute:
+    id: str
+    name: str
+    owner: str
+    region: str
+    model: str | None  # the model's path: the serverless pool is matched by it
+    requested_cpu: bool  # the endpoint asked for a CPU class (its CPU replicas are not a fallback)
+    cpu_fallback: bool  # it accepts CPU classes in its fallback list
+    fallback_models: tuple[str, ...] = ()
+    allow_cross_region: bool = False
+    serverless: bool = False  # operator-run, shared by all users
+    ttft_s: float | None = None  # time-to-first-token deadline per attempt; None: the gateway's default
+    replicas: tuple[ReplicaRoute, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRoute:
+    id: str
+    owner: str
+    scopes: tuple[str, ...]
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTable:
+    version: str = ""
+    region: str = ""
+    endpoints: tuple[EndpointRoute, ...] = ()
+    keys: Mapping[str, KeyRoute] = field(default_factory=dict)  # by key digest
+    by_name: Mapping[tuple[str, str], EndpointRoute] = field(default_factory=dict)  # (owner, name)
+    serverless: Mapping[str, EndpointRoute] = field(default_factory=dict)  # by public name
+    serverless_by_model: Mapping[str, tuple[EndpointRoute, ...]] = field(default_factory=dict)
+
+    def resolve(self, owner: str, name: str) -> EndpointRoute | None:
+        """What ``model`` names for this caller: its own endpoint first, then a serverless model."""
+        return self.by_name.get((owner, name)) or self.serverless.get(name)
+
+    def visible(self, owner: str) -> list[EndpointRoute]:
+        own = [e for e in self.endpoints if e.owner == owner and not e.serverless]
+        return own + list(self.serverless.values())
+
+
+def table_from_json(data: Mapping[str, Any]) -> RouteTable:
+    endpoints = tuple(
+        EndpointRoute(
+            id=e["id"], name=e["name"], owner=e["owner"], region=e["region"], model=e.get("model"),
+            requested_cpu=bool(e.get("requested_cpu")), cpu_fallback=bool(e.get("cpu_fallback")),
+            fallback_models=tuple(e.get("fallback_models") or ()), allow_cross_region=bool(e.get("allow_cross_region")),
+            serverless=bool(e.get("serverless")), ttft_s=e.get("ttft_s"),
+            replicas=tuple(ReplicaRoute(r["id"], r["url"].rstrip("/"), r["cls"], bool(r["cpu"]), r["upstream_model"])
+                           for r in e.get("replicas") or ()))
+        for e in data.get("endpoints") or ())
+    keys = {k["digest"]: KeyRoute(k["id"], k["owner"], tuple(k["scopes"]), k.get("rpm"), k.get("tpm"))
+            for k in data.get("keys") or ()}
+    serverless = {e.name: e for e in endpoints if e.serverless}
+    by_model: dict[str, list[EndpointRoute]] = {}
+    for e in serverless.values():
+        if e.model:
+            by_model.setdefault(e.model, []).append(e)
+    return RouteTable(version=str(data.get("version", "")), region=str(data.get("region", "")), endpoints=endpoints,
+                      keys=keys, by_name={(e.owner, e.name): e for e in endpoints if not e.serverless},
+                      serverless=serverless, serverless_by_model={m: tuple(v) for m, v in by_model.items()})

@@ -140,8 +140,15 @@ def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) ->
     c.run_once()
     v = view(db, ep)
     assert (v["state"], v["placed_class"], v["conditions"]) == ("running", "l40s-48gb", [])
+    # the old replica is out of the routes but keeps serving what is in flight for drain_s, then stops
     assert sorted((r["class"], r["role"], r["state"]) for r in v["replicas"]) == [
-        ("cpu-16c-64g", "draining", "stopping"), ("l40s-48gb", "primary", "running")]
+        ("cpu-16c-64g", "draining", "running"), ("l40s-48gb", "primary", "running")]
+    clock.advance(4.9)
+    c.run_once()
+    assert ("cpu-16c-64g", "draining", "running") in [(r["class"], r["role"], r["state"]) for r in view(db, ep)[
+        "replicas"]]
+    clock.advance(0.1)
+    c.run_once()
     c.run_once()
     assert [(r["class"], r["role"]) for r in view(db, ep)["replicas"]] == [("l40s-48gb", "primary")]
 
@@ -150,12 +157,14 @@ def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) ->
         placed_reason,
         "running on cpu-16c-64g at cpu-1",
         "moving back to l40s-48gb from cpu-16c-64g: l40s-48gb has capacity again",
-        "moved back to l40s-48gb: replica ready at gpu-l40s-1, traffic shifted, stopping the cpu-16c-64g replica",
+        "moved back to l40s-48gb: replica ready at gpu-l40s-1, traffic shifted, draining the cpu-16c-64g replica "
+        "(5 s for requests in flight)",
+        "drained: stopping the cpu-16c-64g replica at cpu-1",
     ]
     # usage by placed_class: the move split the endpoint's time in two segments
     mine = [(s["placed_class"], s["started_at"] - T0, None if s["ended_at"] is None else s["ended_at"] - T0)
             for s in segments(db) if s["workload_id"] == ep]
-    assert mine == [("cpu-16c-64g", 600.0, 660.0), ("l40s-48gb", 630.0, None)]
+    assert mine == [("cpu-16c-64g", 600.0, 665.0), ("l40s-48gb", 630.0, None)]
     assert get(db, a100_user)["state"] == "running"
 
 

@@ -70,7 +70,7 @@ class Controller:
 
     def __init__(self, db: Database, driver: Driver, catalog: Catalog, *, region: str = "local",
                  clock: Clock | None = None, policy: Policy | None = None, holder: str | None = None,
-                 lease_ttl_s: float = 15.0, tick_s: float = 2.0, min_gap_s: float = 0.02,
+                 lease_ttl_s: float = 15.0, tick_s: float = 2.0, min_gap_s: float = 0.02, drain_s: float = 5.0,
                  reserves: dict[str, GpuReserve] | None = None) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
         self.clock = clock or SystemClock()
@@ -78,6 +78,7 @@ class Controller:
         self.holder = holder or f"controller-{uuid.uuid4().hex[:12]}"
         self.lease_name = f"controller/{region}"
         self.lease_ttl_s, self.tick_s, self.min_gap_s = lease_ttl_s, tick_s, min_gap_s
+        self.drain_s = drain_s  # a replica replaced by a move back serves its in-flight requests this long
         self.starting_tick_s = 0.5
         self.reserves = reserves
         self._wake = threading.Event()
@@ -219,7 +220,7 @@ class Controller:
                 continue
             seen = observed.get(r["id"])
             transitions += self._reconcile_replica(conn, w, r, seen, by_workload[w["id"]], now, fx)
-            self._starting += r["state"] in ("starting", "stopping")
+            self._starting += r["state"] in ("starting", "stopping") or r["role"] == "draining"
         # workloads asked to stop whose replicas are all gone
         for w in workloads.values():
             if w["state"] != "stopping":
@@ -241,6 +242,15 @@ class Controller:
             if r["state"] != "stopping":
                 repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
             fx.stop.append(r["id"])
+            return 0
+        if r["role"] == "draining":  # replaced by a move back: out of the routes; stop it once drained
+            if seen is not None and seen.state in (ReplicaState.STOPPED, ReplicaState.FAILED):
+                self._replica_done(conn, r, "stopped", now, seen.detail)
+            elif now >= r["updated_at"] + self.drain_s:
+                repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
+                repo.add_event(conn, w["id"], now, "drained",
+                               f"drained: stopping the {r['cls']} replica at {r['node']}")
+                fx.stop.append(r["id"])
             return 0
         if seen is None:  # recorded but never handed to the driver (or the driver forgot it): start it
             fx.start.append(self._replica_spec(w, r))
@@ -293,13 +303,12 @@ class Controller:
         """The preferred replica is ready: it becomes the primary, traffic shifts, the old one drains."""
         old = [s for s in siblings if s["slot"] == r["slot"] and s["role"] == "primary" and s["id"] != r["id"]]
         repo.update_replica(conn, r["id"], {"role": "primary", "updated_at": now})
-        for s in old:
-            repo.update_replica(conn, s["id"], {"role": "draining", "state": "stopping", "updated_at": now})
-            fx.stop.append(s["id"])
+        for s in old:  # routes stop naming it now; it stops once in-flight requests had drain_s to finish
+            repo.update_replica(conn, s["id"], {"role": "draining", "updated_at": now})
         placed = r["cls"] if r["slot"] == 0 else w["placed_class"]
         was = ", ".join(sorted({s["cls"] for s in old})) or "nothing"
         reason = (f"moved back to {r['cls']}: replica ready at {r['node']}, traffic shifted, "
-                  f"stopping the {was} replica")
+                  f"draining the {was} replica ({self.drain_s:g} s for requests in flight)")
         repo.update_workload(conn, w["id"], {"placed_class": placed, "reason": reason, "updated_at": now})
         repo.add_event(conn, w["id"], now, "moved", reason)
         return 1

@@ -56,6 +56,8 @@ class ServeSettings(BaseModel):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     tick_s: float = Field(default=2.0, gt=0)
     lease_ttl_s: float = Field(default=15.0, gt=0)
+    drain_s: float = Field(default=5.0, ge=0, description="a replica replaced by a move back keeps serving the "
+                           "requests in flight this long (gateways pick up the new route within poll_s)")
     start_delay_s: float = Field(default=2.0, ge=0, description="simulated driver: seconds until a replica runs")
     node: NodeOverrides = Field(default_factory=NodeOverrides, description="local driver: what to declare "
                                 "instead of (or keep back from) the detected hardware")
@@ -172,7 +174,8 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     if settings.controller:
         assert driver is not None
         controller = Controller(db, driver, catalog, region=settings.region,
-                                clock=clock, lease_ttl_s=settings.lease_ttl_s, tick_s=settings.tick_s)
+                                clock=clock, lease_ttl_s=settings.lease_ttl_s, tick_s=settings.tick_s,
+                                drain_s=settings.drain_s)
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
                     idempotency=Idempotency(db, clock), controller=controller)
 

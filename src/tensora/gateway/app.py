@@ -181,7 +181,6 @@ def build(settings: GatewaySettings) -> Gateway:
             await asyncio.wait_for(meter.flush(), 5)
         meter.close()
         await client["c"].aclose()
-        await limiter.close()
 
     gw.on_startup.append(startup)
     gw.on_shutdown.append(shutdown)

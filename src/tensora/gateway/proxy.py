@@ -140,6 +140,8 @@ class Gateway:
                     with contextlib.suppress(Exception):
                         await fn()
                 self.client.close()
+                with contextlib.suppress(Exception):
+                    await self.limiter.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -270,7 +272,7 @@ class Gateway:
         self._turn += 1
         plan = chain.plan(endpoint, self.table(), self.o.peers, self._open_until(start),
                           hopped=_header(scope, HOP) is not None, turn=self._turn)
-        attempts: list[str] = []
+        attempts = [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
         auth = _header(scope, b"authorization") or b""
         for b in plan.attempts:
             now = self.clock()
@@ -294,7 +296,6 @@ class Gateway:
                 continue
             breaker.success(self.clock())
             return served
-        attempts += [f"{b.key}:breaker_open" for b in plan.skipped]
         now = self.clock()
         soonest = [t for t in (self.breakers[b.key].retry_at(now) for b in (*plan.attempts, *plan.skipped)
                                if b.key in self.breakers) if t is not None]

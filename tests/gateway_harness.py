@@ -1,0 +1,109 @@
+"""Real processes for the gateway tests: fake OpenAI backends that misbehave on demand, and gateways
+served by uvicorn on loopback (in a thread, so a test can hand them a route table and a fake clock)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import uvicorn
+
+from services import free_port
+from tensora import apikeys
+from tensora.gateway.proxy import Gateway
+from tensora.gateway.routes import RouteTable, table_from_json
+
+
+class Backends:
+    """Fake OpenAI servers by name, each a child process on its own port."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.ports = {n: free_port() for n in names}
+        self.procs = {n: subprocess.Popen([sys.executable, "-m", "tensora.gateway.fakebackend", "--port", str(p),
+                                           "--name", n, "--chunks", "8"])
+                      for n, p in self.ports.items()}
+        deadline = time.monotonic() + 30
+        for n, p in self.ports.items():
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{p}/_stats", timeout=1).status_code == 200:
+                        break
+                assert self.procs[n].poll() is None, f"fake backend {n} died"
+                assert time.monotonic() < deadline, f"fake backend {n} did not start"
+                time.sleep(0.05)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}/v1"
+
+    def mode(self, name: str, mode: str) -> None:
+        r = httpx.post(f"http://127.0.0.1:{self.ports[name]}/_mode", json={"mode": mode}, timeout=5)
+        assert r.status_code == 200
+
+    def requests(self, name: str) -> int:
+        return int(httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["requests"])
+
+    def reset(self) -> None:
+        for n in self.ports:
+            self.mode(n, "ok")
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.terminate()
+        for p in self.procs.values():
+            p.wait(10)
+
+
+def replica(rid: str, url: str, cpu: bool = False, model: str = "/models/m") -> dict[str, Any]:
+    return {"id": rid, "url": url, "cls": "cpu-4c-16g" if cpu else "l40s-48gb", "cpu": cpu, "upstream_model": model}
+
+
+def make_table(endpoints: list[dict[str, Any]], keys: dict[str, tuple[str, list[str]]], region: str = "local",
+               limits: dict[str, tuple[int, int]] | None = None) -> RouteTable:
+    """``keys``: secret -> (owner, scopes); ``limits``: secret -> (rpm, tpm)."""
+    limits = limits or {}
+    rows = [{"id": f"key_{i}", "digest": apikeys.digest(k), "owner": o, "scopes": s,
+             "rpm": limits.get(k, (None, None))[0], "tpm": limits.get(k, (None, None))[1]}
+            for i, (k, (o, s)) in enumerate(keys.items())]
+    eps = [{"region": region, "model": "/models/m", "cpu_fallback": False, **e} for e in endpoints]
+    return table_from_json({"version": str(time.monotonic()), "region": region, "endpoints": eps, "keys": rows})
+
+
+@contextlib.contextmanager
+def serving(gw: Gateway) -> Iterator[str]:
+    """Serve ``gw`` on a free loopback port; yields its base URL (ending in /v1)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(gw, host="127.0.0.1", port=port, loop="uvloop", http="httptools",
+                                           log_level="error", lifespan="on", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def chat(stream: bool = False, **kw: Any) -> dict[str, Any]:
+    return {"model": "my-llm", "messages": [{"role": "user", "content": "hello"}], "stream": stream, **kw}
+
+
+def sse_payloads(text: str) -> list[str]:
+    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]

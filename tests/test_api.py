@@ -30,7 +30,8 @@ from tensora import apikeys
 WRITTEN_TABLES = ("workloads", "events", "replicas", "usage_segments", "idempotency_records")
 ROUTES = ["/v1/workloads", "/v1/workloads/{workload_id}", "/v1/workloads/{workload_id}/events",
           "/v1/workloads/{workload_id}/stop", "/v1/workloads/{workload_id}/restart", "/v1/catalog",
-          "/v1/usage", "/v1/keys", "/v1/keys/{key_id}", "/healthz", "/readyz"]
+          "/v1/usage", "/v1/usage/tokens", "/v1/keys", "/v1/keys/{key_id}", "/v1/gateway/routes",
+          "/v1/gateway/usage", "/healthz", "/readyz"]
 
 
 # -- harness --------------------------------------------------------------------------

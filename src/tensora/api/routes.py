@@ -343,10 +343,10 @@ def usage_tokens(svc: Svc, p: UsageReader,
                  until: Annotated[float | None, Query(ge=0, le=1e11, description="epoch seconds")] = None,
                  ) -> dict[str, Any]:
     now = svc.clock.now()
-    start, end = since or 0.0, until or now + 1
-    with svc.db.read() as conn:
-        rows = repo.token_usage(conn, p.owner_filter(), start, end)
-    return {"since": iso(start), "until": iso(end), "data": rows}
+    start = since or 0.0
+    with svc.db.read() as conn:  # no until: everything metered so far (a gateway's clock may run ahead)
+        rows = repo.token_usage(conn, p.owner_filter(), start, until)
+    return {"since": iso(start), "until": iso(until if until is not None else now), "data": rows}
 
 
 def routes_table(conn: Any, svc: Services) -> dict[str, Any]:

@@ -198,7 +198,8 @@ class UsageRecord(BaseModel):
 class UsageBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    records: list[UsageRecord] = Field(max_length=10000)
+    records: list[UsageRecord] = Field(max_length=1000, description="at most 1000 a batch (under the 1 MiB "
+                                       "body limit)")
 
 
 class UsageBatchOut(BaseModel):

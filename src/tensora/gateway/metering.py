@@ -24,6 +24,8 @@ import orjson
 
 log = logging.getLogger("tensora.gateway")
 
+BATCH = 1000  # records a request: what the control API takes at once
+
 Send = Callable[[list[dict[str, Any]]], Awaitable[bool]]
 
 
@@ -66,7 +68,7 @@ class Meter:
         total = sum(f.stat().st_size for f in files)
         while files and total > self.max_bytes:
             f = files.pop(0)
-            n = sum(1 for _ in f.open("rb"))
+            n = f.read_bytes().count(b"\n")
             total -= f.stat().st_size
             f.unlink()
             self.dropped += n
@@ -78,13 +80,14 @@ class Meter:
         self._bound()
         for f in self.batches():
             records = [orjson.loads(line) for line in f.read_bytes().splitlines() if line.strip()]
-            try:
-                ok = await self.send(records)
-            except Exception as exc:  # the control API is down or slow: keep the batch for later
-                log.warning("usage batch %s not sent (%s); kept for later", f.name, type(exc).__name__)
-                ok = False
-            if not ok:
-                return
+            for i in range(0, len(records), BATCH):  # a part sent again after a failure is not counted twice
+                try:
+                    ok = await self.send(records[i:i + BATCH])
+                except Exception as exc:  # the control API is down or slow: keep the batch for later
+                    log.warning("usage batch %s not sent (%s); kept for later", f.name, type(exc).__name__)
+                    ok = False
+                if not ok:
+                    return
             f.unlink()
             self.sent += len(records)
 

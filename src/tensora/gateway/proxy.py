@@ -429,13 +429,13 @@ class Gateway:
                 if "error" in obj and not sending:
                     raise Failed("stream_error")
                 usage, choices = obj.get("usage"), obj.get("choices")
-                if isinstance(usage, dict) and not choices:  # the usage chunk the gateway asked for
+                if isinstance(usage, dict):  # what the gateway asked for (alone, or on the last chunk)
                     served.prompt_tokens = _int(usage.get("prompt_tokens"))
                     served.completion_tokens = _int(usage.get("completion_tokens"))
-                    if not client_usage:
+                if not client_usage and "usage" in obj:  # the client did not ask: it never sees it
+                    if not choices:
                         continue
-                elif usage is None and not client_usage:
-                    obj.pop("usage", None)
+                    del obj["usage"]
                 if "model" in obj:
                     obj["model"] = b.model
                 has = _has_content(choices)

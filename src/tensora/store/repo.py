@@ -281,11 +281,13 @@ def insert_token_usage(conn: Connection, rows: list[dict[str, Any]]) -> int:
     return len(new)
 
 
-def token_usage(conn: Connection, owner: str | None, since: float, until: float) -> list[dict[str, Any]]:
+def token_usage(conn: Connection, owner: str | None, since: float, until: float | None) -> list[dict[str, Any]]:
     cols = (T.c.owner, T.c.endpoint, T.c.product, T.c.model, T.c.served_by)
     q = (select(*cols, func.count().label("requests"), func.sum(T.c.prompt_tokens).label("prompt_tokens"),
                 func.sum(T.c.completion_tokens).label("completion_tokens"))
-         .where(T.c.at >= since, T.c.at < until).group_by(*cols).order_by(*cols))
+         .where(T.c.at >= since).group_by(*cols).order_by(*cols))
+    if until is not None:
+        q = q.where(T.c.at < until)
     if owner is not None:
         q = q.where(T.c.owner == owner)
     return [dict(r) for r in conn.execute(q).mappings()]

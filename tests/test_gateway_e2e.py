@@ -1,0 +1,154 @@
+"""The gateway as users run it: ``tensora serve --driver local`` with a real model server (the tiny
+model on transformers serve), ``tensora gateway`` in its own process, the unmodified openai client.
+Then the control API stops: the gateway keeps serving from its routes in memory, and from disk after
+a restart of its own; the usage it metered meanwhile arrives once the control API is back, once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from services import free_port
+from tensora.tinymodel import write_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as f:
+        return subprocess.Popen([sys.executable, "-m", "tensora.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, ok: Any = None, deadline_s: float = 60) -> None:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200 and (ok is None or ok(r.json())):
+                return
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_api(tmp_path: Path) -> None:
+    where = os.environ.get("TENSORA_RUNTIMES_DIR")
+    if not where:
+        pytest.skip("TENSORA_RUNTIMES_DIR is not set: ./scripts/test installs tensora-transformers there")
+    write_tiny_model(tmp_path / "tiny")
+    data = tmp_path / "data"
+    (tmp_path / "serve.yaml").write_text("driver: local\ntick_s: 1\n"
+                                         "node: {cpu: 4, memory: 16Gi, reserve_cpu: 0, reserve_memory: 0}\n")
+    api_port, gw_port = free_port(), free_port()
+    serve_args = ["serve", "--data-dir", str(data), "--port", str(api_port), "--config", str(tmp_path / "serve.yaml")]
+    log = tmp_path / "serve.log"
+    api = _start(serve_args, log)
+    gw_log = tmp_path / "gateway.log"
+    gw = None
+    pids: list[int] = []
+    try:
+        _wait(f"http://127.0.0.1:{api_port}/readyz", api, log, lambda b: b.get("controller") == "leader")
+        key = (data / "admin-key").read_text().strip()
+        c = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", headers={"Authorization": f"Bearer {key}"},
+                         timeout=10)
+        ep = c.post("/v1/workloads", json={"kind": "endpoint", "name": "tiny-chat", "gpu_class": "cpu-1c-4g",
+                                           "model": str(tmp_path / "tiny")}).json()
+        gw_args = ["gateway", "--data-dir", str(data), "--port", str(gw_port),
+                   "--control-url", f"http://127.0.0.1:{api_port}"]
+        gw = _start(gw_args, gw_log)
+        _wait(f"http://127.0.0.1:{gw_port}/healthz", gw, gw_log)
+        deadline = time.monotonic() + 120
+        while c.get(f"/v1/workloads/{ep['id']}").json()["state"] != "running":
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        pids = [int(json.loads(p.read_text())["pid"]) for p in (data / "replicas").glob("*/replica.json")]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw_port}/v1", api_key=key, max_retries=0, timeout=60)
+
+        seen: list[int] = []  # completion tokens as the client was told
+
+        def ask(n: int = 3) -> None:
+            for _ in range(n):
+                raw = client.chat.completions.with_raw_response.create(
+                    model="tiny-chat", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+                out = raw.parse()
+                assert out.model == "tiny-chat" and out.usage is not None and out.usage.completion_tokens == 4
+                assert raw.headers["x-tensora-served-by"] == "replica" and raw.headers["x-tensora-fallback"] == "false"
+                seen.append(out.usage.completion_tokens)
+            text, chunks = "", 0
+            for chunk in client.chat.completions.create(model="tiny-chat", stream=True, max_tokens=5,
+                                                        stream_options={"include_usage": True},
+                                                        messages=[{"role": "user", "content": "hello"}]):
+                assert chunk.model == "tiny-chat"
+                chunks += 1
+                text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                if chunk.usage is not None:
+                    seen.append(chunk.usage.completion_tokens)
+            assert chunks >= 5 and text  # the openai client saw [DONE] (transformers serve sends none)
+
+        deadline = time.monotonic() + 20
+        while True:  # the gateway picks the new replica up within poll_s
+            with contextlib.suppress(openai.APIStatusError):
+                ask(1)
+                break
+            assert time.monotonic() < deadline, gw_log.read_text()[-3000:]
+            time.sleep(0.3)
+        ask()
+        assert [m.id for m in client.models.list()] == ["tiny-chat"]
+
+        _stop(api)  # the control API goes away; the workload and the gateway stay
+        ask()
+        _stop(gw)  # and the gateway restarts with nobody to ask for routes: from its disk cache
+        gw = _start(gw_args, gw_log)
+        _wait(f"http://127.0.0.1:{gw_port}/healthz", gw, gw_log)
+        ask()
+        spooled = list((data / "gateway" / "spool").glob("*.jsonl"))
+        assert spooled, "usage metered while the control API is down waits on disk"
+
+        api = _start(serve_args, log)  # back: the spool drains, each request counted once
+        _wait(f"http://127.0.0.1:{api_port}/readyz", api, log, lambda b: b.get("controller") == "leader")
+        expected = 2 + 4 * 3  # the first round (one plain, one stream), then three of three plain and a stream
+        deadline = time.monotonic() + 20
+        while True:
+            rows = c.get("/v1/usage/tokens").json()["data"]
+            n = sum(r["requests"] for r in rows)
+            if n >= expected:
+                break
+            assert time.monotonic() < deadline, (rows, gw_log.read_text()[-2000:])
+            time.sleep(0.5)
+        time.sleep(2)  # and nothing more arrives: no request is counted twice
+        rows = c.get("/v1/usage/tokens").json()["data"]
+        assert sum(r["requests"] for r in rows) == expected
+        assert {(r["endpoint"], r["product"], r["model"], r["served_by"]) for r in rows} == {
+            ("tiny-chat", "endpoint", "tiny-chat", "replica")}
+        assert len(seen) == expected and sum(r["completion_tokens"] for r in rows) == sum(seen)
+        assert c.delete(f"/v1/workloads/{ep['id']}").status_code == 204
+        c.close()
+    finally:
+        if gw is not None:
+            _stop(gw)
+        _stop(api)
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p, signal.SIGKILL)

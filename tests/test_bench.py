@@ -33,3 +33,18 @@ def test_api_benchmark_quick_run(tmp_path: Path) -> None:
     for name, r in results.items():
         assert r["errors"] == 0, name
         assert r["requests"] > 0 and r["rps"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"], (name, r)
+
+
+@pytest.mark.slow
+def test_gateway_benchmark_quick_run(tmp_path: Path) -> None:
+    figures = tmp_path / "gateway.json"
+    out = subprocess.run([sys.executable, str(BENCH / "gateway.py"), "--quick", "--json", str(figures)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads(figures.read_text())["results"]
+    assert {"direct", "tensora", "tensora dead replica", "tensora breaker open"} <= set(results)
+    for name in ("direct", "tensora"):
+        r = results[name]
+        assert r["c1"]["errors"] == 0 and r["c32"]["errors"] == 0 and r["c32"]["requests"] > 0, name
+        assert 0 < r["stream20"]["first_p50_ms"] <= r["stream20"]["total_p50_ms"], name
+    assert results["tensora"]["added_over_direct"]["p50_ms"] > 0

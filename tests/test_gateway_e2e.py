@@ -43,6 +43,14 @@ def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, ok: Any = None, de
         time.sleep(0.2)
 
 
+def _replica_pids(data: Path) -> list[int]:
+    pids = []
+    for f in (data / "replicas").glob("*/replica.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            pids.append(int(json.loads(f.read_text())["pid"]))
+    return pids
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -149,6 +157,6 @@ def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_a
         if gw is not None:
             _stop(gw)
         _stop(api)
-        for p in pids:
+        for p in set(pids) | set(_replica_pids(data)):  # what a failure left running too
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p, signal.SIGKILL)

@@ -201,6 +201,14 @@ def _up(tmp_path: Path, port: int, n: int, write_config: bool = True,
         time.sleep(0.2)
 
 
+def _replica_pids(data: Path) -> list[int]:
+    pids = []
+    for f in (data / "replicas").glob("*/replica.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            pids.append(int(json.loads(f.read_text())["pid"]))
+    return pids
+
+
 def _interrupt(proc: subprocess.Popen[bytes]) -> int:
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     try:
@@ -491,6 +499,6 @@ def test_an_endpoint_moves_back_to_its_class_with_zero_failed_requests(tmp_path:
         stop.set()
         if proc.poll() is None:
             _interrupt(proc)
-        for p in set(pids):
+        for p in set(pids) | set(_replica_pids(tmp_path / "data")):  # what a failure left running too
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p, signal.SIGKILL)

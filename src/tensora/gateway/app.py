@@ -189,11 +189,11 @@ def build(settings: GatewaySettings) -> Gateway:
 
 
 def run(settings: GatewaySettings, quiet: bool = False) -> None:
-    import uvicorn
+    from tensora.gateway import server
 
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     gw = build(settings)
     if not quiet:
             print(f"tensora gateway on http://{settings.host}:{settings.port}/v1  (region {settings.region}, "
               f"routes from {settings.control_url})", flush=True)
-    uvicorn.run(gw, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                loop="uvloop", http="httptools", lifespan="on", timeout_graceful_shutdown=10)
+    server.run(gw, settings.host, settings.port, max_body_bytes=gw.o.max_body_bytes)

@@ -66,9 +66,10 @@ def _replicas(e: EndpointRoute, served_by: ServedBy, *, cpu: bool | None, model:
             for r in e.replicas if cpu is None or r.cpu == cpu]
 
 
-def tiers(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], *, hopped: bool,
-          turn: int = 0) -> list[list[Backend]]:
-    """Every backend the chain allows, tier by tier, before breakers are looked at."""
+def tiers(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], *,
+          hopped: bool) -> list[list[Backend]]:
+    """Every backend the chain allows, tier by tier, before rotation and breakers. It depends only on
+    the route table, so the proxy keeps it per table version."""
     e = endpoint
     if e.requested_cpu:  # a CPU endpoint's replicas are its own class, not a fallback
         own, cpu = _replicas(e, ServedBy.REPLICA, cpu=None, model=e.name), []
@@ -83,23 +84,30 @@ def tiers(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], *, 
     for name in e.fallback_models:
         f = table.resolve(e.owner, name)
         if f is not None and f.id != e.id:
-            fallbacks.append(_rotate(_replicas(f, ServedBy.FALLBACK_MODEL, cpu=None, model=f.name), turn))
+            fallbacks.append(_replicas(f, ServedBy.FALLBACK_MODEL, cpu=None, model=f.name))
     remote: list[Backend] = []
     if e.allow_cross_region and not hopped:
         remote = [Backend(f"peer:{p.region}", p.url, e.name, e.name, ServedBy.REPLICA, e.id, p.region, e.ttft_s,
                           peer=True) for p in peers if p.region != e.region]
-    return [_rotate(own, turn), _rotate(cpu, turn), _rotate(pool, turn), *fallbacks, remote]
+    return [own, cpu, pool, *fallbacks, remote]
 
 
 def plan(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], open_until: Callable[[str], float | None],
          *, hopped: bool = False, turn: int = 0) -> Plan:
     """The attempts in order. ``open_until(key)``: when that backend's open breaker lets a probe
     through again, or None when it takes requests now (closed, or half-open)."""
+    return order(tiers(endpoint, table, peers, hopped=hopped), open_until, turn)
+
+
+def order(all_tiers: Sequence[Sequence[Backend]], open_until: Callable[[str], float | None], turn: int = 0) -> Plan:
+    """Rotate each tier by ``turn`` (the peers' tier stays in its configured order), then leave out
+    the backends whose breakers are open."""
     attempts: list[Backend] = []
     skipped: list[Backend] = []
     soonest: float | None = None
-    for tier in tiers(endpoint, table, peers, hopped=hopped, turn=turn):
-        for b in tier:
+    last = len(all_tiers) - 1
+    for i, tier in enumerate(all_tiers):
+        for b in (tier if i == last else _rotate(tier, turn)):
             until = open_until(b.key)
             if until is None:
                 attempts.append(b)

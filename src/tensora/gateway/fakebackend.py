@@ -6,7 +6,8 @@ on purpose by mode: ``http_500``, ``http_503``, ``http_429``, ``http_400``, ``cl
 connection), ``stall_head`` (never answers), ``stall_after_headers`` (a 200 stream with no event),
 ``die_mid_stream`` (three content events, then the connection drops), ``no_done`` (a stream with
 no ``[DONE]``, as transformers serve sends). ``POST /_mode {"mode": ...}`` changes the mode live;
-``GET /_stats`` counts requests. Raw asyncio and httptools: it must be much faster than what it
+``GET /_stats`` counts requests; ``POST /v1/gateway/usage`` takes usage batches (a sink for a
+gateway under benchmark) and other paths are 404. Raw asyncio and httptools: it must be much faster than what it
 is put behind, or the benchmark measures it.
 """
 
@@ -88,8 +89,18 @@ class _Proto(asyncio.Protocol):
         if url == b"/_stats":
             self.write(_json(200, {"requests": s.requests, "mode": s.mode, "name": s.name}))
             return
+        if url in (b"/health", b"/healthz"):
+            self.write(_json(200, {"status": "ok"}))
+            return
         if url == b"/v1/models":
             self.write(_json(200, {"object": "list", "data": [{"id": s.name, "object": "model"}]}))
+            return
+        if url == b"/v1/gateway/usage":  # a usage sink for a gateway under benchmark: takes every batch
+            n = len(orjson.loads(body).get("records", [])) if body else 0
+            self.write(_json(200, {"received": n, "new": n}))
+            return
+        if not url.endswith((b"/chat/completions", b"/completions")):
+            self.write(_json(404, {"error": {"message": "not found", "type": "invalid_request_error"}}))
             return
         s.requests += 1
         mode = s.mode

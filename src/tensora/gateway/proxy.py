@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import re
@@ -97,6 +98,9 @@ class Gateway:
         self.client = Client(options.connect_timeout_s)
         self.breakers: dict[str, Breaker] = {}
         self._turn = 0
+        self._tiers_cache: dict[tuple[str, bool], list[list[Backend]]] = {}
+        self._tiers_version: str | None = None
+        self._keys: dict[bytes, str] = {}  # secret -> digest, for keys seen before (bounded)
         self.on_startup: list[Callable[[], Awaitable[None]]] = []
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 
@@ -147,7 +151,8 @@ class Gateway:
 
     async def _send(self, send: Send, status: int, body: bytes, rid: str,
                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        h = [_JSON, (b"x-request-id", rid.encode()), (b"x-tensora-region", self.o.region.encode())]
+        h = [_JSON, (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode()),
+             (b"x-tensora-region", self.o.region.encode())]
         await send({"type": "http.response.start", "status": status, "headers": h + (headers or [])})
         await send({"type": "http.response.body", "body": body})
 
@@ -161,10 +166,17 @@ class Gateway:
         auth = _header(scope, b"authorization")
         if auth is None or auth[:7].lower() != b"bearer ":
             return 401, "missing API key: send Authorization: Bearer <key>", "invalid_api_key"
-        secret = auth[7:].strip().decode("latin-1")
-        if not apikeys.well_formed(secret):
-            return 401, "Incorrect API key provided", "invalid_api_key"
-        key = table.keys.get(apikeys.digest(secret))  # a digest of a random secret: its lookup leaks nothing
+        raw = auth[7:].strip()
+        digest = self._keys.get(raw)
+        if digest is None:  # checksum and digest once per key, not per request
+            secret = raw.decode("latin-1")
+            if not apikeys.well_formed(secret):
+                return 401, "Incorrect API key provided", "invalid_api_key"
+            digest = apikeys.digest(secret)
+            if len(self._keys) >= 10_000:
+                self._keys.clear()
+            self._keys[raw] = digest
+        key = table.keys.get(digest)  # a digest of a random secret: its lookup leaks nothing
         if key is None:
             return 401, "Incorrect API key provided", "invalid_api_key"
         if not apikeys.allows(key.scopes, "inference"):
@@ -252,6 +264,18 @@ class Gateway:
                 "served_by": served.served_by, "region": served.region, "prompt_tokens": served.prompt_tokens,
                 "completion_tokens": served.completion_tokens, "status": served.status})
 
+    def _tiers(self, endpoint: EndpointRoute, hopped: bool) -> list[list[Backend]]:
+        """``chain.tiers`` for this endpoint, kept until the route table changes."""
+        table = self.table()
+        if table.version != self._tiers_version:
+            self._tiers_cache.clear()
+            self._tiers_version = table.version
+        key = (endpoint.id, hopped)
+        found = self._tiers_cache.get(key)
+        if found is None:
+            found = self._tiers_cache[key] = chain.tiers(endpoint, table, self.o.peers, hopped=hopped)
+        return found
+
     def _breaker(self, key: str) -> Breaker:
         b = self.breakers.get(key)
         if b is None:
@@ -270,8 +294,8 @@ class Gateway:
         start = self.clock()
         deadline = start + self.o.deadline_s
         self._turn += 1
-        plan = chain.plan(endpoint, self.table(), self.o.peers, self._open_until(start),
-                          hopped=_header(scope, HOP) is not None, turn=self._turn)
+        plan = chain.order(self._tiers(endpoint, _header(scope, HOP) is not None), self._open_until(start),
+                           self._turn)
         attempts = [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
         auth = _header(scope, b"authorization") or b""
         for b in plan.attempts:
@@ -358,7 +382,8 @@ class Gateway:
         # a client error (400, 422...): the same request fails everywhere; pass it through as is
         headers, served_by, region = self._headers(b, resp, attempts, f"http_{status}", limit_headers)
         await send({"type": "http.response.start", "status": status, "headers": [
-            _JSON, (b"x-request-id", rid.encode()), (b"x-tensora-region", region.encode()), *headers]})
+            _JSON, (b"content-length", str(len(data)).encode()), (b"x-request-id", rid.encode()),
+            (b"x-tensora-region", region.encode()), *headers]})
         await send({"type": "http.response.body", "body": data})
         return Served(b, served_by, region, status=status)
 
@@ -382,9 +407,11 @@ class Gateway:
         if not isinstance(usage, dict):
             usage = {}
         headers, served_by, region = self._headers(b, resp, attempts, "ok", limit_headers)
+        out = orjson.dumps(obj)
         await send({"type": "http.response.start", "status": 200, "headers": [
-            _JSON, (b"x-request-id", rid.encode()), (b"x-tensora-region", region.encode()), *headers]})
-        await send({"type": "http.response.body", "body": orjson.dumps(obj)})
+            _JSON, (b"content-length", str(len(out)).encode()), (b"x-request-id", rid.encode()),
+            (b"x-tensora-region", region.encode()), *headers]})
+        await send({"type": "http.response.body", "body": out})
         return Served(b, served_by, region, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
 
     async def _stream(self, send: Send, rid: str, b: Backend, resp: Response, client_usage: bool,
@@ -484,13 +511,19 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+_RID_PREFIX = "req_" + secrets.token_hex(8)
+_rid_counter = itertools.count(1)
+
+
 def _request_id(scope: Scope) -> str:
+    """The client's X-Request-Id when it is sane, else this process's random prefix and a counter
+    (unique across gateways without drawing randomness per request)."""
     given = _header(scope, b"x-request-id")
     if given is not None:
         rid = given.decode("latin-1")
         if _RID.match(rid):
             return rid
-    return "req_" + secrets.token_hex(12)
+    return f"{_RID_PREFIX}{next(_rid_counter):x}"
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import deque
 from typing import Any
 from urllib.parse import urlsplit
@@ -82,6 +83,14 @@ class Response:
         self.conn.finish(self._done)
 
 
+def _nodelay(transport: asyncio.BaseTransport) -> None:
+    """Small writes go out at once (no Nagle): a request or an SSE event must not wait for an ACK."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class _Conn(asyncio.Protocol):
     def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
@@ -92,10 +101,12 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self.complete = False
+        self.keep_alive = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        _nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -118,6 +129,7 @@ class _Conn(asyncio.Protocol):
         r = self.resp
         assert r is not None
         r.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # read here: the parser resets at the message end
         if not r.head.done():
             r.head.set_result(None)
 
@@ -148,7 +160,7 @@ class _Conn(asyncio.Protocol):
         return self.resp
 
     def finish(self, whole: bool) -> None:
-        keep = whole and self.complete and not self.closed and self.parser.should_keep_alive()
+        keep = whole and self.complete and not self.closed and self.keep_alive
         self.resp = None
         if keep:
             self.parser = httptools.HttpResponseParser(self)
@@ -169,6 +181,7 @@ class Pool:
     def __init__(self, host: str, port: int, max_idle: int = 256) -> None:
         self.host, self.port, self.max_idle = host, port, max_idle
         self.idle: deque[_Conn] = deque()
+        self.addr: tuple[int, Any] | None = None
 
     def put(self, conn: _Conn) -> None:
         if len(self.idle) < self.max_idle:
@@ -187,7 +200,18 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(self, loop), self.host, self.port)
+                if self.addr is None:  # resolved once: a lookup per connection would run in a thread pool
+                    infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+                    self.addr = (infos[0][0], infos[0][4])
+                family, addr = self.addr
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                try:
+                    await loop.sock_connect(sock, addr)
+                except BaseException:
+                    sock.close()
+                    raise
+                _, conn = await loop.create_connection(lambda: _Conn(self, loop), sock=sock)
         except TimeoutError:
             raise UpstreamError("connect_timeout", f"{self.host}:{self.port}") from None
         except ConnectionRefusedError:
@@ -207,14 +231,19 @@ class Client:
     def __init__(self, connect_timeout: float = 2.0) -> None:
         self.connect_timeout = connect_timeout
         self.pools: dict[tuple[str, int], Pool] = {}
+        self._bases: dict[str, tuple[Pool, str, str]] = {}
 
     def _pool(self, base_url: str) -> tuple[Pool, str, str]:
+        found = self._bases.get(base_url)
+        if found is not None:
+            return found
         u = urlsplit(base_url)
         host, port = u.hostname or "127.0.0.1", u.port or 80
         pool = self.pools.get((host, port))
         if pool is None:
             pool = self.pools[(host, port)] = Pool(host, port)
-        return pool, f"{host}:{port}", u.path.rstrip("/")
+        found = self._bases[base_url] = (pool, f"{host}:{port}", u.path.rstrip("/"))
+        return found
 
     async def post(self, base_url: str, path: str, body: bytes, headers: list[tuple[str, str]],
                    head_timeout: float) -> Response:
@@ -249,3 +278,4 @@ class Client:
             with contextlib.suppress(Exception):
                 pool.close()
         self.pools.clear()
+        self._bases.clear()

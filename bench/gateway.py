@@ -48,10 +48,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from api import DONE_LUA, taskset  # noqa: E402  (bench/api.py: the wrk summary and pinning)
-
-from services import free_port  # noqa: E402
-from tensora import apikeys  # noqa: E402
+from api import taskset
+from services import free_port
+from tensora import apikeys
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = {"model": "my-llm", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}

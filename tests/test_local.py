@@ -293,7 +293,8 @@ def test_the_quick_start_tiny_model_endpoint_falls_back_to_cpu_and_answers(tmp_p
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     port = free_port()
-    proc, log = _up(tmp_path, port, 0)
+    gw_port = free_port()
+    proc, log = _up(tmp_path, port, 0, gateway_port=gw_port)
     pid = None
     try:
         key = (tmp_path / "data" / "admin-key").read_text().strip()
@@ -307,12 +308,21 @@ def test_the_quick_start_tiny_model_endpoint_falls_back_to_cpu_and_answers(tmp_p
             assert ep["state"] == "running", (ep, log.read_text())
             assert ep["placed_class"].startswith("cpu-") and ep["conditions"][0]["reason"] == "cpu_fallback"
             assert ep["reason"].startswith(f"placed on {ep['placed_class']}: l40s-48gb unavailable")
-            url = ep["replicas"][0]["url"]
             pid = json.loads(next((tmp_path / "data" / "replicas").glob("*/replica.json")).read_text())["pid"]
-            r = httpx.post(f"{url}/chat/completions", timeout=60, json={
-                "model": str(model), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 4
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw_port}/v1", api_key=key, max_retries=0,
+                                   timeout=60)
+            deadline = time.monotonic() + 20
+            while True:  # the gateway has the new route within its poll interval
+                try:
+                    raw = client.chat.completions.with_raw_response.create(
+                        model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+                    break
+                except openai.APIStatusError as exc:
+                    assert exc.status_code == 503 and time.monotonic() < deadline, exc
+                    time.sleep(0.3)
+            out = raw.parse()
+            assert raw.headers["x-tensora-served-by"] == "cpu" and raw.headers["x-tensora-fallback"] == "true"
+            assert out.model == "chat" and out.usage is not None and out.usage.completion_tokens == 4
             assert c.delete(f"/v1/workloads/{ep['id']}").status_code == 204
         deadline = time.monotonic() + 30
         while alive(pid):

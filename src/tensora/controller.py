@@ -14,7 +14,8 @@ replica recorded ``starting`` that the driver does not know and starts it, or on
 Workload states: ``queued -> starting -> running -> stopping -> stopped``, plus ``failed``.
 An endpoint moving back stays ``running`` while a ``candidate`` replica starts on the better
 class; when it is ready it becomes the primary (traffic shifts: the gateway routes to
-primaries) and the old one drains.
+primaries) and the old one drains: out of the routes at once, it keeps serving the requests in
+flight for ``drain_s``, then stops.
 """
 
 from __future__ import annotations

@@ -105,9 +105,9 @@ class KeyCreate(BaseModel):
     scopes: list[Literal[SCOPES]] | None = Field(  # type: ignore[valid-type]
         default=None, max_length=len(SCOPES),
         description="default: the default scopes (workloads, usage, inference) that the calling key holds")
-    requests_per_minute: int | None = Field(default=None, ge=1, description="the gateway's limit for this key; "
+    requests_per_minute: int | None = Field(default=None, ge=1, le=2_000_000_000, description="the gateway's limit for this key; "
                                             "default: the gateway's own setting")
-    tokens_per_minute: int | None = Field(default=None, ge=1, description="tokens (prompt + max_tokens reserved, "
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=2_000_000_000, description="tokens (prompt + max_tokens reserved, "
                                           "settled to what was used) per minute at the gateway")
 
 
@@ -180,7 +180,7 @@ class UsageRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(min_length=1, max_length=64)
-    at: float
+    at: float = Field(ge=0, le=1e11, description="epoch seconds")
     owner: str = Field(max_length=128)
     key_id: str = Field(max_length=32)
     endpoint: str = Field(max_length=63)
@@ -190,9 +190,9 @@ class UsageRecord(BaseModel):
     model: str = Field(max_length=128)
     served_by: str = Field(max_length=32)
     region: str = Field(max_length=63)
-    prompt_tokens: int = Field(ge=0)
-    completion_tokens: int = Field(ge=0)
-    status: int
+    prompt_tokens: int = Field(ge=0, le=2_000_000_000)
+    completion_tokens: int = Field(ge=0, le=2_000_000_000)
+    status: int = Field(ge=100, le=599)
 
 
 class UsageBatch(BaseModel):

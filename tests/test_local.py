@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import openai
@@ -334,6 +336,53 @@ def test_the_quick_start_tiny_model_endpoint_falls_back_to_cpu_and_answers(tmp_p
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def _sysfs(root: Path, addr: str, driver: str | None, group: str | None, open_group: bool) -> None:
+    dev = root / "sys" / "bus" / "pci" / "devices" / addr
+    dev.mkdir(parents=True)
+    if driver is not None:
+        (root / "sys" / "bus" / "pci" / "drivers" / driver).mkdir(parents=True, exist_ok=True)
+        (dev / "driver").symlink_to(root / "sys" / "bus" / "pci" / "drivers" / driver)
+    if group is not None:
+        (root / "sys" / "kernel" / "iommu_groups" / group).mkdir(parents=True, exist_ok=True)
+        (dev / "iommu_group").symlink_to(root / "sys" / "kernel" / "iommu_groups" / group)
+    (root / "dev" / "vfio").mkdir(parents=True, exist_ok=True)
+    if open_group and group is not None:
+        (root / "dev" / "vfio" / group).touch()
+
+
+VFIO_CASES = [  # (name, vfio setting, driver, iommu group, group open, the error or None)
+    ("bound to vfio-pci, group open: passed through", {0: "0000:65:00.0"}, "vfio-pci", "42", True, None),
+    ("not declared", {}, "vfio-pci", "42", True, "GPU 0 is not set up for VM passthrough"),
+    ("still on the nvidia driver", {0: "0000:65:00.0"}, "nvidia", "42", True,
+     "bound to nvidia, not vfio-pci"),
+    ("no IOMMU group", {0: "0000:65:00.0"}, "vfio-pci", None, True, "IOMMU group is not open"),
+    ("group not open to QEMU", {0: "0000:65:00.0"}, "vfio-pci", "42", False, "IOMMU group is not open"),
+    ("no such device", {0: "0000:99:00.0"}, "vfio-pci", "42", True, "no PCI device 0000:99:00.0"),
+]
+
+
+@pytest.mark.parametrize(("name", "vfio", "driver", "group", "open_group", "error"), VFIO_CASES,
+                         ids=[c[0] for c in VFIO_CASES])
+def test_a_vm_on_a_gpu_class_gets_its_gpu_by_vfio_passthrough(
+        tmp_path: Path, name: str, vfio: dict[int, str], driver: str | None, group: str | None, open_group: bool,
+        error: str | None) -> None:
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86 is not installed (./scripts/test installs it)")
+    _sysfs(tmp_path, "0000:65:00.0", driver, group, open_group)
+    node = Node("box", "local", 32, 128 * 2**30, {"L40S": 1})
+    d = LocalDriver(tmp_path / "data", node, CATALOG, gpu_indices=[0], vfio=vfio, sysfs=tmp_path / "sys",
+                    devfs=tmp_path / "dev")
+    spec = ReplicaSpec("rp_vf", "wl_vf", WorkloadKind.VM, "l40s-48gb", "box")
+    if error is None:
+        with mock.patch("tensora.drivers.local.kvm_usable", return_value=True):
+            cmd, _, _ = d._command(spec, {})
+        at = cmd.index("-device")
+        assert cmd[at + 1] == "vfio-pci,host=0000:65:00.0" and cmd[cmd.index("-accel") + 1] == "kvm", name
+    else:
+        status = d.start(spec)
+        assert status.state is ReplicaState.FAILED and error in status.detail, (name, status.detail)
 
 
 def test_gpu_placements_get_their_own_gpus_and_no_more(tmp_path: Path) -> None:

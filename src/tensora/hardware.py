@@ -56,6 +56,9 @@ class NodeOverrides(BaseModel):
     reserve_cpu: float = Field(default=1.0, ge=0, description="cores kept for the host and Tensora itself")
     reserve_memory: str | int = Field(default="2Gi", description="memory kept for the host")
     gpus: dict[str, int] | None = Field(default=None, description="declare GPUs by catalog model, e.g. {L40S: 1}")
+    vfio: dict[int, str] = Field(default_factory=dict, description="VM GPU passthrough: GPU index -> the PCI "
+                                 "address of that GPU bound to vfio-pci, e.g. {0: '0000:65:00.0'} (a GPU bound "
+                                 "to vfio-pci is invisible to nvidia-smi: declare it in gpus too)")
 
 
 def parse_nvidia_smi(text: str) -> list[tuple[int, str, int]]:

@@ -136,7 +136,8 @@ def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
 
     hw = detect(catalog)
     node = local_node(hw, settings.node, settings.region)
-    return LocalDriver(settings.data_dir, node, catalog, [g.index for g in hw.gpus if g.model])
+    return LocalDriver(settings.data_dir, node, catalog, [g.index for g in hw.gpus if g.model],
+                       vfio=settings.node.vfio)
 
 
 def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:

@@ -105,10 +105,12 @@ class KeyCreate(BaseModel):
     scopes: list[Literal[SCOPES]] | None = Field(  # type: ignore[valid-type]
         default=None, max_length=len(SCOPES),
         description="default: the default scopes (workloads, usage, inference) that the calling key holds")
-    requests_per_minute: int | None = Field(default=None, ge=1, le=2_000_000_000, description="the gateway's limit for this key; "
-                                            "default: the gateway's own setting")
-    tokens_per_minute: int | None = Field(default=None, ge=1, le=2_000_000_000, description="tokens (prompt + max_tokens reserved, "
-                                          "settled to what was used) per minute at the gateway")
+    requests_per_minute: int | None = Field(
+        default=None, ge=1, le=2_000_000_000,
+        description="the gateway's limit for this key; default: the gateway's own setting")
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, le=2_000_000_000,
+        description="tokens (prompt + max_tokens reserved, settled to what was used) per minute at the gateway")
 
 
 class KeyOut(BaseModel):

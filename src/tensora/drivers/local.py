@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,14 +93,17 @@ class LocalDriver:
     """Child processes on this machine, one node (this machine's, from ``hardware``)."""
 
     def __init__(self, data_dir: Path, node: Node, catalog: Catalog, gpu_indices: Sequence[int] = (),
-                 runtimes_dir: Path | None = None) -> None:
+                 runtimes_dir: Path | None = None, vfio: Mapping[int, str] | None = None,
+                 sysfs: Path = Path("/sys"), devfs: Path = Path("/dev")) -> None:
         self.runtimes = runtimes_dir or runtimes.runtimes_dir(Path(data_dir))
         self.root = Path(data_dir) / "replicas"
         self.root.mkdir(parents=True, exist_ok=True)
         self.work = Path(data_dir) / "workdirs"
         self.node = node
         self.catalog = catalog
-        self.gpu_indices = list(gpu_indices)
+        self.vfio = dict(vfio or {})  # GPU index -> PCI address bound to vfio-pci (VM passthrough)
+        self.gpu_indices = sorted(set(gpu_indices) | set(self.vfio))
+        self.sysfs, self.devfs = sysfs, devfs
         self._children: dict[str, subprocess.Popen[bytes]] = {}
 
     # -- the driver protocol -------------------------------------------------------------
@@ -206,15 +209,16 @@ class LocalDriver:
             qemu = _which("qemu-system-x86_64")
             if qemu is None:
                 raise RuntimeError("QEMU is not installed: apt-get install qemu-system-x86")
-            if gpus:
-                raise RuntimeError("GPU passthrough (VFIO) is not set up on this host: the VM cannot get its GPU")
+            passthrough = [a for g in gpus for a in ("-device", f"vfio-pci,host={self._vfio_address(g)}")]
             sock = _short_socket(d)
             accel = "kvm" if kvm_usable() else "tcg"
             memory_mib = max(64, cls.memory // 2**20)
             cmd = [qemu, "-name", f"tensora-{spec.id}", "-machine", "q35", "-accel", accel,
                    "-m", str(memory_mib), "-smp", str(max(1, int(cls.cpu))), "-nodefaults", "-no-user-config",
                    "-display", "none", "-serial", f"file:{d / 'console.log'}",
-                   "-qmp", f"unix:{sock},server=on,wait=off"]
+                   "-qmp", f"unix:{sock},server=on,wait=off", *passthrough]
+            if passthrough and accel != "kvm":
+                raise RuntimeError("GPU passthrough needs KVM (/dev/kvm), which this host does not offer")
             if spec.image:
                 if not Path(spec.image).is_file():
                     raise RuntimeError(f"the disk image {spec.image} does not exist")
@@ -240,6 +244,25 @@ class LocalDriver:
                     detail=f"runtime {runtime.name}")
         d = self.root / spec.id
         return runtimes.command(runtime, self.runtimes, spec.model, spec.workload_id, port, device), env, str(d)
+
+    def _vfio_address(self, gpu: int) -> str:
+        """The PCI address of GPU ``gpu`` for ``-device vfio-pci``, checked: bound to vfio-pci, its
+        IOMMU group open to QEMU. Otherwise the reason a user needs to fix it."""
+        addr = self.vfio.get(gpu)
+        if addr is None:
+            raise RuntimeError(f"GPU {gpu} is not set up for VM passthrough: bind it to vfio-pci and declare "
+                               f"node.vfio {{{gpu}: <PCI address>}}")
+        dev = self.sysfs / "bus" / "pci" / "devices" / addr
+        if not dev.exists():
+            raise RuntimeError(f"GPU {gpu}: no PCI device {addr} on this host (node.vfio)")
+        driver = (dev / "driver").resolve().name if (dev / "driver").exists() else "no driver"
+        if driver != "vfio-pci":
+            raise RuntimeError(f"GPU {gpu} at {addr} is bound to {driver}, not vfio-pci: the VM cannot take it")
+        group = (dev / "iommu_group").resolve().name if (dev / "iommu_group").exists() else None
+        if group is None or not (self.devfs / "vfio" / group).exists():
+            raise RuntimeError(f"GPU {gpu} at {addr}: its IOMMU group is not open to QEMU (/dev/vfio/{group}); "
+                               "enable the IOMMU (intel_iommu=on / amd_iommu=on)")
+        return addr
 
     def _claim_gpus(self, count: int) -> list[int]:
         taken = {g for m in self._live_metas() for g in m.get("gpus", [])}

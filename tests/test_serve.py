@@ -127,6 +127,39 @@ def test_load_settings_rejects(case: Bad, tmp_path: Path) -> None:
     assert err.source is not None and err.source in str(err)
 
 
+BAD_GATEWAY_SETTINGS = {
+    "unknown gateway setting in the file's section": Bad(config="gateway: {bogus: 1}\n", source="gateway",
+                                                         field="gateway.bogus", message="unknown setting"),
+    "gateway port out of range in the section": Bad(config="gateway: {port: 70000}\n", source="gateway",
+                                                    field="gateway.port", message="65535"),
+    "bad TTFT deadline from env": Bad(env={"TENSORA_GATEWAY_TTFT_S": "-1"}, source="TENSORA_GATEWAY_TTFT_S",
+                                      field="gateway.ttft_s"),
+    "bad peers from the section": Bad(config="gateway: {peers: [{region: eu}]}\n", source="gateway",
+                                      field="gateway.peers.0.url"),
+    "a zero rate limit from a flag": Bad(flags={"requests_per_minute": 0}, source="--requests-per-minute",
+                                     field="gateway.requests_per_minute"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_GATEWAY_SETTINGS.values(), ids=BAD_GATEWAY_SETTINGS.keys())
+def test_gateway_settings_reject(case: Bad, tmp_path: Path) -> None:
+    from tensora.serve import load_gateway_settings
+
+    with pytest.raises(ConfigError) as info:
+        load_gateway_settings(_config(tmp_path, case.config), case.flags, env=case.env)
+    assert (info.value.source, info.value.field) == (case.source, case.field)
+    assert case.message in info.value.message
+
+
+def test_gateway_settings_follow_the_servers(tmp_path: Path) -> None:
+    from tensora.serve import load_gateway_settings
+
+    config = _config(tmp_path, "region: eu-west\nport: 9000\nhost: 0.0.0.0\ngateway: {port: 9001, ttft_s: 5}\n")
+    gw = load_gateway_settings(config, {"data_dir": tmp_path}, env={"TENSORA_GATEWAY_DEADLINE_S": "60"})
+    assert (gw.region, gw.port, gw.host, gw.control_url) == ("eu-west", 9001, "0.0.0.0", "http://127.0.0.1:9000")
+    assert (gw.ttft_s, gw.deadline_s, gw.data_dir) == (5.0, 60.0, tmp_path)
+
+
 def test_missing_config_file_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match="cannot read file") as info:

@@ -86,15 +86,26 @@ def load_settings(config: Path | None, flags: dict[str, Any], env: dict[str, str
             raise ConfigError("the config file must be a mapping of settings", source=str(config))
         values.update(data)
         origin.update(dict.fromkeys(data, str(config)))
-    for name in ServeSettings.model_fields:
-        if f"TENSORA_{name.upper()}" in env:
-            values[name] = env[f"TENSORA_{name.upper()}"]
-            origin[name] = f"TENSORA_{name.upper()}"
+    settings: ServeSettings = layered(ServeSettings, values, origin, env, "TENSORA_", flags, lines=lines,
+                                      config=config)
+    return settings
+
+
+def layered(model: type[BaseModel], values: dict[str, Any], origin: dict[str, str], env: dict[str, str],
+            prefix: str, flags: dict[str, Any], *, lines: yamlsource.Lines | None = None,
+            config: Path | None = None, field_prefix: str = "") -> Any:
+    """``values`` (defaults, a config file), then ``<prefix><SETTING>`` from env, then flags, validated
+    into ``model``; a bad value is a ConfigError naming where it came from (file and line, variable
+    or flag) and the field. ``origin``: setting -> its source so far."""
+    for name in model.model_fields:
+        if f"{prefix}{name.upper()}" in env:
+            values[name] = env[f"{prefix}{name.upper()}"]
+            origin[name] = f"{prefix}{name.upper()}"
     for name, value in flags.items():
         if value is not None:
             values[name], origin[name] = value, "--" + name.replace("_", "-")
     try:
-        return ServeSettings.model_validate(values)
+        return model.model_validate(values)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
@@ -102,7 +113,7 @@ def load_settings(config: Path | None, flags: dict[str, Any], env: dict[str, str
         source = origin.get(name, "<settings>")
         line = lines.line((name,)) if lines is not None and source == str(config) else None
         raise ConfigError("unknown setting" if first["type"] == "extra_forbidden" else first["msg"],
-                          source=source, line=line, field=field) from None
+                          source=source, line=line, field=f"{field_prefix}{field}" if field else None) from None
 
 
 def load_gateway_settings(config: Path | None, flags: dict[str, Any],
@@ -246,21 +257,7 @@ def gateway_settings_for(server: ServeSettings, flags: dict[str, Any] | None = N
                               "control_url": f"http://{_client_host(server.host)}:{server.port}",
                               **server.gateway}
     origin = dict.fromkeys(server.gateway, "gateway")
-    for name in GatewaySettings.model_fields:
-        if f"TENSORA_GATEWAY_{name.upper()}" in env:
-            values[name] = env[f"TENSORA_GATEWAY_{name.upper()}"]
-            origin[name] = f"TENSORA_GATEWAY_{name.upper()}"
-    for name, value in (flags or {}).items():
-        if value is not None:
-            values[name], origin[name] = value, "--" + name.replace("_", "-")
-    try:
-        return GatewaySettings.model_validate(values)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or None
-        source = origin.get(str(first["loc"][0]) if first["loc"] else "", "gateway settings")
-        raise ConfigError("unknown setting" if first["type"] == "extra_forbidden" else first["msg"],
-                          source=source, field=f"gateway.{field}" if field else None) from None
+    return layered(GatewaySettings, values, origin, env, "TENSORA_GATEWAY_", flags or {}, field_prefix="gateway.")
 
 
 def _start_gateway(gw: Any) -> Any:

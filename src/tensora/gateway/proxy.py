@@ -183,12 +183,19 @@ class Gateway:
             return 403, "this key lacks the 'inference' scope", "insufficient_scope"
         return key
 
+    async def _caller(self, scope: Scope, send: Send, rid: str, table: RouteTable) -> KeyRoute | None:
+        """The calling key, or None once the 401/403 is sent."""
+        key = self._key(scope, table)
+        if isinstance(key, KeyRoute):
+            return key
+        status, message, code = key
+        await self._error(send, rid, status, message, "invalid_request_error", code)
+        return None
+
     async def _models(self, scope: Scope, send: Send, rid: str) -> None:
         table = self.table()
-        key = self._key(scope, table)
-        if not isinstance(key, KeyRoute):
-            status, message, code = key
-            await self._error(send, rid, status, message, "invalid_request_error", code)
+        key = await self._caller(scope, send, rid, table)
+        if key is None:
             return
         data = [{"id": e.name, "object": "model", "created": 0,
                  "owned_by": "tensora-serverless" if e.serverless else e.owner} for e in table.visible(key.owner)]
@@ -198,10 +205,8 @@ class Gateway:
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send, rid: str, path: str) -> None:
         table = self.table()
-        key = self._key(scope, table)
-        if not isinstance(key, KeyRoute):
-            status, message, code = key
-            await self._error(send, rid, status, message, "invalid_request_error", code)
+        key = await self._caller(scope, send, rid, table)
+        if key is None:
             return
         raw = await _read_body(receive, self.o.max_body_bytes)
         if raw is None:

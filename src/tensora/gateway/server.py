@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
 import httptools
+
+from tensora.gateway.upstream import nodelay
 
 log = logging.getLogger("tensora.gateway")
 
@@ -47,14 +48,6 @@ class _Request:
         self.keep_alive = True
 
 
-def _nodelay(transport: asyncio.BaseTransport) -> None:
-    """Small writes go out at once (no Nagle): a request or an SSE event must not wait for an ACK."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 class _Conn(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -70,7 +63,7 @@ class _Conn(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        _nodelay(transport)
+        nodelay(transport)
         self.lost = self.server.loop.create_future()
         self.server.conns.add(self)
 

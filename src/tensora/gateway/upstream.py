@@ -83,7 +83,7 @@ class Response:
         self.conn.finish(self._done)
 
 
-def _nodelay(transport: asyncio.BaseTransport) -> None:
+def nodelay(transport: asyncio.BaseTransport) -> None:
     """Small writes go out at once (no Nagle): a request or an SSE event must not wait for an ACK."""
     sock = transport.get_extra_info("socket")
     if sock is not None:
@@ -106,7 +106,7 @@ class _Conn(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        _nodelay(transport)
+        nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
         try:

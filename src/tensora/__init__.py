@@ -1,16 +1,27 @@
-"""Tensora: a free GPU cloud with opt-in, explicit and visible fallbacks."""
+"""Tensora: a free GPU cloud with opt-in, explicit and visible fallbacks.
+
+``Client`` and ``AsyncClient`` (the SDK, ``tensora.sdk``) are re-exported lazily: ``import tensora``
+stays light for the servers, which never use them.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from tensora.admission import Decision, Place, Policy, Promote, Queued, RestartAvailable, Running, Wait, decide
 from tensora.capacity import Capacity, GpuReserve, Node, Placed
 from tensora.catalog import Catalog, ComputeClass, Kind, default_catalog, load_catalog
 from tensora.errors import CatalogError, ConfigError, FleetError, ModelFileError, SpecError, TensoraError
 
+if TYPE_CHECKING:
+    from tensora.sdk import AsyncClient, Client
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncClient",
     "Capacity",
     "Catalog",
     "CatalogError",
+    "Client",
     "ComputeClass",
     "ConfigError",
     "Decision",
@@ -33,3 +44,11 @@ __all__ = [
     "default_catalog",
     "load_catalog",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Client", "AsyncClient"):
+        from tensora import sdk
+
+        return getattr(sdk, name)
+    raise AttributeError(f"module 'tensora' has no attribute {name!r}")

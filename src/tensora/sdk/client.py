@@ -1,0 +1,389 @@
+"""``Client`` and ``AsyncClient``: every control API route as a typed method, with safe retries.
+
+    from tensora import Client
+    with Client() as tensora:                     # TENSORA_API_URL, TENSORA_API_KEY
+        nb = tensora.create_workload("notebook", "nb", "l40s-48gb", fallback=["cpu"], fallback_after="10m")
+        nb = tensora.wait_until(nb.id, timeout=900, on_change=lambda w: print(w.state, w.reason))
+
+Failed attempts are retried as ``retry`` decides (see its docstring), within one ``RetryBudget``
+per client. Each logical POST carries one Idempotency-Key on all its attempts, so a create whose
+answer was lost is not done twice. Every attempt sends ``X-Tensora-Attempt: n`` (1-based) and
+the one ``X-Request-Id`` of its logical call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import httpx
+
+from tensora import __version__
+from tensora.api.schemas import WorkloadList
+from tensora.sdk import calls
+from tensora.sdk.calls import Call, Catalog, Event, Key, TokenUsage, Usage, Workload
+from tensora.sdk.errors import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    NotFoundError,
+    WaitTimeoutError,
+    WorkloadEndedError,
+    for_status,
+)
+from tensora.sdk.retry import RetryBudget, RetryPolicy, Stop, decide
+
+T = TypeVar("T")
+
+DEFAULT_API_URL = "http://127.0.0.1:8700"
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8701"
+ATTEMPT_HEADER = "X-Tensora-Attempt"
+
+
+class _Base:
+    """What both clients share: settings, headers, reading answers, and the retry decision."""
+
+    def __init__(self, api_key: str | None, base_url: str | None, *, timeout: float, max_retries: int,
+                 policy: RetryPolicy | None, budget: RetryBudget | None, rng: random.Random | None,
+                 clock: Callable[[], float], gateway_url: str | None) -> None:
+        self.api_key = api_key if api_key is not None else os.environ.get("TENSORA_API_KEY")
+        self.base_url = (base_url or os.environ.get("TENSORA_API_URL") or DEFAULT_API_URL).rstrip("/")
+        self.gateway_url = (gateway_url or os.environ.get("TENSORA_GATEWAY_URL") or DEFAULT_GATEWAY_URL).rstrip("/")
+        self.policy = policy or RetryPolicy(max_retries=max_retries)
+        self.budget = budget or RetryBudget(clock=clock)
+        self.timeout = httpx.Timeout(timeout, connect=min(timeout, 5.0))
+        self._rng = rng or random.Random()
+        self._clock = clock
+
+    def _headers(self, attempt: int, idempotency_key: str | None, request_id: str) -> dict[str, str]:
+        h = {"User-Agent": f"tensora-sdk/{__version__}", ATTEMPT_HEADER: str(attempt), "X-Request-Id": request_id}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        if idempotency_key is not None:
+            h["Idempotency-Key"] = idempotency_key
+        return h
+
+    def _start(self, call: Call[Any]) -> tuple[str | None, str]:
+        key = call.idempotency_key or (f"tns_{uuid.uuid4().hex}" if call.method == "POST" else None)
+        return key, "req_" + secrets.token_hex(8)
+
+    def _read(self, call: Call[T], response: httpx.Response, retries: int) -> T:
+        """The parsed answer; an APIError for an error status (or a body that is not what the route returns)."""
+        rid = response.headers.get("x-request-id")
+        if response.status_code == 404 and call.gone_ok and retries > 0:
+            self.budget.success()
+            return call.parse(None)
+        if response.status_code >= 400:
+            raise self._status_error(response, rid)
+        if response.status_code == 204:
+            self.budget.success()
+            return call.parse(None)
+        try:
+            value = call.parse(response.json())
+        except ValueError as exc:  # not JSON, or not the shape of this route's answer
+            raise APIError(f"unexpected answer from {call.method} {call.path}: {str(exc)[:300]}",
+                           status=response.status_code, request_id=rid) from None
+        self.budget.success()
+        return value
+
+    @staticmethod
+    def _status_error(response: httpx.Response, rid: str | None) -> APIError:
+        try:
+            body: Any = response.json()
+        except ValueError:
+            body = None
+        detail = body.get("error") if isinstance(body, dict) else None
+        message = detail.get("message") if isinstance(detail, dict) else None
+        if not isinstance(message, str):
+            message = response.text[:300] or response.reason_phrase
+        cls = for_status(response.status_code)
+        return cls(message, status=response.status_code, body=body, request_id=rid,
+                   headers={k.lower(): v for k, v in response.headers.items()})
+
+    def _transport_error(self, exc: httpx.HTTPError, request_id: str) -> APIError:
+        if isinstance(exc, httpx.TimeoutException):
+            return APITimeoutError(f"no answer from the control API at {self.base_url} in time ({type(exc).__name__})",
+                                   request_id=request_id)
+        return APIConnectionError(f"cannot reach the control API at {self.base_url}: {exc or type(exc).__name__}",
+                                  request_id=request_id)
+
+    def _delay(self, retries: int, error: APIError) -> float | None:
+        """Seconds to wait before the next attempt, or None to raise ``error`` now."""
+        d = decide(self.policy, retries, error.status, error.headers, self._clock(), self._rng)
+        if isinstance(d, Stop):
+            error.retry_stop = d.why  # type: ignore[attr-defined]
+            return None
+        if not self.budget.spend():
+            error.retry_stop = "the client's retry budget is spent"  # type: ignore[attr-defined]
+            return None
+        return d.delay_s
+
+    def _watch_deadline(self, states: Iterable[str], timeout: float) -> tuple[calls.Watch, float]:
+        if timeout < 0:
+            raise ValueError("timeout must not be negative")
+        return calls.Watch(tuple(states)), self._clock() + timeout
+
+    def _watch_step(self, watch: calls.Watch, w: Workload, deadline: float,
+                    on_change: Callable[[Workload], Any] | None) -> float | None:
+        """After a poll: None when done; raises when it cannot be; else how long to sleep."""
+        if watch.changed(w) and on_change is not None:
+            on_change(w)
+        if watch.done(w):
+            return None
+        if watch.ended(w):
+            raise WorkloadEndedError(f"workload {w.name} ({w.id}) is {w.state}: {w.reason}", w)
+        left = deadline - self._clock()
+        if left <= 0:
+            raise WaitTimeoutError(f"workload {w.name} ({w.id}) is still {w.state} after the timeout: {w.reason}", w)
+        return left
+
+    def _not_found(self, ref: str) -> NotFoundError:
+        return NotFoundError(f"no workload {ref!r}", status=404)
+
+
+class Client(_Base):
+    """The control API, synchronously. Thread-safe; close it (or use ``with``) when done."""
+
+    def __init__(self, api_key: str | None = None, base_url: str | None = None, *, timeout: float = 30.0,
+                 max_retries: int = 2, policy: RetryPolicy | None = None, budget: RetryBudget | None = None,
+                 rng: random.Random | None = None, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.time, gateway_url: str | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        super().__init__(api_key, base_url, timeout=timeout, max_retries=max_retries, policy=policy, budget=budget,
+                         rng=rng, clock=clock, gateway_url=gateway_url)
+        self._sleep = sleep
+        self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout, transport=transport)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def run(self, call: Call[T]) -> T:
+        """Send ``call``, retrying as the policy and the budget allow."""
+        idem, rid = self._start(call)
+        retries = 0
+        while True:
+            try:
+                response = self._http.request(call.method, call.path, params=call.params or None, json=call.json,
+                                              headers=self._headers(retries + 1, idem, rid))
+                return self._read(call, response, retries)
+            except httpx.HTTPError as exc:
+                error = self._transport_error(exc, rid)
+            except APIError as exc:
+                error = exc
+            delay = self._delay(retries, error)
+            if delay is None:
+                raise error
+            self._sleep(delay)
+            retries += 1
+
+    # -- workloads --------------------------------------------------------------------
+
+    def create_workload(self, kind: str, name: str, gpu_class: str, *, fallback: Sequence[str] = (),
+                        fallback_after: str | float | None = None, **more: Any) -> Workload:
+        """Create a notebook, vm or endpoint. ``more``: region, model, replicas, fallback_models,
+        allow_cross_region, image, spec, owner, idempotency_key (see ``calls.create_workload``)."""
+        return self.run(calls.create_workload(kind, name, gpu_class, fallback=fallback,
+                                              fallback_after=fallback_after, **more))
+
+    def list_workloads(self, kind: str | None = None, state: str | None = None, limit: int = 100,
+                       after: str | None = None) -> WorkloadList:
+        """One page; pass ``after=page.next`` for the next (``iter_workloads`` follows them)."""
+        return self.run(calls.list_workloads(kind, state, limit, after))
+
+    def iter_workloads(self, kind: str | None = None, state: str | None = None) -> Iterable[Workload]:
+        after = None
+        while True:
+            page = self.list_workloads(kind, state, 500, after)
+            yield from page.data
+            if page.next is None:
+                return
+            after = page.next
+
+    def get_workload(self, workload_id: str) -> Workload:
+        return self.run(calls.get_workload(workload_id))
+
+    def find_workload(self, ref: str) -> Workload:
+        """By id (``wl_...``) or by name; a name that several workloads share is a ValueError."""
+        if ref.startswith("wl_"):
+            return self.get_workload(ref)
+        found = calls.pick_by_name(ref, list(self.iter_workloads()))
+        if found is None:
+            raise self._not_found(ref)
+        return found
+
+    def workload_events(self, workload_id: str) -> list[Event]:
+        return self.run(calls.workload_events(workload_id))
+
+    def stop_workload(self, workload_id: str, *, idempotency_key: str | None = None) -> Workload:
+        return self.run(calls.stop_workload(workload_id, idempotency_key))
+
+    def restart_workload(self, workload_id: str, placement: str = "policy", *,
+                         idempotency_key: str | None = None) -> Workload:
+        """``placement="requested"``: back on the requested class only (the 'restart on GPU' offer)."""
+        return self.run(calls.restart_workload(workload_id, placement, idempotency_key))
+
+    def delete_workload(self, workload_id: str) -> None:
+        self.run(calls.delete_workload(workload_id))
+
+    def wait_until(self, workload_id: str, states: Iterable[str] = ("running",), timeout: float = 600.0, *,
+                   poll_s: float = 1.0, on_change: Callable[[Workload], Any] | None = None) -> Workload:
+        """Poll until the workload is in one of ``states``; ``on_change`` hears each new state or reason.
+        Raises WorkloadEndedError if it fails or stops first, WaitTimeoutError after ``timeout``."""
+        watch, deadline = self._watch_deadline(states, timeout)
+        while True:
+            w = self.get_workload(workload_id)
+            left = self._watch_step(watch, w, deadline, on_change)
+            if left is None:
+                return w
+            self._sleep(min(poll_s, left))
+
+    # -- catalog, usage, keys -------------------------------------------------------------
+
+    def catalog(self) -> Catalog:
+        return self.run(calls.catalog())
+
+    def usage(self, group_by: Iterable[str] = ("placed_class",), since: float | None = None,
+              until: float | None = None, owner: str | None = None) -> Usage:
+        return self.run(calls.usage(group_by, since, until, owner))
+
+    def token_usage(self, since: float | None = None, until: float | None = None) -> TokenUsage:
+        return self.run(calls.token_usage(since, until))
+
+    def create_key(self, name: str = "key", **more: Any) -> Key:
+        """``more``: scopes, owner, requests_per_minute, tokens_per_minute, idempotency_key."""
+        return self.run(calls.create_key(name, **more))
+
+    def list_keys(self) -> list[Key]:
+        return self.run(calls.list_keys())
+
+    def revoke_key(self, key_id: str) -> None:
+        self.run(calls.revoke_key(key_id))
+
+    def ready(self) -> dict[str, Any]:
+        return self.run(calls.ready())
+
+    def openai(self, **kwargs: Any) -> Any:
+        """An ``openai.OpenAI`` client for this key on the region's gateway (``model`` = endpoint name)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.api_key, **kwargs)
+
+
+async def _asleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+class AsyncClient(_Base):
+    """The control API for asyncio code: the same methods as ``Client``, awaited."""
+
+    def __init__(self, api_key: str | None = None, base_url: str | None = None, *, timeout: float = 30.0,
+                 max_retries: int = 2, policy: RetryPolicy | None = None, budget: RetryBudget | None = None,
+                 rng: random.Random | None = None, sleep: Callable[[float], Awaitable[None]] = _asleep,
+                 clock: Callable[[], float] = time.time, gateway_url: str | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        super().__init__(api_key, base_url, timeout=timeout, max_retries=max_retries, policy=policy, budget=budget,
+                         rng=rng, clock=clock, gateway_url=gateway_url)
+        self._sleep = sleep
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=transport)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def run(self, call: Call[T]) -> T:
+        idem, rid = self._start(call)
+        retries = 0
+        while True:
+            try:
+                response = await self._http.request(call.method, call.path, params=call.params or None,
+                                                    json=call.json, headers=self._headers(retries + 1, idem, rid))
+                return self._read(call, response, retries)
+            except httpx.HTTPError as exc:
+                error = self._transport_error(exc, rid)
+            except APIError as exc:
+                error = exc
+            delay = self._delay(retries, error)
+            if delay is None:
+                raise error
+            await self._sleep(delay)
+            retries += 1
+
+    async def create_workload(self, kind: str, name: str, gpu_class: str, *, fallback: Sequence[str] = (),
+                              fallback_after: str | float | None = None, **more: Any) -> Workload:
+        return await self.run(calls.create_workload(kind, name, gpu_class, fallback=fallback,
+                                                    fallback_after=fallback_after, **more))
+
+    async def list_workloads(self, kind: str | None = None, state: str | None = None, limit: int = 100,
+                             after: str | None = None) -> WorkloadList:
+        return await self.run(calls.list_workloads(kind, state, limit, after))
+
+    async def get_workload(self, workload_id: str) -> Workload:
+        return await self.run(calls.get_workload(workload_id))
+
+    async def workload_events(self, workload_id: str) -> list[Event]:
+        return await self.run(calls.workload_events(workload_id))
+
+    async def stop_workload(self, workload_id: str, *, idempotency_key: str | None = None) -> Workload:
+        return await self.run(calls.stop_workload(workload_id, idempotency_key))
+
+    async def restart_workload(self, workload_id: str, placement: str = "policy", *,
+                               idempotency_key: str | None = None) -> Workload:
+        return await self.run(calls.restart_workload(workload_id, placement, idempotency_key))
+
+    async def delete_workload(self, workload_id: str) -> None:
+        await self.run(calls.delete_workload(workload_id))
+
+    async def wait_until(self, workload_id: str, states: Iterable[str] = ("running",), timeout: float = 600.0, *,
+                         poll_s: float = 1.0, on_change: Callable[[Workload], Any] | None = None) -> Workload:
+        watch, deadline = self._watch_deadline(states, timeout)
+        while True:
+            w = await self.get_workload(workload_id)
+            left = self._watch_step(watch, w, deadline, on_change)
+            if left is None:
+                return w
+            await self._sleep(min(poll_s, left))
+
+    async def catalog(self) -> Catalog:
+        return await self.run(calls.catalog())
+
+    async def usage(self, group_by: Iterable[str] = ("placed_class",), since: float | None = None,
+                    until: float | None = None, owner: str | None = None) -> Usage:
+        return await self.run(calls.usage(group_by, since, until, owner))
+
+    async def token_usage(self, since: float | None = None, until: float | None = None) -> TokenUsage:
+        return await self.run(calls.token_usage(since, until))
+
+    async def create_key(self, name: str = "key", **more: Any) -> Key:
+        return await self.run(calls.create_key(name, **more))
+
+    async def list_keys(self) -> list[Key]:
+        return await self.run(calls.list_keys())
+
+    async def revoke_key(self, key_id: str) -> None:
+        await self.run(calls.revoke_key(key_id))
+
+    async def ready(self) -> dict[str, Any]:
+        return await self.run(calls.ready())
+
+    def openai(self, **kwargs: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` client for this key on the region's gateway."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.api_key, **kwargs)

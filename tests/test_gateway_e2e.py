@@ -61,6 +61,22 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def chat(key: str, gw_port: int) -> None:
+    """``tensora chat``: one question, then a conversation on stdin; each answer says what served it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORA_")}
+    env.update({"TENSORA_API_KEY": key, "TENSORA_GATEWAY_URL": f"http://127.0.0.1:{gw_port}"})
+    served = "served by replica, fallback false, region local, model tiny-chat"
+    once = subprocess.run([sys.executable, "-m", "tensora.cli", "chat", "tiny-chat", "-m", "hello", "--max-tokens",
+                           "5"], capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    assert once.returncode == 0 and once.stdout.strip() and served in once.stderr, once.stderr
+    talk = subprocess.run([sys.executable, "-m", "tensora.cli", "chat", "tiny-chat", "--max-tokens", "3"],
+                          input="hello\n\nand again\n", capture_output=True, text=True, env=env, timeout=120)
+    assert talk.returncode == 0 and talk.stderr.count(served) == 2, talk.stderr
+    bad = subprocess.run([sys.executable, "-m", "tensora.cli", "chat", "no-such-endpoint", "-m", "hi"],
+                         capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    assert bad.returncode == 1 and "404" in bad.stderr, bad.stderr
+
+
 def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_api(tmp_path: Path) -> None:
     where = os.environ.get("TENSORA_RUNTIMES_DIR")
     if not where:
@@ -124,6 +140,7 @@ def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_a
             time.sleep(0.3)
         ask()
         assert [m.id for m in client.models.list()] == ["tiny-chat"]
+        chat(key, gw_port)
 
         _stop(api)  # the control API goes away; the workload and the gateway stay
         ask()
@@ -136,7 +153,9 @@ def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_a
 
         api = _start(serve_args, log)  # back: the spool drains, each request counted once
         _wait(f"http://127.0.0.1:{api_port}/readyz", api, log, lambda b: b.get("controller") == "leader")
-        expected = 2 + 4 * 3  # the first round (one plain, one stream), then three of three plain and a stream
+        # the first round (one plain, one stream), three answers of tensora chat, then three rounds of three
+        # plain and a stream
+        expected = 2 + 3 + 4 * 3
         deadline = time.monotonic() + 20
         while True:
             rows = c.get("/v1/usage/tokens").json()["data"]
@@ -150,7 +169,8 @@ def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_a
         assert sum(r["requests"] for r in rows) == expected
         assert {(r["endpoint"], r["product"], r["model"], r["served_by"]) for r in rows} == {
             ("tiny-chat", "endpoint", "tiny-chat", "replica")}
-        assert len(seen) == expected and sum(r["completion_tokens"] for r in rows) == sum(seen)
+        assert len(seen) + 3 == expected  # tensora chat's three answers: at most 5 + 3 + 3 tokens
+        assert 0 < sum(r["completion_tokens"] for r in rows) - sum(seen) <= 11
         assert c.delete(f"/v1/workloads/{ep['id']}").status_code == 204
         c.close()
     finally:

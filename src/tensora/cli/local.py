@@ -1,7 +1,5 @@
-"""The ``tensora`` command. Commands here only parse arguments, call the library and print.
-
-Exit codes: 0 ok, 1 API error, 2 bad usage or a bad file (the message names it), 3 timeout.
-"""
+"""The commands that run Tensora on this machine or work offline: up, serve, gateway, node,
+runtime, plan, model-size, dev. They parse arguments, call the library and print."""
 
 from __future__ import annotations
 
@@ -12,34 +10,21 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from tensora.catalog import load_catalog
+from tensora.cli.common import Output, app, out
+from tensora.cli.common import check_output as _check_output
+from tensora.cli.common import fail as _fail
 from tensora.errors import ConfigError, ModelFileError, StoreUnavailable, TensoraError
 from tensora.fleet import load_nodes, load_workloads, plan
 from tensora.units import format_memory, parse_duration
 from tensora.validator import check_cpu, read_model
 
-app = typer.Typer(help="Tensora: a free GPU cloud with opt-in, explicit and visible fallbacks.",
-                  no_args_is_help=True, add_completion=False)
-out = Console()
-
-Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 CatalogFile = Annotated[Path | None, typer.Option("--catalog", help="operator catalog overriding the default")]
 
 
-def _fail(exc: Exception, code: int = 2) -> typer.Exit:
-    sys.stderr.write(f"error: {exc}\n")  # plain, unwrapped: scripts and people grep it
-    return typer.Exit(code)
-
-
-def _check_output(output: str) -> None:
-    if output not in ("table", "json"):
-        raise _fail(ValueError(f"--output must be table or json, not {output!r}"))
-
-
-@app.command("plan")
+@app.command("plan", rich_help_panel="Run Tensora")
 def plan_command(
     nodes: Annotated[Path, typer.Option(help="nodes.yaml of the simulated fleet")],
     workloads: Annotated[Path, typer.Option(help="workloads.yaml: create bodies + submitted_at/stop_at")],
@@ -72,29 +57,7 @@ def plan_command(
     out.print(table)
 
 
-@app.command("catalog")
-def catalog_command(output: Output = "table", catalog: CatalogFile = None) -> None:
-    """The compute classes workloads can ask for (and fall back to)."""
-    _check_output(output)
-    try:
-        cat = load_catalog(catalog)
-    except ConfigError as exc:
-        raise _fail(exc) from None
-    if output == "json":
-        body = [{"name": c.name, "kind": c.kind.value, "cpu": c.cpu, "memory": c.memory, "gpu_model": c.gpu_model,
-                 "gpu_count": c.gpu_count, "gpu_memory": c.gpu_memory} for c in cat.values()]
-        sys.stdout.write(json.dumps({"classes": body}, indent=2) + "\n")
-        return
-    table = Table()
-    for column in ("name", "kind", "gpu", "vCPU", "memory"):
-        table.add_column(column)
-    for c in cat.values():
-        gpu = f"{c.gpu_count}x {c.gpu_model} {format_memory(c.gpu_memory)}" if c.gpu_model else "-"
-        table.add_row(c.name, c.kind.value, gpu, f"{c.cpu:g}", format_memory(c.memory))
-    out.print(table)
-
-
-@app.command("model-size")
+@app.command("model-size", rich_help_panel="Run Tensora")
 def model_size_command(
     path: Annotated[Path, typer.Argument(help="a .safetensors file or a model directory")],
     cpu_limit: Annotated[float, typer.Option(help="CPU size limit in parameters")] = 8.5e9,
@@ -116,7 +79,7 @@ def model_size_command(
               highlight=False)
 
 
-@app.command("serve")
+@app.command("serve", rich_help_panel="Run Tensora")
 def serve_command(
     data_dir: Annotated[Path | None, typer.Option(help="where the SQLite store and admin-key live")] = None,
     driver: Annotated[str | None, typer.Option(help="simulated | local | kubernetes")] = None,
@@ -150,7 +113,7 @@ def _serve(config: Path | None, flags: dict[str, Any], profile: str) -> None:
         raise _fail(ValueError(f"the database is unavailable: {exc}"), code=1) from None
 
 
-@app.command("gateway")
+@app.command("gateway", rich_help_panel="Run Tensora")
 def gateway_command(
     data_dir: Annotated[Path | None, typer.Option(help="the server's data dir: admin-key, and gateway/ for the "
                                                   "route cache and usage spool (env TENSORA_DATA_DIR)")] = None,
@@ -175,7 +138,7 @@ def gateway_command(
         raise _fail(exc) from None
 
 
-@app.command("up")
+@app.command("up", rich_help_panel="Run Tensora")
 def up_command(
     data_dir: Annotated[Path | None, typer.Option(help="where the SQLite store, admin-key, replicas and logs live "
                                                   "(env TENSORA_DATA_DIR)")] = None,
@@ -192,7 +155,7 @@ def up_command(
                     "gateway_port": gateway_port}, "up")
 
 
-@app.command("node")
+@app.command("node", rich_help_panel="Run Tensora")
 def node_command(
     config: Annotated[Path | None, typer.Option(help="YAML file of settings (its node: section applies)")] = None,
     catalog: CatalogFile = None,
@@ -201,7 +164,6 @@ def node_command(
     """This machine as the local driver sees it: detected CPU, memory and GPUs, and the node it offers."""
     from tensora import hardware, serve
     from tensora.catalog import load_catalog
-    from tensora.units import format_memory
 
     _check_output(output)
     try:
@@ -227,7 +189,7 @@ def node_command(
 
 
 dev_app = typer.Typer(help="Tools for development and demos.", no_args_is_help=True)
-app.add_typer(dev_app, name="dev")
+app.add_typer(dev_app, name="dev", rich_help_panel="Run Tensora")
 
 
 @dev_app.command("tiny-model")
@@ -248,7 +210,7 @@ def tiny_model_command(
 
 
 runtime_app = typer.Typer(help="Model-server runtimes for endpoints on this machine.", no_args_is_help=True)
-app.add_typer(runtime_app, name="runtime")
+app.add_typer(runtime_app, name="runtime", rich_help_panel="Run Tensora")
 RuntimesDir = Annotated[Path | None, typer.Option(
     "--runtimes-dir", help="where runtimes live (default DATA_DIR/runtimes; env TENSORA_RUNTIMES_DIR)")]
 DataDir = Annotated[Path | None, typer.Option(help="the data dir of tensora up (env TENSORA_DATA_DIR)")]
@@ -298,9 +260,3 @@ def runtime_install(name: Annotated[str, typer.Argument(help="e.g. tensora-trans
     out.print(f"{name} installed in {where}", highlight=False, soft_wrap=True)
 
 
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,3 @@
+from tensora.cli import main
+
+main()

@@ -1,0 +1,81 @@
+"""Where the CLI finds its API, gateway and key: flags, then TENSORA_* env, then the profile file
+``tensora login`` writes, then the one-machine defaults.
+
+The file (``$TENSORA_CONFIG``, default ``~/.config/tensora/profiles.json``) holds named
+profiles; it is written whole to a temp file of mode 0600 and renamed, so it is never
+half-written nor readable by others, and a key in it is never printed back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from tensora.errors import ConfigError
+from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL
+
+
+def config_path() -> Path:
+    env = os.environ.get("TENSORA_CONFIG")
+    return Path(env) if env else Path(platformdirs.user_config_dir("tensora")) / "profiles.json"
+
+
+@dataclass(frozen=True)
+class Target:
+    api_url: str
+    api_key: str | None
+    gateway_url: str
+    profile: str
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"current": "default", "profiles": {}}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the profile file: {exc}", source=str(path)) from None
+    if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
+        raise ConfigError("not a profile file: expected {'current': ..., 'profiles': {...}}", source=str(path))
+    return data
+
+
+def resolve(api_url: str | None, api_key: str | None, gateway_url: str | None, profile: str | None) -> Target:
+    """Flags (already merged with env by typer) over the profile over the defaults."""
+    path = config_path()
+    data = _read(path)
+    name = profile or data.get("current") or "default"
+    saved = data["profiles"].get(name)
+    if profile is not None and saved is None:
+        raise ConfigError(f"no profile {profile!r}; run tensora login --profile {profile}", source=str(path),
+                          field="profile")
+    saved = saved if isinstance(saved, dict) else {}
+    return Target(api_url=api_url or saved.get("api_url") or DEFAULT_API_URL,
+                  api_key=api_key or saved.get("api_key"),
+                  gateway_url=gateway_url or saved.get("gateway_url") or DEFAULT_GATEWAY_URL, profile=name)
+
+
+def save(name: str, api_url: str, api_key: str, gateway_url: str) -> Path:
+    """Write (or replace) profile ``name`` and make it the current one; returns the file."""
+    path = config_path()
+    data = _read(path)
+    data["profiles"][name] = {"api_url": api_url, "api_key": api_key, "gateway_url": gateway_url}
+    data["current"] = name
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=".profiles-", dir=path.parent)  # mkstemp: mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -427,7 +427,8 @@ def usage_command(ctx: typer.Context,
         table.add_row(*row)
     out.print(table)
     if not tokens:
-        out.print(f"total {u.total_seconds / 3600:.3f} h from {local_time(u.since)} to {local_time(u.until)}")
+        start = "the start" if u.since.startswith("1970-01-01T00:00:00") else local_time(u.since)
+        out.print(f"total {u.total_seconds / 3600:.3f} h from {start} to {local_time(u.until)}")
 
 
 # -- keys ---------------------------------------------------------------------------------------

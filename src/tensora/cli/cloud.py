@@ -427,8 +427,8 @@ def usage_command(ctx: typer.Context,
         table.add_row(*row)
     out.print(table)
     if not tokens:
-        start = "the start" if u.since.startswith("1970-01-01T00:00:00") else local_time(u.since)
-        out.print(f"total {u.total_seconds / 3600:.3f} h from {start} to {local_time(u.until)}")
+        first = "the start" if u.since.startswith("1970-01-01T00:00:00") else local_time(u.since)
+        out.print(f"total {u.total_seconds / 3600:.3f} h from {first} to {local_time(u.until)}")
 
 
 # -- keys ---------------------------------------------------------------------------------------

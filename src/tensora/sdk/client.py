@@ -178,10 +178,8 @@ class Client(_Base):
                 response = self._http.request(call.method, call.path, params=call.params or None, json=call.json,
                                               headers=self._headers(retries + 1, idem, rid))
                 return self._read(call, response, retries)
-            except httpx.HTTPError as exc:
-                error = self._transport_error(exc, rid)
-            except APIError as exc:
-                error = exc
+            except (httpx.HTTPError, APIError) as exc:
+                error = self._transport_error(exc, rid) if isinstance(exc, httpx.HTTPError) else exc
             delay = self._delay(retries, error)
             if delay is None:
                 raise error
@@ -315,10 +313,8 @@ class AsyncClient(_Base):
                 response = await self._http.request(call.method, call.path, params=call.params or None,
                                                     json=call.json, headers=self._headers(retries + 1, idem, rid))
                 return self._read(call, response, retries)
-            except httpx.HTTPError as exc:
-                error = self._transport_error(exc, rid)
-            except APIError as exc:
-                error = exc
+            except (httpx.HTTPError, APIError) as exc:
+                error = self._transport_error(exc, rid) if isinstance(exc, httpx.HTTPError) else exc
             delay = self._delay(retries, error)
             if delay is None:
                 raise error

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tensora import __version__
+from tensora import __version__, dashboard
 from tensora.api import errors
 from tensora.api.limits import Guard
 from tensora.api.routes import router
@@ -54,6 +54,7 @@ def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: 
     app.state.services = services
     errors.install(app)
     app.include_router(router)
+    dashboard.install(app)
     guard = Guard(app, max_in_flight=max_in_flight, max_body_bytes=max_body_bytes)
     guard.fastapi = app  # type: ignore[attr-defined]
     return guard

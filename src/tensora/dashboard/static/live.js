@@ -1,0 +1,38 @@
+// The dashboard's only script, and it is optional: pages read fine without it.
+// 1. [data-live="URL"]: the element's content is refreshed from URL every two seconds.
+// 2. The create form: the CPU warning shows as soon as any chosen class is a CPU one, and only
+//    the fieldsets of the chosen kind show.
+"use strict";
+(function () {
+  for (const el of document.querySelectorAll("[data-live]")) {
+    let busy = false;
+    setInterval(async function () {
+      if (busy || document.hidden) return;
+      busy = true;
+      try {
+        const r = await fetch(el.dataset.live, { credentials: "same-origin", headers: { "Accept": "text/html" } });
+        if (r.status === 401) { window.location = "/login"; return; }
+        if (r.ok) {
+          const html = await r.text();
+          if (html !== el.dataset.last) { el.innerHTML = html; el.dataset.last = html; }
+        }
+      } catch (e) { /* the server is away for a moment: try again next time */ }
+      finally { busy = false; }
+    }, 2000);
+  }
+
+  const form = document.getElementById("create");
+  if (!form) return;
+  const warning = document.getElementById("cpu-warning");
+  const kind = document.getElementById("kind");
+  function update() {
+    const cpu = Array.from(form.querySelectorAll("select[data-class]")).some(function (s) {
+      const opt = s.options[s.selectedIndex];
+      return opt && opt.hasAttribute("data-cpu");
+    });
+    warning.hidden = !cpu;
+    for (const fs of form.querySelectorAll("fieldset[data-kind]")) fs.hidden = fs.dataset.kind !== kind.value;
+  }
+  form.addEventListener("change", update);
+  update();
+})();

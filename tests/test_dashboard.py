@@ -1,0 +1,197 @@
+"""The dashboard in a real browser (Debian's chromium driven by Playwright; nothing downloaded)
+against a real ``tensora serve`` on the simulated fleet (one L40S, one A100, CPU workers).
+
+The story of ADR-0010 as a user sees it: sign in; create an endpoint with CPU fallback and see
+the 10-50x warning before submitting; see it placed on CPU with the badge and the reason; a
+notebook on CPU while the L40S is taken; the L40S frees, "Restart on GPU" appears without a
+reload and takes it there; the usage chart grows. A wrong key and a forged form are refused;
+pages read without JavaScript. Screenshots of each page go to ``.cache/artifacts/dashboard``
+(``TENSORA_TEST_ARTIFACTS`` elsewhere)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tensora.sdk import Client
+from tensora.tinymodel import write_tiny_model
+from test_serve import served
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+playwright_api = pytest.importorskip("playwright.sync_api")
+expect = playwright_api.expect
+
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(os.environ.get("TENSORA_TEST_ARTIFACTS") or Path(__file__).parent.parent / ".cache" / "artifacts")
+WAIT_MS = 20_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+    tmp = tmp_path_factory.mktemp("dash")
+    write_tiny_model(tmp / "tiny")
+    with served(tmp, tmp / "data") as proc:
+        yield proc.url, (tmp / "data" / "admin-key").read_text().strip(), tmp
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: ./scripts/test installs Debian's chromium")
+    home = tmp_path_factory.mktemp("chromium-home")
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / "config"),
+           "XDG_CACHE_HOME": str(home / "cache")}
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, chromium_sandbox=False, args=FLAGS, env=env)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def shot(page: Any, name: str) -> None:
+    out = ARTIFACTS / "dashboard"
+    out.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(out / f"{name}.png"), full_page=True)
+
+
+def sign_in(browser: Any, url: str, key: str, **context: Any) -> Any:
+    page = browser.new_context(**context).new_page()
+    page.goto(url + "/")
+    assert page.url.endswith("/login")
+    page.get_by_label("API key").fill(key)
+    page.get_by_role("button", name="Sign in").click()
+    return page
+
+
+def test_a_wrong_key_is_refused(browser: Any, server: tuple[str, str, Path]) -> None:
+    url, _, _ = server
+    page = sign_in(browser, url, "tsk_this-is-not-a-key")
+    expect(page.locator("#login-error")).to_contain_text("refused")
+    shot(page, "login-refused")
+    assert not [c for c in page.context.cookies() if c["name"] == "tensora_key"]
+    page.goto(url + "/capacity")
+    assert page.url.endswith("/login")
+    page.context.close()
+
+
+def test_the_fallback_story(browser: Any, server: tuple[str, str, Path]) -> None:
+    url, key, tmp = server
+    page = sign_in(browser, url, key)
+    expect(page.get_by_role("heading", name="Workloads")).to_be_visible()
+    cookie = next(c for c in page.context.cookies() if c["name"] == "tensora_key")
+    assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
+
+    with Client(key, url) as sdk:  # the L40S is sold out
+        holder = sdk.create_workload("notebook", "holder", "l40s-48gb")
+        sdk.wait_until(holder.id, timeout=30, poll_s=0.2)
+
+        # an endpoint on a class this fleet lacks, CPU accepted at once: the warning shows before submit
+        page.goto(url + "/new")
+        page.get_by_label("Kind").select_option("endpoint")
+        page.get_by_label("Name").fill("chat")
+        page.get_by_label("Class").select_option("h100-80gb")
+        expect(page.locator("#cpu-warning")).to_be_hidden()
+        page.get_by_label("Fallback 1").select_option("cpu")
+        expect(page.locator("#cpu-warning")).to_be_visible()
+        expect(page.locator("#cpu-warning")).to_contain_text("10-50x slower")
+        page.get_by_label("Fallback after").fill("0")
+        page.get_by_label("Model (a safetensors file or directory on the server)").fill(str(tmp / "tiny"))
+        shot(page, "create-cpu-warning")
+        page.get_by_role("button", name="Create").click()
+        expect(page.locator("#state")).to_have_text("running", timeout=WAIT_MS)  # live: no reload
+        expect(page.locator(".badge-cpu_fallback").first).to_have_text("CPU fallback")
+        expect(page.locator("#reason")).to_contain_text("h100-80gb unavailable for 0s")
+        expect(page.locator("#placed")).to_contain_text("cpu-")
+        expect(page.get_by_text("Gateway")).to_be_visible()
+        shot(page, "endpoint-on-cpu")
+
+        # a bad name: the API's message, next to the field; nothing created
+        page.goto(url + "/new")
+        page.get_by_label("Name").fill("Not A Name")
+        page.get_by_role("button", name="Create").click()
+        expect(page.locator("#name-error")).to_be_visible()
+        shot(page, "create-validation-error")
+
+        # a notebook that accepts CPU at once while the L40S is taken
+        page.goto(url + "/new")
+        page.get_by_label("Name").fill("nb")
+        page.get_by_label("Class").select_option("l40s-48gb")
+        page.get_by_label("Fallback 1").select_option("cpu")
+        page.get_by_label("Fallback after").fill("0")
+        page.get_by_role("button", name="Create").click()
+        expect(page.locator("#state")).to_have_text("running", timeout=WAIT_MS)
+        nb_url = page.url
+
+        page.goto(url + "/")
+        row = page.locator("tr[data-name=nb]")
+        expect(row.locator(".badge-cpu_fallback")).to_be_visible()
+        expect(page.locator("tr[data-name=holder] .badge")).to_have_count(0)
+        assert [w.name for w in sdk.iter_workloads()] == ["holder", "chat", "nb"]  # the bad name made nothing
+        shot(page, "workloads")
+
+        page.goto(url + "/capacity")
+        before = float(page.locator("svg.chart").get_attribute("data-total") or 0)
+        expect(page.locator("#capacity tr[data-class=l40s-48gb]")).to_contain_text("0 / 1")
+        shot(page, "capacity-usage")
+
+        # the L40S frees: the offer appears on the open page, and takes the notebook there
+        page.goto(nb_url)
+        expect(page.get_by_role("button", name="Restart on GPU")).to_have_count(0)
+        sdk.stop_workload(holder.id)
+        expect(page.get_by_role("button", name="Restart on GPU")).to_be_visible(timeout=WAIT_MS)
+        shot(page, "restart-on-gpu")
+        page.get_by_role("button", name="Restart on GPU").click()
+        expect(page.locator("#placed")).to_have_text("l40s-48gb", timeout=WAIT_MS)
+        expect(page.locator("#state")).to_have_text("running", timeout=WAIT_MS)
+        expect(page.locator(".badge-cpu_fallback")).to_have_count(0)
+        expect(page.locator("#events")).to_contain_text("restart requested on l40s-48gb only")
+
+        page.goto(url + "/capacity")
+        after = float(page.locator("svg.chart").get_attribute("data-total") or 0)
+        assert after > before
+        expect(page.locator("svg.chart rect[data-class=l40s-48gb]")).to_have_count(1)
+
+    page.get_by_role("button", name="Sign out").click()
+    assert page.url.endswith("/login")
+    page.goto(url + "/")
+    assert page.url.endswith("/login")
+    page.context.close()
+
+
+def test_pages_read_without_javascript(browser: Any, server: tuple[str, str, Path]) -> None:
+    url, key, _ = server
+    page = sign_in(browser, url, key, java_script_enabled=False)
+    expect(page.get_by_role("heading", name="Workloads")).to_be_visible()
+    page.goto(url + "/capacity")
+    expect(page.locator("#capacity")).to_contain_text("l40s-48gb")
+    page.context.close()
+
+
+def test_forms_need_the_csrf_token_and_this_origin(server: tuple[str, str, Path]) -> None:
+    url, key, _ = server
+    with httpx.Client(base_url=url, cookies={"tensora_key": key}, follow_redirects=False) as c:
+        r = c.post("/new", data={"kind": "notebook", "name": "forged", "gpu_class": "cpu-1c-4g"})
+        assert r.status_code == 403 and "CSRF" in r.text
+        c.cookies.set("tensora_csrf", "t0ken")
+        r = c.post("/new", data={"kind": "notebook", "name": "forged", "gpu_class": "cpu-1c-4g", "csrf": "t0ken"},
+                   headers={"Origin": "https://evil.example"})
+        assert r.status_code == 403 and "another site" in r.text
+        r = c.post("/new", data={"kind": "notebook", "name": "same-site", "gpu_class": "cpu-1c-4g", "csrf": "t0ken"})
+        assert r.status_code == 303 and r.headers["location"].startswith("/workloads/wl_")
+    with Client(key, url) as sdk:
+        names = [w.name for w in sdk.iter_workloads()]
+    assert "forged" not in names and "same-site" in names
+
+
+def test_the_dashboard_stays_out_of_the_api_document(server: tuple[str, str, Path]) -> None:
+    url, _, _ = server
+    paths = httpx.get(url + "/openapi.json").json()["paths"]
+    assert all(p.startswith(("/v1/", "/healthz", "/readyz")) for p in paths)

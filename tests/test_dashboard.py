@@ -134,7 +134,7 @@ def test_the_fallback_story(browser: Any, server: tuple[str, str, Path]) -> None
         row = page.locator("tr[data-name=nb]")
         expect(row.locator(".badge-cpu_fallback")).to_be_visible()
         expect(page.locator("tr[data-name=holder] .badge")).to_have_count(0)
-        assert [w.name for w in sdk.iter_workloads()] == ["holder", "chat", "nb"]  # the bad name made nothing
+        assert sorted(w.name for w in sdk.iter_workloads()) == ["chat", "holder", "nb"]  # the bad name: nothing
         shot(page, "workloads")
 
         page.goto(url + "/capacity")

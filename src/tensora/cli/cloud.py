@@ -42,6 +42,8 @@ from tensora.sdk import (
 from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL
 from tensora.units import parse_duration
 
+POLL_S = 0.5  # --wait: how often the state is read (one cheap GET)
+
 
 @app.callback()
 def options(
@@ -145,8 +147,9 @@ def wait_running(c: Client, w: Workload, timeout_s: float) -> Workload:
     try:
         if err.is_terminal:
             with err.status(line(w)) as spinner:
-                return c.wait_until(w.id, ("running",), timeout_s, on_change=lambda x: spinner.update(line(x)))
-        return c.wait_until(w.id, ("running",), timeout_s, on_change=lambda x: err.print(line(x)))
+                return c.wait_until(w.id, ("running",), timeout_s, poll_s=POLL_S,
+                                    on_change=lambda x: spinner.update(line(x)))
+        return c.wait_until(w.id, ("running",), timeout_s, poll_s=POLL_S, on_change=lambda x: err.print(line(x)))
     except WaitTimeoutError as exc:
         raise fail(f"{exc} (it keeps waiting; tensora workloads get {w.id})", TIMEOUT) from None
     except WorkloadEndedError as exc:
@@ -261,10 +264,10 @@ Ref = Annotated[str, typer.Argument(help="a workload id (wl_...) or name")]
 def workloads_list(ctx: typer.Context, kind: Annotated[str | None, typer.Option(help="notebook, vm, endpoint")]
                    = None, state: Annotated[str | None, typer.Option(help="queued, running, ...")] = None,
                    output: Output = "table") -> None:
-    """Your workloads, newest last: where each asked to run, where it runs, and why."""
+    """Your workloads, oldest first: where each asked to run, where it runs, and why."""
     check_output(output)
     with session(ctx) as c:
-        rows = list(c.iter_workloads(kind, state))
+        rows = sorted(c.iter_workloads(kind, state), key=lambda w: w.created_at)
     if output == "json":
         dump(rows)
         return

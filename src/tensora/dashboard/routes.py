@@ -158,7 +158,7 @@ async def logout(request: Request) -> Response:
 async def _workloads(request: Request) -> list[Workload]:
     async with _client(request) as c:
         page = await _call(request, c.list_workloads(limit=500))
-    return list(page.data)
+    return sorted(page.data, key=lambda w: w.created_at)  # the API pages by id; people read by age
 
 
 @router.get("/", response_class=HTMLResponse)

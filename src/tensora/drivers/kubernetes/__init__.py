@@ -1,0 +1,1 @@
+"""The Kubernetes driver's parts: ``cluster`` (capacity from Node and Pod objects, pure)."""

@@ -1,0 +1,173 @@
+"""The object graph of one replica on Kubernetes, rendered as plain dicts: pure, so the driver only
+applies what this returns, and the tests validate it offline.
+
+- notebook -> a Secret (its token), a PersistentVolumeClaim (the home dir), a Pod running JupyterLab,
+  a Service;
+- VM -> a KubeVirt ``VirtualMachine`` (the GPU passed through via ``spec.domain.devices.gpus``, only
+  on GPU classes);
+- endpoint -> a KServe ``InferenceService`` on the ClusterServingRuntime ``tensora-vllm`` (GPU
+  classes) or ``tensora-vllm-cpu`` (CPU classes), with the model's storage URI.
+
+Every object carries the labels ``tensora.io/workload``, ``tensora.io/replica``, ``tensora.io/class``
+and ``tensora.io/owner`` (the owner, made a valid label value; the exact one is in an annotation),
+so a restarted controller finds and adopts what it made. The replica is pinned to the node that
+admission chose (required node affinity on ``kubernetes.io/hostname``); GPU resources are asked for
+only on GPU classes, and on a CPU class every GPU is hidden. Untrusted tenants' pods run under
+``runtimeClassName: kata`` (VMs are isolated already).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from tensora.admission import WorkloadKind
+from tensora.catalog import ComputeClass
+from tensora.drivers.base import ReplicaSpec
+from tensora.drivers.kubernetes.cluster import GPU_RESOURCE, REPLICA_LABEL
+from tensora.units import format_memory
+
+WORKLOAD_LABEL, CLASS_LABEL, OWNER_LABEL = "tensora.io/workload", "tensora.io/class", "tensora.io/owner"
+OWNER_ANNOTATION = "tensora.io/owner"
+GPU_RUNTIME, CPU_RUNTIME = "tensora-vllm", "tensora-vllm-cpu"
+NOTEBOOK_PORT = 8888
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What a replica's objects need besides its spec and class."""
+
+    namespace: str
+    owner: str
+    untrusted: bool = False
+    notebook_image: str = "quay.io/jupyter/base-notebook:2025-10-20"
+    home_size: str = "10Gi"
+    storage_class: str | None = None
+
+
+def label_value(text: str) -> str:
+    """``text`` as a Kubernetes label value: [A-Za-z0-9._-], at most 63, starting and ending alnum."""
+    value = re.sub(r"[^A-Za-z0-9._-]", "-", text)[:63].strip("-._")
+    return value or "x"
+
+
+def object_name(replica_id: str) -> str:
+    """A DNS-1035 name for the replica's objects (``rp_Ab3`` -> ``tensora-rp-ab3-<hash>``)."""
+    base = re.sub(r"[^a-z0-9-]", "-", replica_id.lower()).strip("-")
+    suffix = format(sum(ord(c) * 31**i for i, c in enumerate(replica_id)) % 36**6, "x")[:6]
+    return f"tensora-{base}"[:52].rstrip("-") + f"-{suffix}"
+
+
+def _meta(spec: ReplicaSpec, cls: ComputeClass, ctx: Context, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": ctx.namespace,
+            "labels": {WORKLOAD_LABEL: label_value(spec.workload_id), REPLICA_LABEL: label_value(spec.id),
+                       CLASS_LABEL: label_value(cls.name), OWNER_LABEL: label_value(ctx.owner),
+                       "app.kubernetes.io/managed-by": "tensora"},
+            "annotations": {OWNER_ANNOTATION: ctx.owner}}
+
+
+def _affinity(node: str) -> dict[str, Any]:
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}}}
+
+
+def _tolerations(cls: ComputeClass) -> list[dict[str, Any]]:
+    return [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}] if cls.gpu_count else []
+
+
+def _resources(cls: ComputeClass) -> dict[str, Any]:
+    requests: dict[str, Any] = {"cpu": f"{cls.cpu:g}", "memory": format_memory(cls.memory)}
+    limits: dict[str, Any] = {"memory": format_memory(cls.memory)}
+    if cls.gpu_count:  # GPU resources only for GPU classes
+        requests[GPU_RESOURCE] = str(cls.gpu_count)
+        limits[GPU_RESOURCE] = str(cls.gpu_count)
+    return {"requests": requests, "limits": limits}
+
+
+def _hide_gpus(cls: ComputeClass) -> list[dict[str, str]]:
+    # On a CPU class no GPU is visible, even on a GPU node with idle CPU (the device plugin would
+    # otherwise expose them all to a container that asks for none).
+    return [] if cls.gpu_count else [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
+                                     {"name": "CUDA_VISIBLE_DEVICES", "value": ""}]
+
+
+def notebook(spec: ReplicaSpec, cls: ComputeClass, ctx: Context, token: str | None = None) -> list[dict[str, Any]]:
+    name = object_name(spec.id)
+    token = token or secrets.token_urlsafe(24)
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(spec, cls, ctx, name), "type": "Opaque",
+              "stringData": {"token": token}}
+    pvc: dict[str, Any] = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                           "metadata": _meta(spec, cls, ctx, f"{name}-home"),
+                           "spec": {"accessModes": ["ReadWriteOnce"],
+                                    "resources": {"requests": {"storage": ctx.home_size}}}}
+    if ctx.storage_class:
+        pvc["spec"]["storageClassName"] = ctx.storage_class
+    pod_spec: dict[str, Any] = {
+        "affinity": _affinity(spec.node), "tolerations": _tolerations(cls), "restartPolicy": "Always",
+        "automountServiceAccountToken": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 100,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [{
+            "name": "jupyterlab", "image": ctx.notebook_image,
+            "args": ["start-notebook.py", "--ServerApp.ip=0.0.0.0", f"--ServerApp.port={NOTEBOOK_PORT}",
+                     "--IdentityProvider.token=$(TENSORA_NOTEBOOK_TOKEN)", "--ServerApp.open_browser=False"],
+            "env": [{"name": "TENSORA_NOTEBOOK_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": "token"}}},
+                    *_hide_gpus(cls)],
+            "ports": [{"name": "http", "containerPort": NOTEBOOK_PORT}],
+            "resources": _resources(cls),
+            "readinessProbe": {"httpGet": {"path": "/api/status", "port": "http"}, "periodSeconds": 5},
+            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+            "volumeMounts": [{"name": "home", "mountPath": "/home/jovyan"}]}],
+        "volumes": [{"name": "home", "persistentVolumeClaim": {"claimName": f"{name}-home"}}]}
+    if ctx.untrusted:
+        pod_spec["runtimeClassName"] = "kata"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(spec, cls, ctx, name), "spec": pod_spec}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, cls, ctx, name),
+               "spec": {"selector": {REPLICA_LABEL: label_value(spec.id)},
+                        "ports": [{"name": "http", "port": NOTEBOOK_PORT, "targetPort": "http"}]}}
+    return [secret, pvc, pod, service]
+
+
+def vm(spec: ReplicaSpec, cls: ComputeClass, ctx: Context) -> list[dict[str, Any]]:
+    name = object_name(spec.id)
+    devices: dict[str, Any] = {"disks": [], "interfaces": [{"name": "default", "masquerade": {}}]}
+    volumes: list[dict[str, Any]] = []
+    if spec.image:
+        devices["disks"].append({"name": "root", "disk": {"bus": "virtio"}})
+        volumes.append({"name": "root", "containerDisk": {"image": spec.image}})
+    if cls.gpu_count and cls.gpu_model:  # passthrough only on GPU classes
+        devices["gpus"] = [{"name": f"gpu{i}", "deviceName": f"nvidia.com/{cls.gpu_model}"}
+                           for i in range(cls.gpu_count)]
+    template: dict[str, Any] = {
+        "metadata": {"labels": _meta(spec, cls, ctx, name)["labels"]},
+        "spec": {"affinity": _affinity(spec.node), "tolerations": _tolerations(cls),
+                 "domain": {"cpu": {"cores": max(1, int(cls.cpu))},
+                            "resources": {"requests": {"memory": format_memory(cls.memory)}}, "devices": devices},
+                 "networks": [{"name": "default", "pod": {}}], "volumes": volumes}}
+    return [{"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": _meta(spec, cls, ctx, name),
+             "spec": {"runStrategy": "Always", "template": template}}]
+
+
+def endpoint(spec: ReplicaSpec, cls: ComputeClass, ctx: Context) -> list[dict[str, Any]]:
+    if not spec.model:
+        raise ValueError(f"replica {spec.id}: an endpoint needs a model storage URI")
+    name = object_name(spec.id)
+    predictor: dict[str, Any] = {
+        "minReplicas": 1, "maxReplicas": 1, "affinity": _affinity(spec.node), "tolerations": _tolerations(cls),
+        "model": {"modelFormat": {"name": "safetensors"}, "runtime": GPU_RUNTIME if cls.gpu_count else CPU_RUNTIME,
+                  "storageUri": spec.model, "resources": _resources(cls), "env": _hide_gpus(cls)}}
+    if ctx.untrusted:
+        predictor["runtimeClassName"] = "kata"
+    return [{"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
+             "metadata": _meta(spec, cls, ctx, name), "spec": {"predictor": predictor}}]
+
+
+def replica_objects(spec: ReplicaSpec, cls: ComputeClass, ctx: Context) -> list[dict[str, Any]]:
+    """Everything to apply for one replica, in apply order."""
+    if spec.kind == WorkloadKind.NOTEBOOK:
+        return notebook(spec, cls, ctx)
+    if spec.kind == WorkloadKind.VM:
+        return vm(spec, cls, ctx)
+    return endpoint(spec, cls, ctx)

@@ -1,0 +1,151 @@
+"""One replica's Kubernetes objects, rendered and validated offline: core kinds strictly with
+kubernetes-validate, KServe's InferenceService and KubeVirt's VirtualMachine against their published
+schemas from ``../shared/crds`` (skipped, saying why, where that folder is absent); then what the
+ADR asks of them: GPUs only on GPU classes and hidden on CPU, the right serving runtime, the node
+admission chose, labels to adopt by, kata for untrusted tenants."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tensora.admission import WorkloadKind
+from tensora.catalog import default_catalog
+from tensora.drivers.base import ReplicaSpec
+from tensora.drivers.kubernetes.render import CPU_RUNTIME, GPU_RUNTIME, Context, label_value, replica_objects
+
+CRDS = Path(__file__).resolve().parent.parent.parent / "shared" / "crds"
+CATALOG = default_catalog()
+CTX = Context(namespace="tensora-eu-west", owner="alice@example.com")
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def strict(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out \
+                and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the published CRD schemas live in ../shared/crds, beside the project")
+    return path
+
+
+@functools.cache
+def validator(kind: str) -> Any:
+    import jsonschema
+
+    if kind == "InferenceService":
+        crd = yaml.safe_load(_need(CRDS / "kserve" / "serving.kserve.io_inferenceservices.yaml").read_text())
+        [v] = [v for v in crd["spec"]["versions"] if v["name"] == "v1beta1"]
+        schema = strict(v["schema"]["openAPIV3Schema"])
+    else:
+        swagger = json.loads(_need(CRDS / "kubevirt" / "swagger.json").read_text())
+        schema = {"$ref": "#/definitions/v1.VirtualMachine", "definitions": strict(swagger["definitions"])}
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def validate(doc: dict[str, Any]) -> None:
+    import kubernetes_validate
+
+    if doc["kind"] in ("InferenceService", "VirtualMachine"):
+        validator(doc["kind"]).validate(doc)
+    else:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def spec(kind: WorkloadKind, cls: str, **kw: Any) -> ReplicaSpec:
+    return ReplicaSpec(id="rp_Ab3dE9", workload_id="wl_Xy7Zq2", kind=kind, cls=cls, node="gpu-l40s-1", **kw)
+
+
+RENDERED = {
+    "notebook on a GPU class": (spec(WorkloadKind.NOTEBOOK, "l40s-48gb"), False),
+    "notebook on a CPU class": (spec(WorkloadKind.NOTEBOOK, "cpu-16c-64g"), False),
+    "notebook of an untrusted tenant": (spec(WorkloadKind.NOTEBOOK, "cpu-4c-16g"), True),
+    "vm on a GPU class, with a disk": (spec(WorkloadKind.VM, "a100-80gb", image="quay.io/containerdisks/debian:12"),
+                                       False),
+    "vm on a CPU class": (spec(WorkloadKind.VM, "cpu-2c-8g"), False),
+    "endpoint on a GPU class": (spec(WorkloadKind.ENDPOINT, "l40s-48gb", model="s3://models/llama-8b"), False),
+    "endpoint on a CPU class, untrusted": (spec(WorkloadKind.ENDPOINT, "cpu-32c-128g", model="pvc://models/tiny"),
+                                           True),
+}
+
+
+def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if doc["kind"] == "Pod":
+        return list(doc["spec"]["containers"])
+    if doc["kind"] == "InferenceService":
+        return [doc["spec"]["predictor"]["model"]]
+    return []
+
+
+@pytest.mark.parametrize(("replica", "untrusted"), RENDERED.values(), ids=RENDERED.keys())
+def test_rendered_objects_validate_and_say_what_the_placement_means(replica: ReplicaSpec, untrusted: bool) -> None:
+    cls = CATALOG[replica.cls]
+    ctx = Context(CTX.namespace, CTX.owner, untrusted=untrusted)
+    docs = replica_objects(replica, cls, ctx)
+    want = {WorkloadKind.NOTEBOOK: ["Secret", "PersistentVolumeClaim", "Pod", "Service"],
+            WorkloadKind.VM: ["VirtualMachine"], WorkloadKind.ENDPOINT: ["InferenceService"]}[replica.kind]
+    assert [d["kind"] for d in docs] == want
+    for d in docs:
+        validate(d)
+        meta = d["metadata"]
+        assert DNS1035.match(meta["name"]) and meta["namespace"] == ctx.namespace
+        assert meta["labels"]["tensora.io/replica"] == "rp_Ab3dE9" and meta["labels"]["tensora.io/class"] == cls.name
+        assert meta["labels"]["tensora.io/owner"] == "alice-example.com"
+        assert meta["annotations"]["tensora.io/owner"] == "alice@example.com"
+    gpu = cls.gpu_count > 0
+    for c in (c for d in docs for c in containers(d)):
+        assert ("nvidia.com/gpu" in c["resources"]["limits"]) == gpu
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert (env.get("NVIDIA_VISIBLE_DEVICES") == "void") == (not gpu)  # CPU: every GPU hidden
+    text = json.dumps(docs)
+    assert '"values": ["gpu-l40s-1"]' in text  # pinned to the node admission chose
+    pods = [d["spec"] for d in docs if d["kind"] == "Pod"] + [d["spec"]["predictor"] for d in docs
+                                                               if d["kind"] == "InferenceService"]
+    assert all((p.get("runtimeClassName") == "kata") == untrusted for p in pods)
+    for d in docs:
+        if d["kind"] == "InferenceService":
+            assert d["spec"]["predictor"]["model"]["runtime"] == (GPU_RUNTIME if gpu else CPU_RUNTIME)
+            assert d["spec"]["predictor"]["model"]["storageUri"] == replica.model
+        if d["kind"] == "VirtualMachine":
+            gpus = d["spec"]["template"]["spec"]["domain"]["devices"].get("gpus", [])
+            assert [g["deviceName"] for g in gpus] == ([f"nvidia.com/{cls.gpu_model}"] if gpu else [])
+
+
+def test_a_misspelt_field_fails_validation() -> None:
+    import jsonschema
+
+    [isvc] = replica_objects(spec(WorkloadKind.ENDPOINT, "l40s-48gb", model="s3://m"), CATALOG["l40s-48gb"], CTX)
+    bad = copy.deepcopy(isvc)
+    bad["spec"]["predictor"]["model"]["storageURI"] = bad["spec"]["predictor"]["model"].pop("storageUri")
+    with pytest.raises(jsonschema.ValidationError):
+        validate(bad)
+
+
+def test_an_endpoint_without_a_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="storage URI"):
+        replica_objects(spec(WorkloadKind.ENDPOINT, "l40s-48gb"), CATALOG["l40s-48gb"], CTX)
+
+
+LABELS = {"plain": ("alice", "alice"), "an email": ("a@b.c", "a-b.c"), "too long": ("x" * 80, "x" * 63),
+          "nothing valid": ("@@@", "x")}
+
+
+@pytest.mark.parametrize(("text", "want"), LABELS.values(), ids=LABELS.keys())
+def test_label_value(text: str, want: str) -> None:
+    assert label_value(text) == want

@@ -167,13 +167,12 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
     assert info.value.source == str(missing)
 
 
-@pytest.mark.parametrize("driver", ["kubernetes"])
-def test_build_refuses_unavailable_drivers_before_touching_the_store(driver: str, tmp_path: Path) -> None:
+def test_build_refuses_a_driver_it_cannot_configure_before_touching_the_store(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
-    settings = ServeSettings(data_dir=data_dir, driver=driver)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="not available") as info:
+    settings = ServeSettings(data_dir=data_dir, driver="kubernetes", kubeconfig=tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="no kubeconfig at") as info:
         build(settings)
-    assert info.value.field == "driver"
+    assert info.value.field == "kubeconfig"
     assert not data_dir.exists()
 
 

@@ -431,7 +431,7 @@ class Controller:
     @staticmethod
     def _replica_spec(w: dict[str, Any], r: dict[str, Any]) -> ReplicaSpec:
         return ReplicaSpec(r["id"], w["id"], WorkloadKind(w["kind"]), r["cls"], r["node"], w["model"],
-                           (w.get("spec") or {}).get("image"))
+                           (w.get("spec") or {}).get("image"), w["owner"])
 
     def _apply_effects(self, fx: _Effects, report: CycleReport) -> None:
         """Driver calls, after the intents committed. A failure here is redone next cycle."""

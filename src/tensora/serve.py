@@ -61,6 +61,10 @@ class ServeSettings(BaseModel):
     start_delay_s: float = Field(default=2.0, ge=0, description="simulated driver: seconds until a replica runs")
     node: NodeOverrides = Field(default_factory=NodeOverrides, description="local driver: what to declare "
                                 "instead of (or keep back from) the detected hardware")
+    kubeconfig: Path | None = Field(default=None, description="kubernetes driver: the cluster's kubeconfig "
+                                    "(default: in-cluster credentials, else ~/.kube/config)")
+    namespace: str = Field(default="tensora", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+                           description="kubernetes driver: the namespace of the replicas' objects")
     controller: bool = True
     workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
                          "the supervising process, woken over a unix socket")
@@ -137,8 +141,25 @@ def make_driver(settings: ServeSettings, clock: Clock) -> Driver:
         return SimulatedDriver(load_nodes(nodes_file), clock, start_delay_s=settings.start_delay_s)
     if settings.driver == "local":
         return local_driver(settings, load_catalog(settings.catalog))
-    raise ConfigError(f"the {settings.driver} driver is not available in this version; use simulated or local",
-                      field="driver")
+    return kubernetes_driver(settings, load_catalog(settings.catalog))
+
+
+def kubernetes_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
+    """The Kubernetes driver for the configured cluster; ConfigError naming what is missing."""
+    try:
+        from lightkube import ConfigError as KubeConfigError
+
+        from tensora.drivers.kubernetes.driver import connect
+    except ImportError:
+        raise ConfigError("the kubernetes driver needs lightkube: pip install 'tensora[kubernetes]'",
+                          field="driver") from None
+    if settings.kubeconfig is not None and not settings.kubeconfig.is_file():
+        raise ConfigError(f"no kubeconfig at {settings.kubeconfig}", field="kubeconfig")
+    try:
+        return connect(str(settings.kubeconfig) if settings.kubeconfig else None, catalog, settings.region,
+                       settings.namespace)
+    except (KubeConfigError, OSError, ValueError) as exc:
+        raise ConfigError(f"cannot configure the Kubernetes client: {exc}", field="kubeconfig") from None
 
 
 def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:

@@ -35,6 +35,8 @@ class ReplicaSpec:
     model: str | None = None
     image: str | None = None
     """VMs: the disk image to boot, if any."""
+    owner: str = ""
+    """Whose workload it is (Kubernetes labels it, and runs untrusted owners under Kata)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,135 @@
+"""An API-server double for the Kubernetes driver's tests: a fake, and the fake is the point.
+
+It speaks the Kubernetes REST API over real HTTP for the calls the driver makes: list (cluster-wide
+or in a namespace, with an equality ``labelSelector``), get, create and delete, for core kinds and
+custom resources alike, answering with the API server's shapes: ``resourceVersion`` on every write
+and list, ``Status`` bodies with ``reason`` and ``code``, 409 AlreadyExists on a create of an
+existing name, 404 NotFound. ``fail_next`` injects a failure (e.g. a 500) for one matching call.
+``set_status`` plays the kubelet / KServe / KubeVirt. It does not implement watches, 410 Gone,
+server-side apply, or replace with resourceVersion conflicts: the driver does not use them yet.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import threading
+import uuid
+from typing import Any
+from urllib.parse import parse_qs
+
+import orjson
+
+Key = tuple[str, str, str]  # (api prefix + plural, namespace, name)
+
+
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+
+
+class ApiServerDouble:
+    """An ASGI app; serve it with ``services.serving``."""
+
+    def __init__(self) -> None:
+        self.objects: dict[Key, dict[str, Any]] = {}
+        self.calls: list[tuple[str, str]] = []
+        self._rv = itertools.count(1)
+        self._failures: list[tuple[str, str, int]] = []
+        self._lock = threading.Lock()
+
+    # -- test controls ---------------------------------------------------------------------
+
+    def seed(self, collection: str, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        self._put((collection, meta.get("namespace", ""), meta["name"]), obj)
+
+    def fail_next(self, method: str, path_contains: str, code: int = 500) -> None:
+        self._failures.append((method, path_contains, code))
+
+    def set_status(self, collection: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        with self._lock:
+            obj = self.objects[(collection, namespace, name)]
+            obj["status"] = status
+            obj["metadata"]["resourceVersion"] = str(next(self._rv))
+
+    def names(self, collection: str) -> list[str]:
+        return sorted(k[2] for k in self.objects if k[0] == collection)
+
+    # -- the API ----------------------------------------------------------------------------
+
+    def _put(self, key: Key, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        meta["resourceVersion"] = str(next(self._rv))
+        if key[1]:
+            meta["namespace"] = key[1]
+        self.objects[key] = obj
+        return obj
+
+    @staticmethod
+    def _route(path: str) -> tuple[str, str, str | None] | None:
+        """(collection, namespace or '' for all, name or None) from a REST path."""
+        parts = [p for p in path.split("/") if p]
+        if parts[:2] == ["api", "v1"]:
+            prefix, rest = "api/v1", parts[2:]
+        elif parts[:1] == ["apis"] and len(parts) >= 3:
+            prefix, rest = "/".join(parts[:3]), parts[3:]
+        else:
+            return None
+        namespace = ""
+        if len(rest) >= 3 and rest[0] == "namespaces":
+            namespace, rest = rest[1], rest[2:]
+        if not rest or len(rest) > 2:
+            return None
+        return f"{prefix}/{rest[0]}", namespace, rest[1] if len(rest) == 2 else None
+
+    def _answer(self, method: str, path: str, query: dict[str, list[str]], body: bytes) -> tuple[int, Any]:
+        for i, (m, frag, code) in enumerate(self._failures):
+            if m == method and frag in path:
+                del self._failures[i]
+                return code, _status(code, "InternalError", "injected failure")
+        route = self._route(path)
+        if route is None:
+            return 404, _status(404, "NotFound", f"the server could not find the requested resource {path}")
+        collection, namespace, name = route
+        with self._lock:
+            if method == "GET" and name is None:
+                wanted = dict(s.split("=", 1) for s in query.get("labelSelector", [""])[0].split(",") if "=" in s)
+                items = [o for (c, ns, _), o in sorted(self.objects.items())
+                         if c == collection and (not namespace or ns == namespace)
+                         and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())]
+                return 200, {"kind": "List", "apiVersion": "v1",
+                             "metadata": {"resourceVersion": str(next(self._rv))}, "items": items}
+            if method == "POST" and name is None:
+                obj = orjson.loads(body)
+                key = (collection, namespace, obj["metadata"]["name"])
+                if key in self.objects:
+                    return 409, _status(409, "AlreadyExists", f"{key[2]} already exists")
+                return 201, self._put(key, obj)
+            key = (collection, namespace, name or "")
+            if key not in self.objects:
+                return 404, _status(404, "NotFound", f"{name} not found")
+            if method == "GET":
+                return 200, self.objects[key]
+            if method == "DELETE":
+                return 200, self.objects.pop(key)
+        return 405, _status(405, "MethodNotAllowed", f"{method} is not supported by this double")
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        method, path = scope["method"], scope["path"]
+        self.calls.append((method, path))
+        code, payload = self._answer(method, path, parse_qs(scope.get("query_string", b"").decode()), body)
+        data = orjson.dumps(payload)
+        await send({"type": "http.response.start", "status": code,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})

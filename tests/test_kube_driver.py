@@ -1,0 +1,182 @@
+"""The Kubernetes driver over real HTTP against an API-server double (``kube_double``: a fake, said
+plainly): capacity from its nodes and pods, replicas' objects made, adopted on a second start and by
+a new driver (a controller restart), states read back, stopped, transient API errors redone. And
+``tensora serve --driver kubernetes``'s wiring: the controller places a workload through it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import services
+from kube_double import ApiServerDouble
+from tensora.admission import WorkloadKind
+from tensora.catalog import default_catalog
+from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.kubernetes.driver import KubernetesDriver, connect
+from tensora.drivers.kubernetes.render import object_name
+
+pytest.importorskip("lightkube")
+
+NS = "tensora"
+CATALOG = default_catalog()
+PODS, NODES = "api/v1/pods", "api/v1/nodes"
+ISVC = "apis/serving.kserve.io/v1beta1/inferenceservices"
+GFD = {"nvidia.com/gpu.product": "NVIDIA-L40S", "nvidia.com/gpu.memory": "46068",
+       "topology.kubernetes.io/region": "eu-west"}
+
+
+def node(name: str, cpu: str, memory: str, gpus: int = 0, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    alloc = {"cpu": cpu, "memory": memory, **({"nvidia.com/gpu": str(gpus)} if gpus else {})}
+    return {"metadata": {"name": name, "labels": labels or {"topology.kubernetes.io/region": "eu-west"}},
+            "spec": {}, "status": {"allocatable": alloc, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[ApiServerDouble, Path]]:
+    double = ApiServerDouble()
+    double.seed(NODES, node("gpu-1", "64", "512Gi", gpus=2, labels=GFD))
+    double.seed(NODES, node("cpu-1", "64", "256Gi"))
+    double.seed(NODES, node("elsewhere", "64", "256Gi", labels={"topology.kubernetes.io/region": "us-east"}))
+    double.seed(PODS, {"metadata": {"name": "someone-else", "namespace": "ml"},
+                       "spec": {"nodeName": "cpu-1",
+                                "containers": [{"name": "c", "resources": {"requests": {"cpu": "8"}}}]},
+                       "status": {"phase": "Running"}})
+    with services.serving(double) as live:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(f"""apiVersion: v1
+kind: Config
+clusters: [{{name: double, cluster: {{server: "{live.url}"}}}}]
+users: [{{name: tester, user: {{token: not-a-secret}}}}]
+contexts: [{{name: double, context: {{cluster: double, user: tester, namespace: {NS}}}}}]
+current-context: double
+""")
+        yield double, kubeconfig
+
+
+_OPEN: list[KubernetesDriver] = []
+
+
+def driver(kubeconfig: Path) -> KubernetesDriver:
+    d = connect(str(kubeconfig), CATALOG, "eu-west", NS)
+    _OPEN.append(d)
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _close_drivers() -> Iterator[None]:
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+NB = ReplicaSpec("rp_nb1", "wl_nb", WorkloadKind.NOTEBOOK, "cpu-4c-16g", "cpu-1", owner="alice@example.com")
+EP = ReplicaSpec("rp_ep1", "wl_ep", WorkloadKind.ENDPOINT, "l40s-48gb", "gpu-1", model="s3://models/m", owner="bob")
+
+
+def test_capacity_comes_from_the_region_s_nodes_minus_other_pods(cluster: tuple[ApiServerDouble, Path]) -> None:
+    _, kubeconfig = cluster
+    nodes = {n.name: n for n in driver(kubeconfig).nodes()}
+    assert set(nodes) == {"gpu-1", "cpu-1"}  # us-east's node belongs to another controller
+    assert nodes["gpu-1"].gpus == {"L40S": 2} and nodes["cpu-1"].cpu == 56.0
+
+
+def test_a_replica_is_made_adopted_read_back_and_stopped(cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, kubeconfig = cluster
+    d = driver(kubeconfig)
+    assert d.start(NB).state is ReplicaState.STARTING
+    name = object_name(NB.id)
+    assert double.names(f"api/v1/{'secrets'}") == [name]
+    assert double.names("api/v1/persistentvolumeclaims") == [f"{name}-home"]
+    assert double.names(PODS)[-1] == name and double.names("api/v1/services") == [name]
+    pod = double.objects[(PODS, NS, name)]
+    assert pod["metadata"]["labels"]["tensora.io/owner"] == "alice-example.com"
+    assert "nvidia.com/gpu" not in str(pod["spec"]["containers"][0]["resources"])
+
+    assert [(s.id, s.state) for s in d.observe()] == [(NB.id, ReplicaState.STARTING)]
+    double.set_status(PODS, NS, name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
+    [seen] = d.observe()
+    assert seen.state is ReplicaState.RUNNING and seen.node == "cpu-1" and seen.url and name in seen.url
+
+    d.start(NB)  # again (a redone cycle): the objects exist, adopted, not doubled
+    assert double.names(PODS).count(name) == 1
+    restarted = driver(kubeconfig)  # a new controller finds what the old one made
+    assert [(s.id, s.workload_id, s.cls, s.state) for s in restarted.observe()] == [
+        (NB.id, "wl_nb", "cpu-4c-16g", ReplicaState.RUNNING)]
+
+    assert restarted.stop(NB.id).state is ReplicaState.STOPPING
+    assert restarted.observe() == [] and name not in double.names(PODS)
+    assert double.names("api/v1/secrets") == [] and double.names("api/v1/persistentvolumeclaims") == []
+    assert restarted.stop(NB.id).state is ReplicaState.STOPPED  # nothing left: done
+
+
+def test_an_endpoint_is_an_inference_service_on_the_gpu_runtime(cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, kubeconfig = cluster
+    d = driver(kubeconfig)
+    d.start(EP)
+    name = object_name(EP.id)
+    isvc = double.objects[(ISVC, NS, name)]
+    assert isvc["spec"]["predictor"]["model"]["runtime"] == "tensora-vllm"
+    assert isvc["spec"]["predictor"]["model"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    double.set_status(ISVC, NS, name, {"url": f"http://{name}.{NS}.example", "conditions": [
+        {"type": "Ready", "status": "True"}]})
+    [seen] = d.observe()
+    assert (seen.state, seen.url, seen.node) == (ReplicaState.RUNNING, f"http://{name}.{NS}.example/v1", "gpu-1")
+    double.set_status(ISVC, NS, name, {"conditions": [{"type": "Ready", "status": "False", "reason": "Failed",
+                                                       "message": "model download failed"}]})
+    [seen] = d.observe()
+    assert seen.state is ReplicaState.FAILED and "download" in seen.detail
+
+
+def test_a_transient_api_error_is_raised_and_the_redo_completes(cluster: tuple[ApiServerDouble, Path]) -> None:
+    from lightkube import ApiError
+
+    double, kubeconfig = cluster
+    d = driver(kubeconfig)
+    double.fail_next("POST", "/pods", 500)
+    with pytest.raises(ApiError):
+        d.start(NB)  # the Secret and PVC were made; the Pod was not
+    d.start(NB)  # the controller's next cycle
+    name = object_name(NB.id)
+    assert double.names("api/v1/secrets") == [name] and name in double.names(PODS)
+
+
+def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path], tmp_path: Path) -> None:
+    from tensora import workloads
+    from tensora.serve import ServeSettings, build
+    from tensora.spec import parse_spec
+
+    double, kubeconfig = cluster
+    settings = ServeSettings(data_dir=tmp_path / "data", driver="kubernetes", kubeconfig=kubeconfig, region="eu-west",
+                             namespace=NS)
+    svc = build(settings)
+    assert svc.controller is not None
+    try:
+        with svc.db.write() as conn:
+            w = workloads.create(conn, workloads.validate(parse_spec(
+                {"kind": "notebook", "name": "nb", "region": "eu-west", "gpu_class": "l40s-48gb"}), svc.catalog),
+                "alice", svc.clock.now())
+        svc.controller.run_once()
+        [pod_name] = [n for n in double.names(PODS) if n.startswith("tensora-")]
+        pod = double.objects[(PODS, NS, pod_name)]
+        assert pod["metadata"]["labels"]["tensora.io/workload"] == w["id"]
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        double.set_status(PODS, NS, pod_name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
+        svc.controller.run_once()
+        with svc.db.read() as conn:
+            from tensora.store import repo
+
+            got = repo.get_workload(conn, w["id"])
+        assert got is not None and got["state"] == "running" and got["placed_class"] == "l40s-48gb"
+    finally:
+        svc.controller.driver.close()  # type: ignore[attr-defined]
+        svc.db.dispose()
+
+
+def test_the_double_says_what_it_does_not_do(cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, _ = cluster
+    code, body = double._answer("PUT", f"/api/v1/namespaces/{NS}/pods/x", {}, b"{}")
+    assert code == 404 and body["reason"] == "NotFound"

@@ -151,7 +151,7 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
 
     double, kubeconfig = cluster
     settings = ServeSettings(data_dir=tmp_path / "data", driver="kubernetes", kubeconfig=kubeconfig, region="eu-west",
-                             namespace=NS)
+                             namespace=NS, untrusted_owners=["alice"])
     svc = build(settings)
     assert svc.controller is not None
     try:
@@ -164,6 +164,7 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
         pod = double.objects[(PODS, NS, pod_name)]
         assert pod["metadata"]["labels"]["tensora.io/workload"] == w["id"]
         assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert pod["spec"]["runtimeClassName"] == "kata"  # alice is an untrusted tenant here
         double.set_status(PODS, NS, pod_name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
         svc.controller.run_once()
         with svc.db.read() as conn:

@@ -167,10 +167,11 @@ def _node(d: dict[str, Any], kind: str) -> str:
     return ""
 
 
-def connect(kubeconfig: str | None, catalog: Catalog, region: str, namespace: str) -> KubernetesDriver:
+def connect(kubeconfig: str | None, catalog: Catalog, region: str, namespace: str,
+            untrusted_owners: frozenset[str] = frozenset()) -> KubernetesDriver:
     """A driver for the cluster of ``kubeconfig`` (default: in-cluster, then ~/.kube/config)."""
     from lightkube import Client
     from lightkube.config.kubeconfig import KubeConfig
 
     config = KubeConfig.from_file(kubeconfig) if kubeconfig else None
-    return KubernetesDriver(Client(config), catalog, region, namespace)
+    return KubernetesDriver(Client(config), catalog, region, namespace, untrusted_owners)

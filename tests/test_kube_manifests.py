@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
+from kube_schemas import validate
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
-CRDS = ROOT.parent / "shared" / "crds"
 REGIONS = ["eu-west", "us-east"]
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "ClusterServingRuntime"}
 
@@ -32,36 +33,6 @@ def build(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def validate_core(doc: dict[str, Any]) -> None:
-    import kubernetes_validate
-
-    kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
-
-
-def strict(schema: Any) -> Any:
-    """A CRD schema that, like the API server's pruning plus strict field validation, refuses
-    fields it does not declare (except where it preserves unknown fields)."""
-    if isinstance(schema, dict):
-        out = {k: strict(v) for k, v in schema.items()}
-        if "properties" in out and "additionalProperties" not in out \
-                and not out.get("x-kubernetes-preserve-unknown-fields"):
-            out["additionalProperties"] = False
-        return out
-    if isinstance(schema, list):
-        return [strict(v) for v in schema]
-    return schema
-
-
-def crd_schema(name: str, version: str) -> dict[str, Any]:
-    path = CRDS / "kserve" / f"serving.kserve.io_{name}.yaml"
-    if not path.exists():
-        pytest.skip(f"{path} is absent: the published CRD schemas live in ../shared/crds, beside the project")
-    crd = yaml.safe_load(path.read_text())
-    [v] = [v for v in crd["spec"]["versions"] if v["name"] == version]
-    schema: dict[str, Any] = strict(copy.deepcopy(v["schema"]["openAPIV3Schema"]))
-    return schema
-
-
 @pytest.mark.parametrize("region", REGIONS)
 def test_a_region_overlay_builds_and_every_document_validates(region: str) -> None:
     docs = build(DEPLOY / "overlays" / region)
@@ -69,7 +40,7 @@ def test_a_region_overlay_builds_and_every_document_validates(region: str) -> No
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Namespace", "NetworkPolicy", "Role",
                      "RoleBinding", "Service", "ServiceAccount"]
     for d in docs:
-        validate_core(d)
+        validate(d)
     namespace = f"tensora-{region}"
     for d in docs:
         if d["kind"] not in CLUSTER_SCOPED:
@@ -100,14 +71,13 @@ def test_the_serving_runtimes_validate_against_kserve_s_schema() -> None:
 
     docs = build(DEPLOY / "runtimes")
     assert sorted(d["metadata"]["name"] for d in docs) == ["tensora-vllm", "tensora-vllm-cpu"]
-    schema = crd_schema("clusterservingruntimes", "v1alpha1")
     for d in docs:
         assert d["kind"] == "ClusterServingRuntime" and "namespace" not in d["metadata"]
-        jsonschema.validate(d, schema)
+        validate(d)
     broken = copy.deepcopy(docs[0])
     broken["spec"]["containers"][0]["imagePolicy"] = "Always"  # a typo'd field is caught
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(broken, schema)
+        validate(broken)
 
 
 def test_strict_validation_catches_a_misspelt_core_field() -> None:
@@ -117,4 +87,4 @@ def test_strict_validation_catches_a_misspelt_core_field() -> None:
     d = copy.deepcopy(next(d for d in docs if d["kind"] == "Deployment"))
     d["spec"]["template"]["spec"]["containers"][0]["resource"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
-        validate_core(d)
+        validate(d)

@@ -7,65 +7,21 @@ admission chose, labels to adopt by, kata for untrusted tenants."""
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from kube_schemas import validate
 from tensora.admission import WorkloadKind
 from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.kubernetes.render import CPU_RUNTIME, GPU_RUNTIME, Context, label_value, replica_objects
 
-CRDS = Path(__file__).resolve().parent.parent.parent / "shared" / "crds"
 CATALOG = default_catalog()
 CTX = Context(namespace="tensora-eu-west", owner="alice@example.com")
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
-
-
-def strict(schema: Any) -> Any:
-    if isinstance(schema, dict):
-        out = {k: strict(v) for k, v in schema.items()}
-        if "properties" in out and "additionalProperties" not in out \
-                and not out.get("x-kubernetes-preserve-unknown-fields"):
-            out["additionalProperties"] = False
-        return out
-    if isinstance(schema, list):
-        return [strict(v) for v in schema]
-    return schema
-
-
-def _need(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"{path} is absent: the published CRD schemas live in ../shared/crds, beside the project")
-    return path
-
-
-@functools.cache
-def validator(kind: str) -> Any:
-    import jsonschema
-
-    if kind == "InferenceService":
-        crd = yaml.safe_load(_need(CRDS / "kserve" / "serving.kserve.io_inferenceservices.yaml").read_text())
-        [v] = [v for v in crd["spec"]["versions"] if v["name"] == "v1beta1"]
-        schema = strict(v["schema"]["openAPIV3Schema"])
-    else:
-        swagger = json.loads(_need(CRDS / "kubevirt" / "swagger.json").read_text())
-        schema = {"$ref": "#/definitions/v1.VirtualMachine", "definitions": strict(swagger["definitions"])}
-    return jsonschema.validators.validator_for(schema)(schema)
-
-
-def validate(doc: dict[str, Any]) -> None:
-    import kubernetes_validate
-
-    if doc["kind"] in ("InferenceService", "VirtualMachine"):
-        validator(doc["kind"]).validate(doc)
-    else:
-        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
 def spec(kind: WorkloadKind, cls: str, **kw: Any) -> ReplicaSpec:

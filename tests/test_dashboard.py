@@ -166,6 +166,15 @@ def test_the_fallback_story(browser: Any, server: tuple[str, str, Path]) -> None
     page.context.close()
 
 
+def test_an_unknown_workload_is_a_404_page(browser: Any, server: tuple[str, str, Path]) -> None:
+    url, key, _ = server
+    page = sign_in(browser, url, key)
+    response = page.goto(url + "/workloads/wl_nothere")
+    assert response is not None and response.status == 404
+    expect(page.get_by_role("alert")).to_contain_text("no workload")
+    page.context.close()
+
+
 def test_pages_read_without_javascript(browser: Any, server: tuple[str, str, Path]) -> None:
     url, key, _ = server
     page = sign_in(browser, url, key, java_script_enabled=False)

@@ -50,6 +50,14 @@ class SignIn(Exception):
     """No key, or one the API refuses: back to the sign-in page."""
 
 
+class PageError(Exception):
+    """An error page with the API's status and message (e.g. 404: no such workload)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def _client(request: Request, key: str | None = None) -> AsyncClient:
     key = key or request.cookies.get(KEY_COOKIE)
     if not key:
@@ -105,6 +113,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(PermissionError)
     async def _forbidden(request: Request, exc: PermissionError) -> Response:
         return render(request, "error.html", 403, message=str(exc))
+
+    @app.exception_handler(PageError)
+    async def _page_error(request: Request, exc: PageError) -> Response:
+        return render(request, "error.html", exc.status, message=str(exc))
 
 
 async def _call(request: Request, coro: Any) -> Any:
@@ -177,7 +189,7 @@ async def _detail(request: Request, workload_id: str) -> dict[str, Any]:
             w = await _call(request, c.get_workload(workload_id))
             events = await _call(request, c.workload_events(workload_id))
         except APIError as exc:
-            raise PermissionError(str(exc.message)) from None
+            raise PageError(exc.status or 502, exc.message) from None
     gateway = os.environ.get("TENSORA_GATEWAY_URL", DEFAULT_GATEWAY_URL).rstrip("/") + "/v1"
     return {"w": w, "events": list(reversed(events)), "gateway": gateway}
 

@@ -181,3 +181,70 @@ def test_the_double_says_what_it_does_not_do(cluster: tuple[ApiServerDouble, Pat
     double, _ = cluster
     code, body = double._answer("PUT", f"/api/v1/namespaces/{NS}/pods/x", {}, b"{}")
     assert code == 404 and body["reason"] == "NotFound"
+
+
+def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[ApiServerDouble, Path],
+                                                                  tmp_path: Path) -> None:
+    """The L40S GPUs are taken by someone else's pod: the endpoint starts on CPU (tensora-vllm-cpu).
+    That pod goes: a tensora-vllm InferenceService starts beside it; once Ready it takes the traffic
+    and the CPU one is deleted. The endpoint stays running throughout."""
+    from tensora import workloads
+    from tensora.serve import ServeSettings, build
+    from tensora.spec import parse_spec
+    from tensora.store import repo
+    from tensora.tinymodel import write_tiny_model
+
+    double, kubeconfig = cluster
+    double.seed(PODS, {"metadata": {"name": "gpu-hog", "namespace": "ml"},
+                       "spec": {"nodeName": "gpu-1", "containers": [
+                           {"name": "c", "resources": {"requests": {"nvidia.com/gpu": "2"}}}]},
+                       "status": {"phase": "Running"}})
+    write_tiny_model(tmp_path / "tiny")
+    settings = ServeSettings(data_dir=tmp_path / "data", driver="kubernetes", kubeconfig=kubeconfig, region="eu-west",
+                             namespace=NS, drain_s=0)
+    svc = build(settings)
+    assert svc.controller is not None
+
+    def ready_all() -> None:
+        for name in double.names(ISVC):
+            double.set_status(ISVC, NS, name, {"url": f"http://{name}.example", "conditions": [
+                {"type": "Ready", "status": "True"}]})
+
+    def runtimes() -> list[str]:
+        return sorted(double.objects[(ISVC, NS, n)]["spec"]["predictor"]["model"]["runtime"]
+                      for n in double.names(ISVC))
+
+    def state() -> dict[str, Any]:
+        with svc.db.read() as conn:
+            w = repo.get_workload(conn, ep["id"])
+        assert w is not None
+        return w
+
+    try:
+        with svc.db.write() as conn:
+            ep = workloads.create(conn, workloads.validate(parse_spec(
+                {"kind": "endpoint", "name": "chat", "region": "eu-west", "gpu_class": "l40s-48gb",
+                 "fallback": ["cpu"], "fallback_after": 0, "model": str(tmp_path / "tiny")}), svc.catalog),
+                "alice", svc.clock.now())
+        svc.controller.run_once()
+        assert runtimes() == ["tensora-vllm-cpu"]
+        ready_all()
+        svc.controller.run_once()
+        assert state()["state"] == "running" and state()["placed_class"].startswith("cpu-")
+
+        del double.objects[(PODS, "ml", "gpu-hog")]  # the GPUs free up
+        seen_states = []
+        for _ in range(8):
+            svc.controller.run_once()
+            ready_all()
+            seen_states.append(state()["state"])
+            if runtimes() == ["tensora-vllm"] and state()["placed_class"] == "l40s-48gb":
+                break
+        assert runtimes() == ["tensora-vllm"], runtimes()
+        assert state()["placed_class"] == "l40s-48gb" and set(seen_states) == {"running"}
+        with svc.db.read() as conn:
+            reasons = [e["reason"] for e in repo.list_events(conn, ep["id"])]
+        assert any("l40s-48gb" in r and ("move" in r or "promot" in r) for r in reasons), reasons
+    finally:
+        svc.controller.driver.close()  # type: ignore[attr-defined]
+        svc.db.dispose()

@@ -5,12 +5,18 @@ or in a namespace, with an equality ``labelSelector``), get, create and delete, 
 custom resources alike, answering with the API server's shapes: ``resourceVersion`` on every write
 and list, ``Status`` bodies with ``reason`` and ``code``, 409 AlreadyExists on a create of an
 existing name, 404 NotFound. ``fail_next`` injects a failure (e.g. a 500) for one matching call.
-``set_status`` plays the kubelet / KServe / KubeVirt. It does not implement watches, 410 Gone,
-server-side apply, or replace with resourceVersion conflicts: the driver does not use them yet.
+``set_status`` plays the kubelet / KServe / KubeVirt. Watches (``?watch=true``) stream the events
+after ``resourceVersion`` (or, without one, ADDED for every current object first), each stream
+ending after ``timeoutSeconds`` (at most a second here, so the client re-watches from its last
+resourceVersion); ``compact()`` forgets the history, after which a watch from an older
+resourceVersion gets an ERROR event with 410 Gone, as after etcd compaction. Not implemented: server-side apply and
+replace (PUT) with resourceVersion conflicts: the driver does not use them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import datetime as dt
 import itertools
 import threading
@@ -37,6 +43,17 @@ class ApiServerDouble:
         self._rv = itertools.count(1)
         self._failures: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
+        self.events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, type, collection, object)
+        self.oldest = 0  # watches from before this resourceVersion are 410 Gone
+        self.gone = 0  # how many watches were answered 410 Gone
+
+    def compact(self) -> None:
+        with self._lock:
+            self.events.clear()
+            self.oldest = next(self._rv)
+
+    def _event(self, kind: str, collection: str, obj: dict[str, Any]) -> None:
+        self.events.append((int(obj["metadata"]["resourceVersion"]), kind, collection, copy.deepcopy(obj)))
 
     # -- test controls ---------------------------------------------------------------------
 
@@ -52,6 +69,7 @@ class ApiServerDouble:
             obj = self.objects[(collection, namespace, name)]
             obj["status"] = status
             obj["metadata"]["resourceVersion"] = str(next(self._rv))
+            self._event("MODIFIED", collection, obj)
 
     def names(self, collection: str) -> list[str]:
         return sorted(k[2] for k in self.objects if k[0] == collection)
@@ -65,6 +83,7 @@ class ApiServerDouble:
         meta["resourceVersion"] = str(next(self._rv))
         if key[1]:
             meta["namespace"] = key[1]
+        self._event("MODIFIED" if key in self.objects else "ADDED", key[0], obj)
         self.objects[key] = obj
         return obj
 
@@ -114,7 +133,10 @@ class ApiServerDouble:
             if method == "GET":
                 return 200, self.objects[key]
             if method == "DELETE":
-                return 200, self.objects.pop(key)
+                gone = self.objects.pop(key)
+                gone["metadata"]["resourceVersion"] = str(next(self._rv))
+                self._event("DELETED", key[0], gone)
+                return 200, gone
         return 405, _status(405, "MethodNotAllowed", f"{method} is not supported by this double")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -128,8 +150,47 @@ class ApiServerDouble:
                 break
         method, path = scope["method"], scope["path"]
         self.calls.append((method, path))
+        query = parse_qs(scope.get("query_string", b"").decode())
+        if method == "GET" and query.get("watch", [""])[0] in ("true", "1"):
+            await self._watch(path, query, send)
+            return
         code, payload = self._answer(method, path, parse_qs(scope.get("query_string", b"").decode()), body)
         data = orjson.dumps(payload)
         await send({"type": "http.response.start", "status": code,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
+
+    def _matches(self, collection: str, namespace: str, obj: dict[str, Any], wanted: dict[str, str]) -> bool:
+        meta = obj.get("metadata") or {}
+        return (not namespace or meta.get("namespace", "") == namespace) and all(
+            (meta.get("labels") or {}).get(k) == v for k, v in wanted.items())
+
+    async def _watch(self, path: str, query: dict[str, list[str]], send: Any) -> None:
+        route = self._route(path)
+        assert route is not None and route[2] is None, path
+        collection, namespace, _ = route
+        wanted = dict(s.split("=", 1) for s in query.get("labelSelector", [""])[0].split(",") if "=" in s)
+        since = query.get("resourceVersion", [""])[0]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        if since and int(since) < self.oldest:  # as the API server does: an ERROR event carrying 410 Gone
+            self.gone += 1
+            gone = _status(410, "Expired", f"too old resource version: {since} ({self.oldest})")
+            await send({"type": "http.response.body", "body": orjson.dumps({"type": "ERROR", "object": gone}) + b"\n"})
+            return
+        with self._lock:  # a snapshot: the lock is never held across an await
+            current = [] if since else [copy.deepcopy(o) for (c, _, _), o in sorted(self.objects.items())
+                                        if c == collection and self._matches(collection, namespace, o, wanted)]
+            last = int(since) if since else max((e[0] for e in self.events), default=self.oldest)
+        for o in current:  # no resourceVersion: the current state first, as ADDED events
+            line = orjson.dumps({"type": "ADDED", "object": o}) + b"\n"
+            await send({"type": "http.response.body", "body": line, "more_body": True})
+        deadline = asyncio.get_running_loop().time() + min(float(query.get("timeoutSeconds", ["1"])[0]), 1.0)
+        while asyncio.get_running_loop().time() < deadline:
+            fresh = [e for e in list(self.events) if e[0] > last and e[2] == collection
+                     and self._matches(collection, namespace, e[3], wanted)]
+            for rv, kind, _, obj in fresh:
+                last = rv
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": orjson.dumps({"type": kind, "object": obj}) + b"\n"})
+            await asyncio.sleep(0.02)
+        await send({"type": "http.response.body", "body": b""})

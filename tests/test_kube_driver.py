@@ -5,6 +5,7 @@ a new driver (a controller restart), states read back, stopped, transient API er
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -248,3 +249,27 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
     finally:
         svc.controller.driver.close()  # type: ignore[attr-defined]
         svc.db.dispose()
+
+
+def test_a_watch_wakes_the_controller_when_a_replica_changes_and_survives_410(
+        cluster: tuple[ApiServerDouble, Path]) -> None:
+    import threading
+
+    double, kubeconfig = cluster
+    d = driver(kubeconfig)
+    woken = threading.Event()
+    d.watch(woken.set)
+    d.start(NB)
+    assert woken.wait(10), "no wake-up on the new pod"
+    name = object_name(NB.id)
+    time.sleep(1.5)  # let each watch stream end and re-watch from its resourceVersion
+    double.compact()  # etcd compaction: those resourceVersions are now too old (410 Gone)
+    time.sleep(1.5)
+    woken.clear()
+    double.set_status(PODS, NS, name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
+    assert woken.wait(10), "no wake-up after the 410"
+    assert double.gone >= 1  # a watch did come back with a too-old resourceVersion, and recovered
+    watches = [p for m, p in double.calls if m == "GET" and p.endswith("/pods")]
+    assert len(watches) >= 3  # re-watched after each stream ended, and after the 410
+    [seen] = d.observe()
+    assert seen.state is ReplicaState.RUNNING  # the state itself always comes from a list

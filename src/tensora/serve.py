@@ -211,6 +211,8 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
         controller = Controller(db, driver, catalog, region=settings.region,
                                 clock=clock, lease_ttl_s=settings.lease_ttl_s, tick_s=settings.tick_s,
                                 drain_s=settings.drain_s)
+        if settings.driver == "kubernetes" and hasattr(driver, "watch"):  # react to objects at once
+            driver.watch(controller.wake)
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
                     idempotency=Idempotency(db, clock), controller=controller)
 

@@ -6,14 +6,18 @@ made; a ``start`` that finds its objects already there (409 AlreadyExists) adopt
 ``stop`` that finds nothing (404) is done. Transient API errors propagate: the controller redoes the
 work next cycle. It talks to the API server with lightkube (sync client).
 
-Not yet: watches (``observe`` lists each kind once a cycle, by label) and the move-back's traffic
-shift through the gateway (the controller's generic move-back applies: start the preferred replica,
-wait until it is ready, shift routes, stop the old one).
+State is always read by listing (``observe``: one list per kind a cycle, by label), which is correct
+whatever was missed; ``watch(on_change)`` adds a watch per kind that wakes the controller as soon as a
+replica's object changes (a pod turns Ready), so it need not wait for its next tick. A watch whose
+resourceVersion is too old (410 Gone) restarts from the current state (lightkube's retry), and any
+other error is retried after a second. Move-back is the controller's, as on every driver: start the
+preferred replica, wait until it is ready, shift routes, stop the old one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tensora.admission import WorkloadKind
@@ -60,9 +64,43 @@ class KubernetesDriver:
         self.client, self.catalog, self.region, self.namespace = client, catalog, region, namespace
         self.untrusted = untrusted_owners
         self.res = _resources()
+        self._closing = threading.Event()
+        self._watchers: list[threading.Thread] = []
 
     def close(self) -> None:
+        self._closing.set()
         self.client.close()
+        for t in self._watchers:
+            t.join(timeout=5)
+
+    def watch(self, on_change: Callable[[], None]) -> None:
+        """Call ``on_change`` whenever a replica's Pod, InferenceService or VirtualMachine changes."""
+        for kind in ("Pod", "InferenceService", "VirtualMachine"):
+            t = threading.Thread(target=self._watch, args=(kind, on_change), name=f"watch-{kind}", daemon=True)
+            self._watchers.append(t)
+            t.start()
+
+    def _on_watch_error(self, exc: Exception, count: int) -> Any:
+        """lightkube's hook: stop when closing; a 410 Gone at once (it restarts from the current state);
+        anything else after a growing pause, so an API server that is away is not hammered."""
+        from lightkube import ApiError
+        from lightkube.types import OnErrorAction, OnErrorResult
+
+        if self._closing.is_set():
+            return OnErrorResult(OnErrorAction.STOP)
+        gone = isinstance(exc, ApiError) and exc.status.code == 410
+        return OnErrorResult(OnErrorAction.RETRY, sleep=0 if gone else min(5.0, 0.5 * count))
+
+    def _watch(self, kind: str, on_change: Callable[[], None]) -> None:
+        while not self._closing.is_set():
+            try:
+                for _event in self.client.watch(self.res[kind], namespace=self.namespace, labels=MANAGED,
+                                                on_error=self._on_watch_error):
+                    if self._closing.is_set():
+                        return
+                    on_change()
+            except Exception:  # closed, or the API server away: the lists stay correct; try again
+                self._closing.wait(1.0)
 
     # -- capacity ---------------------------------------------------------------------------
 

@@ -273,3 +273,33 @@ def test_a_watch_wakes_the_controller_when_a_replica_changes_and_survives_410(
     assert len(watches) >= 3  # re-watched after each stream ended, and after the 410
     [seen] = d.observe()
     assert seen.state is ReplicaState.RUNNING  # the state itself always comes from a list
+
+
+@pytest.mark.slow
+def test_tensora_serve_starts_against_a_kubeconfig(cluster: tuple[ApiServerDouble, Path], tmp_path: Path) -> None:
+    """The real entry point: ``tensora serve --driver kubernetes`` leads its region, reads the
+    cluster's nodes, and a notebook created over HTTP becomes a Pod in the namespace."""
+    import httpx
+
+    from test_serve import served
+
+    double, kubeconfig = cluster
+    env = {"TENSORA_KUBECONFIG": str(kubeconfig), "TENSORA_NAMESPACE": NS, "TENSORA_REGION": "eu-west"}
+    with served(tmp_path, tmp_path / "data", "--driver", "kubernetes", env=env) as proc:
+        key = (tmp_path / "data" / "admin-key").read_text().strip()
+        with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as c:
+            cat = c.get("/v1/catalog").json()
+            by = {x["name"]: x["capacity"]["eu-west"] for x in cat["data"]}
+            assert by["l40s-48gb"] == {"free": 2, "total": 2}  # gpu-1's two L40S, from the double
+            w = c.post("/v1/workloads", json={"kind": "notebook", "name": "nb", "gpu_class": "cpu-2c-8g"}).json()
+            deadline = time.monotonic() + 30
+            while not [n for n in double.names(PODS) if n.startswith("tensora-")]:
+                assert time.monotonic() < deadline, proc.output()
+                time.sleep(0.2)
+            [name] = [n for n in double.names(PODS) if n.startswith("tensora-")]
+            assert double.objects[(PODS, NS, name)]["metadata"]["labels"]["tensora.io/workload"] == w["id"]
+            double.set_status(PODS, NS, name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
+            deadline = time.monotonic() + 30
+            while c.get(f"/v1/workloads/{w['id']}").json()["state"] != "running":
+                assert time.monotonic() < deadline, proc.output()
+                time.sleep(0.2)

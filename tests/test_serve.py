@@ -391,7 +391,8 @@ REJECTED = {
     "unparsable config": ("config", "port: [1\n", {}, ["{config}", "not valid YAML"]),
     "bad region from env": ("env", "", {"TENSORA_REGION": "EU_West"}, ["TENSORA_REGION", "region"]),
     "missing --nodes file": ("nodes", "", {}, ["{missing}", "cannot read file"]),
-    "--driver kubernetes": ("driver", "kubernetes", {}, ["driver", "kubernetes driver is not available"]),
+    "--driver kubernetes, kubeconfig missing": ("driver", "kubernetes", {"TENSORA_KUBECONFIG": "/nonexistent/kc"},
+                                                ["kubeconfig", "no kubeconfig at /nonexistent/kc"]),
 }
 
 

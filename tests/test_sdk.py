@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import services
-from flaky import DROP, LOST, FlakyProxy, Step, flaky, stall, status
+from flaky import DROP, LOST, FlakyProxy, flaky, stall, status
 from stack import T0, Stack, stack
 from tensora import AsyncClient, Client
 from tensora.clock import FakeClock
@@ -234,6 +234,7 @@ def test_the_async_client_retries_the_same_way(sqlite_api: Api) -> None:
         async with AsyncClient(api.stack.alice, proxy.url, max_retries=3, sleep=sleeps.async_,
                                rng=random.Random(3), clock=lambda: NOW) as c:
             w = await c.create_workload("notebook", "nb", "l40s-48gb")
+            assert (await c.find_workload("nb")).id == w.id and [x.id async for x in c.iter_workloads()] == [w.id]
             return w, await c.get_workload(w.id), await c.list_workloads()
 
     with flaky(api.url, *FLAKY_CREATE) as proxy:
@@ -439,7 +440,3 @@ def test_the_openai_helper_points_at_the_gateway_with_this_key() -> None:
     assert str(oa.base_url) == "http://127.0.0.1:8701/v1/" and oa.api_key == "tns_abc"
     c.close()
 
-
-def test_step_kinds_are_named() -> None:  # the proxy refuses a script it does not know
-    assert {s.action for s in (DROP, LOST, stall(1), status(503))} == {"drop", "lost", "stall", "status"}
-    assert Step("pass").action == "pass"

@@ -19,7 +19,7 @@ import random
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -330,8 +330,26 @@ class AsyncClient(_Base):
                              after: str | None = None) -> WorkloadList:
         return await self.run(calls.list_workloads(kind, state, limit, after))
 
+    async def iter_workloads(self, kind: str | None = None, state: str | None = None) -> AsyncIterator[Workload]:
+        after = None
+        while True:
+            page = await self.list_workloads(kind, state, 500, after)
+            for w in page.data:
+                yield w
+            if page.next is None:
+                return
+            after = page.next
+
     async def get_workload(self, workload_id: str) -> Workload:
         return await self.run(calls.get_workload(workload_id))
+
+    async def find_workload(self, ref: str) -> Workload:
+        if ref.startswith("wl_"):
+            return await self.get_workload(ref)
+        found = calls.pick_by_name(ref, [w async for w in self.iter_workloads()])
+        if found is None:
+            raise self._not_found(ref)
+        return found
 
     async def workload_events(self, workload_id: str) -> list[Event]:
         return await self.run(calls.workload_events(workload_id))

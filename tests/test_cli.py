@@ -167,11 +167,9 @@ def test_login_saves_a_private_profile_that_later_commands_use(cli: Cli) -> None
     saved = json.loads(cfg.read_text())
     assert saved["profiles"]["default"] == {"api_url": cli.url, "api_key": cli.admin,
                                             "gateway_url": "http://127.0.0.1:8701"}
-    url = cli.url
     assert cli.json("workloads", "list", TENSORA_API_KEY="", TENSORA_API_URL="")["data"] is not None
     before = cfg.read_text()
-    r = cli("--api-url", url, "login", "--profile", "other", code=1, stdin="tsk_wrong\n", TENSORA_API_KEY="")
+    r = cli("--api-url", cli.url, "login", "--profile", "other", code=1, stdin="tsk_wrong\n", TENSORA_API_KEY="")
     assert "refused" in r.stderr and cfg.read_text() == before  # nothing written
-    cli("workloads", "list", "--help")
     r = cli("--profile", "nope", "workloads", "list", code=2, TENSORA_API_KEY="")
     assert "no profile 'nope'" in r.stderr

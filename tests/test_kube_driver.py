@@ -178,9 +178,11 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
         svc.db.dispose()
 
 
-def test_the_double_says_what_it_does_not_do(cluster: tuple[ApiServerDouble, Path]) -> None:
+def test_the_double_refuses_what_it_does_not_implement(cluster: tuple[ApiServerDouble, Path]) -> None:
     double, _ = cluster
-    code, body = double._answer("PUT", f"/api/v1/namespaces/{NS}/pods/x", {}, b"{}")
+    code, body = double._answer("PUT", "/api/v1/nodes/cpu-1", {}, b"{}")  # replace: not implemented
+    assert code == 405 and body["reason"] == "MethodNotAllowed"
+    code, body = double._answer("GET", "/api/v1/nodes/nowhere", {}, b"")
     assert code == 404 and body["reason"] == "NotFound"
 
 

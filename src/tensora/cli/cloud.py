@@ -193,7 +193,6 @@ def _create(ctx: typer.Context, kind: str, name: str, gpu_class: str, fallback: 
     except ValueError as exc:
         raise fail(f"--timeout: {exc}") from None
     chain = [c.strip() for c in fallback.split(",") if c.strip()]
-    more = {k: v for k, v in more.items() if v is not None}
     with session(ctx) as c:
         w = c.create_workload(kind, name, gpu_class, fallback=chain, fallback_after=fallback_after, **more)
         warn(w)

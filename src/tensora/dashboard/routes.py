@@ -103,7 +103,8 @@ def install(app: FastAPI) -> None:
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.exception_handler(SignIn)
-    async def _sign_in(request: Request, _: SignIn) -> Response:
+    @app.exception_handler(AuthenticationError)  # the key was revoked meanwhile: sign in again
+    async def _sign_in(request: Request, _: Exception) -> Response:
         if request.url.path.startswith("/ui/"):
             return Response(status_code=401)
         response = _see("/login")
@@ -117,13 +118,6 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(PageError)
     async def _page_error(request: Request, exc: PageError) -> Response:
         return render(request, "error.html", exc.status, message=str(exc))
-
-
-async def _call(request: Request, coro: Any) -> Any:
-    try:
-        return await coro
-    except AuthenticationError:
-        raise SignIn from None
 
 
 def _badges(w: Workload) -> list[tuple[str, str]]:
@@ -169,7 +163,7 @@ async def logout(request: Request) -> Response:
 
 async def _workloads(request: Request) -> list[Workload]:
     async with _client(request) as c:
-        page = await _call(request, c.list_workloads(limit=500))
+        page = await c.list_workloads(limit=500)
     return sorted(page.data, key=lambda w: w.created_at)  # the API pages by id; people read by age
 
 
@@ -186,8 +180,10 @@ async def workload_rows(request: Request) -> HTMLResponse:
 async def _detail(request: Request, workload_id: str) -> dict[str, Any]:
     async with _client(request) as c:
         try:
-            w = await _call(request, c.get_workload(workload_id))
-            events = await _call(request, c.workload_events(workload_id))
+            w = await c.get_workload(workload_id)
+            events = await c.workload_events(workload_id)
+        except AuthenticationError:
+            raise  # to the sign-in page
         except APIError as exc:
             raise PageError(exc.status or 502, exc.message) from None
     gateway = os.environ.get("TENSORA_GATEWAY_URL", DEFAULT_GATEWAY_URL).rstrip("/") + "/v1"
@@ -210,14 +206,16 @@ async def workload_action(request: Request, workload_id: str, action: str) -> Re
     async with _client(request) as c:
         try:
             if action == "restart":
-                await _call(request, c.restart_workload(workload_id, form.get("placement", "policy")))
+                await c.restart_workload(workload_id, form.get("placement", "policy"))
             elif action == "stop":
-                await _call(request, c.stop_workload(workload_id))
+                await c.stop_workload(workload_id)
             elif action == "delete":
-                await _call(request, c.delete_workload(workload_id))
+                await c.delete_workload(workload_id)
                 return _see("/")
             else:
                 return Response(status_code=404)
+        except AuthenticationError:
+            raise  # to the sign-in page
         except APIError as exc:
             return render(request, "error.html", exc.status or 502, message=exc.message,
                           back=f"/workloads/{workload_id}")
@@ -228,7 +226,7 @@ async def workload_action(request: Request, workload_id: str, action: str) -> Re
 
 async def _classes(request: Request) -> list[Any]:
     async with _client(request) as c:
-        return list((await _call(request, c.catalog())).data)
+        return list((await c.catalog()).data)
 
 
 def _field(api_field: str | None) -> str:
@@ -259,8 +257,10 @@ async def create(request: Request) -> Response:
     after = form.get("fallback_after", "").strip() or None
     async with _client(request) as c:
         try:
-            w = await _call(request, c.create_workload(kind, form.get("name", "").strip(), form.get("gpu_class", ""),
-                                                       fallback=chain, fallback_after=after, **more))
+            w = await c.create_workload(kind, form.get("name", "").strip(), form.get("gpu_class", ""),
+                                        fallback=chain, fallback_after=after, **more)
+        except AuthenticationError:
+            raise  # to the sign-in page
         except APIError as exc:
             return render(request, "new.html", 422 if exc.status == 422 else exc.status or 502,
                           classes=await _classes(request), form=form, errors={_field(exc.field): exc.message},
@@ -273,7 +273,7 @@ async def create(request: Request) -> Response:
 @router.get("/capacity", response_class=HTMLResponse)
 async def capacity_page(request: Request) -> HTMLResponse:
     async with _client(request) as c:
-        catalog = await _call(request, c.catalog())
+        catalog = await c.catalog()
         usage: UsageOut | None
         tokens: TokenUsageOut | None
         try:

@@ -37,12 +37,14 @@ _SUFFIX: dict[str, int | Decimal] = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti"
            "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1, "k": 10**3, "K": 10**3,
            "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 
+_LONGEST_FIRST = sorted((k for k in _SUFFIX if k), key=len, reverse=True)  # "Mi" before "M" and "m"
+
 
 def parse_quantity(value: object) -> Decimal:
     """A Kubernetes quantity ("500m", "64Gi", "1e3", 2) as a number; ValueError naming it otherwise."""
     text = str(value).strip()
-    for suffix in sorted(_SUFFIX, key=len, reverse=True):
-        if suffix and text.endswith(suffix):
+    for suffix in _LONGEST_FIRST:
+        if text.endswith(suffix):
             number, factor = text[: -len(suffix)], Decimal(_SUFFIX[suffix])
             break
     else:

@@ -128,21 +128,20 @@ class KubernetesDriver:
         return ReplicaStatus(spec.id, spec.workload_id, spec.cls, spec.node, ReplicaState.STARTING)
 
     def stop(self, replica_id: str) -> ReplicaStatus:
+        """Delete the replica's objects: STOPPING while any was still there, STOPPED when none was."""
         from lightkube import ApiError
 
-        known = {s.id: s for s in self.observe()}
-        status = known.get(replica_id)
         name = object_name(replica_id)
+        deleted = 0
         for kind in ("Service", "Pod", "PersistentVolumeClaim", "Secret", "VirtualMachine", "InferenceService"):
             for n in (name, f"{name}-home") if kind == "PersistentVolumeClaim" else (name,):
                 try:
                     self.client.delete(self.res[kind], n, namespace=self.namespace)
+                    deleted += 1
                 except ApiError as exc:
                     if exc.status.code != 404:  # 404: never made, or already gone
                         raise
-        if status is None:
-            return ReplicaStatus(replica_id, "", "", "", ReplicaState.STOPPED)
-        return ReplicaStatus(status.id, status.workload_id, status.cls, status.node, ReplicaState.STOPPING)
+        return ReplicaStatus(replica_id, "", "", "", ReplicaState.STOPPING if deleted else ReplicaState.STOPPED)
 
     def observe(self) -> Sequence[ReplicaStatus]:
         out = []

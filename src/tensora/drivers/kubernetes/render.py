@@ -18,6 +18,7 @@ only on GPU classes, and on a CPU class every GPU is hidden. Untrusted tenants' 
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ def label_value(text: str) -> str:
 def object_name(replica_id: str) -> str:
     """A DNS-1035 name for the replica's objects (``rp_Ab3`` -> ``tensora-rp-ab3-<hash>``)."""
     base = re.sub(r"[^a-z0-9-]", "-", replica_id.lower()).strip("-")
-    suffix = format(sum(ord(c) * 31**i for i, c in enumerate(replica_id)) % 36**6, "x")[:6]
+    suffix = hashlib.sha256(replica_id.encode()).hexdigest()[:6]  # ids differing only in case stay apart
     return f"tensora-{base}"[:52].rstrip("-") + f"-{suffix}"
 
 

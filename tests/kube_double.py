@@ -1,21 +1,28 @@
 """An API-server double for the Kubernetes driver's tests: a fake, and the fake is the point.
 
 It speaks the Kubernetes REST API over real HTTP for the calls the driver makes: list (cluster-wide
-or in a namespace, with an equality ``labelSelector``), get, create and delete, for core kinds and
-custom resources alike, answering with the API server's shapes: ``resourceVersion`` on every write
-and list, ``Status`` bodies with ``reason`` and ``code``, 409 AlreadyExists on a create of an
-existing name, 404 NotFound. ``fail_next`` injects a failure (e.g. a 500) for one matching call.
+or in a namespace, with an equality ``labelSelector``), get, create, replace (PUT) and delete, for
+core kinds and custom resources alike, answering with the API server's shapes: ``resourceVersion``
+on every write and list, ``Status`` bodies with ``reason`` and ``code``, 409 AlreadyExists on a
+create of an existing name, 404 NotFound. A replace must carry the ``resourceVersion`` it read
+(stricter than the API server, which lets most kinds be replaced unconditionally: a driver that
+forgot it is caught), and one that is not the current one is 409 Conflict ("the object has been
+modified"); a replace keeps the stored ``status``, and a Pod's spec cannot be changed by one (422
+Invalid, as pod updates may not change the spec). ``race_next`` plays another writer: right after
+the next read of an object, it changes that object, so the reader's replace conflicts.
+``fail_next`` injects a failure (e.g. a 500) for one matching call.
 ``set_status`` plays the kubelet / KServe / KubeVirt. Watches (``?watch=true``) stream the events
 after ``resourceVersion`` (or, without one, ADDED for every current object first), each stream
 ending after ``timeoutSeconds`` (at most a second here, so the client re-watches from its last
 resourceVersion); ``compact()`` forgets the history, after which a watch from an older
-resourceVersion gets an ERROR event with 410 Gone, as after etcd compaction. Not implemented: server-side apply and
-replace (PUT) with resourceVersion conflicts: the driver does not use them.
+resourceVersion gets an ERROR event with 410 Gone, as after etcd compaction. Not implemented:
+server-side apply and PATCH (the driver uses neither), field selectors, and set-based selectors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import datetime as dt
 import itertools
@@ -46,6 +53,8 @@ class ApiServerDouble:
         self.events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, type, collection, object)
         self.oldest = 0  # watches from before this resourceVersion are 410 Gone
         self.gone = 0  # how many watches were answered 410 Gone
+        self.conflicts = 0  # how many replaces were answered 409 Conflict
+        self._races: dict[Key, tuple[dict[str, str], int]] = {}
 
     def compact(self) -> None:
         with self._lock:
@@ -64,6 +73,11 @@ class ApiServerDouble:
     def fail_next(self, method: str, path_contains: str, code: int = 500) -> None:
         self._failures.append((method, path_contains, code))
 
+    def race_next(self, collection: str, namespace: str, name: str, annotations: dict[str, str],
+                  times: int = 1) -> None:
+        """After each of the next ``times`` GETs of this object, another writer adds ``annotations`` to it."""
+        self._races[(collection, namespace, name)] = (annotations, times)
+
     def set_status(self, collection: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         with self._lock:
             obj = self.objects[(collection, namespace, name)]
@@ -77,6 +91,9 @@ class ApiServerDouble:
     # -- the API ----------------------------------------------------------------------------
 
     def _put(self, key: Key, obj: dict[str, Any]) -> dict[str, Any]:
+        if key[0] == "api/v1/secrets" and "stringData" in obj:  # as the API server stores it: base64 in data
+            obj.setdefault("data", {}).update({k: base64.b64encode(v.encode()).decode()
+                                               for k, v in obj.pop("stringData").items()})
         meta = obj.setdefault("metadata", {})
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("creationTimestamp", dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
@@ -86,6 +103,33 @@ class ApiServerDouble:
         self._event("MODIFIED" if key in self.objects else "ADDED", key[0], obj)
         self.objects[key] = obj
         return obj
+
+    def _replace(self, key: Key, obj: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        current = self.objects[key]
+        meta = obj.get("metadata") or {}
+        if meta.get("name") != key[2]:
+            return 400, _status(400, "BadRequest", f"the name of the object ({meta.get('name')}) does not match "
+                                                   f"the name on the URL ({key[2]})")
+        rv = meta.get("resourceVersion")
+        if not rv:
+            return 422, _status(422, "Invalid", "metadata.resourceVersion: Invalid value: 0x0: must be specified "
+                                                "for an update")
+        if rv != current["metadata"]["resourceVersion"]:
+            self.conflicts += 1
+            return 409, _status(409, "Conflict", f"Operation cannot be fulfilled on {key[0].rsplit('/', 1)[-1]} "
+                                                 f'"{key[2]}": the object has been modified; please apply your '
+                                                 "changes to the latest version and try again")
+        if key[0] == "api/v1/pods" and obj.get("spec") != current.get("spec"):
+            return 422, _status(422, "Invalid", f'Pod "{key[2]}" is invalid: spec: Forbidden: pod updates may '
+                                                "not change fields other than the mutable ones")
+        obj = copy.deepcopy(obj)
+        for kept in ("uid", "creationTimestamp"):
+            obj["metadata"][kept] = current["metadata"].get(kept)
+        if "status" in current:
+            obj["status"] = current["status"]
+        else:
+            obj.pop("status", None)
+        return 200, self._put(key, obj)
 
     @staticmethod
     def _route(path: str) -> tuple[str, str, str | None] | None:
@@ -131,7 +175,17 @@ class ApiServerDouble:
             if key not in self.objects:
                 return 404, _status(404, "NotFound", f"{name} not found")
             if method == "GET":
-                return 200, self.objects[key]
+                got = copy.deepcopy(self.objects[key])
+                if key in self._races:  # another writer, just after this read
+                    annotations, times = self._races.pop(key)
+                    if times > 1:
+                        self._races[key] = (annotations, times - 1)
+                    other = self.objects[key]
+                    other["metadata"].setdefault("annotations", {}).update(annotations)
+                    self._put(key, other)
+                return 200, got
+            if method == "PUT":
+                return self._replace(key, orjson.loads(body))
             if method == "DELETE":
                 gone = self.objects.pop(key)
                 gone["metadata"]["resourceVersion"] = str(next(self._rv))

@@ -5,11 +5,13 @@ a new driver (a controller restart), states read back, stopped, transient API er
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 import services
@@ -152,11 +154,14 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
 
     double, kubeconfig = cluster
     settings = ServeSettings(data_dir=tmp_path / "data", driver="kubernetes", kubeconfig=kubeconfig, region="eu-west",
-                             namespace=NS, untrusted_owners=["alice"])
+                             namespace=NS)
     svc = build(settings)
     assert svc.controller is not None
     try:
         with svc.db.write() as conn:
+            from tensora.store import repo
+
+            repo.set_owner(conn, "alice", True, svc.clock.now())  # as PUT /v1/owners/alice does
             w = workloads.create(conn, workloads.validate(parse_spec(
                 {"kind": "notebook", "name": "nb", "region": "eu-west", "gpu_class": "l40s-48gb"}), svc.catalog),
                 "alice", svc.clock.now())
@@ -165,12 +170,10 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
         pod = double.objects[(PODS, NS, pod_name)]
         assert pod["metadata"]["labels"]["tensora.io/workload"] == w["id"]
         assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-        assert pod["spec"]["runtimeClassName"] == "kata"  # alice is an untrusted tenant here
+        assert pod["spec"]["runtimeClassName"] == "kata"  # alice is marked an untrusted tenant
         double.set_status(PODS, NS, pod_name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
         svc.controller.run_once()
         with svc.db.read() as conn:
-            from tensora.store import repo
-
             got = repo.get_workload(conn, w["id"])
         assert got is not None and got["state"] == "running" and got["placed_class"] == "l40s-48gb"
     finally:
@@ -178,12 +181,118 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
         svc.db.dispose()
 
 
-def test_the_double_refuses_what_it_does_not_implement(cluster: tuple[ApiServerDouble, Path]) -> None:
+def test_the_double_enforces_what_the_api_server_does_on_a_replace(cluster: tuple[ApiServerDouble, Path]) -> None:
     double, _ = cluster
-    code, body = double._answer("PUT", "/api/v1/nodes/cpu-1", {}, b"{}")  # replace: not implemented
+    path = "/api/v1/namespaces/ml/pods/someone-else"
+    current = double.objects[(PODS, "ml", "someone-else")]
+    rv = current["metadata"]["resourceVersion"]
+
+    def put(obj: dict[str, Any]) -> tuple[int, Any]:
+        return double._answer("PUT", path, {}, orjson.dumps(obj))
+
+    relabelled = {**current, "metadata": {**current["metadata"], "labels": {"team": "ml"}}}
+    no_rv = {**relabelled, "metadata": {k: v for k, v in relabelled["metadata"].items() if k != "resourceVersion"}}
+    assert put(no_rv)[0] == 422  # stricter than the API server: a replace must say what it read
+    assert put({**relabelled, "metadata": {**relabelled["metadata"], "name": "other"}})[0] == 400
+    respec = {**relabelled, "spec": {**current["spec"], "nodeName": "gpu-1"}}
+    code, body = put(respec)
+    assert code == 422 and "Forbidden" in body["message"]  # a pod's spec cannot be replaced
+    code, body = put({**relabelled, "status": {"phase": "Failed"}})
+    assert code == 200 and body["metadata"]["labels"] == {"team": "ml"}
+    assert body["status"] == {"phase": "Running"} and body["metadata"]["resourceVersion"] != rv  # status kept
+    code, body = put(relabelled)  # what was read before that write: stale now
+    assert code == 409 and body["reason"] == "Conflict" and "has been modified" in body["message"]
+    assert double.conflicts == 1
+    code, body = double._answer("PATCH", path, {}, b"{}")
     assert code == 405 and body["reason"] == "MethodNotAllowed"
     code, body = double._answer("GET", "/api/v1/nodes/nowhere", {}, b"")
     assert code == 404 and body["reason"] == "NotFound"
+
+
+def _edited(double: ApiServerDouble, name: str) -> None:
+    """Someone edits the endpoint's InferenceService by hand: another runtime, a label of theirs."""
+    isvc = copy.deepcopy(double.objects[(ISVC, NS, name)])
+    isvc["spec"]["predictor"]["model"]["runtime"] = "somebody-elses-runtime"
+    isvc["metadata"]["labels"]["team"] = "ml"
+    double.seed(ISVC, isvc)
+
+
+def test_a_start_again_brings_a_drifted_object_back_keeping_what_others_added(
+        cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, kubeconfig = cluster
+    d = driver(kubeconfig)
+    d.start(EP)
+    name = object_name(EP.id)
+    double.set_status(ISVC, NS, name, {"url": "http://x.example", "conditions": [{"type": "Ready", "status": "True"}]})
+    puts = [c for c in double.calls if c[0] == "PUT"]
+    d.start(EP)  # as rendered already: adopted as it is, nothing written
+    assert [c for c in double.calls if c[0] == "PUT"] == puts == []
+
+    _edited(double, name)
+    d.start(EP)
+    isvc = double.objects[(ISVC, NS, name)]
+    assert isvc["spec"]["predictor"]["model"]["runtime"] == "tensora-vllm"  # Tensora's part, as rendered
+    assert isvc["metadata"]["labels"]["team"] == "ml"  # theirs, kept
+    assert isvc["status"]["url"] == "http://x.example"  # a replace never writes status
+    assert [c for c in double.calls if c[0] == "PUT"] == [("PUT", f"/apis/serving.kserve.io/v1beta1/namespaces/{NS}"
+                                                                 f"/inferenceservices/{name}")]
+
+
+def test_a_replace_that_conflicts_reads_again_and_keeps_the_other_writer_s_change(
+        cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, kubeconfig = cluster
+    d = driver(kubeconfig)
+    d.start(EP)
+    name = object_name(EP.id)
+    _edited(double, name)
+    double.race_next(ISVC, NS, name, {"autoscaler": "touched"})  # another writer, between our read and write
+    d.start(EP)
+    assert double.conflicts == 1
+    isvc = double.objects[(ISVC, NS, name)]
+    assert isvc["spec"]["predictor"]["model"]["runtime"] == "tensora-vllm"
+    assert isvc["metadata"]["annotations"]["autoscaler"] == "touched"  # not overwritten by a blind write
+
+    _edited(double, name)
+    double.race_next(ISVC, NS, name, {"autoscaler": "again"}, times=5)  # it never settles: give up, bounded
+    with pytest.raises(RuntimeError, match="conflicting"):
+        d.start(EP)
+    assert double.conflicts == 6
+    d.start(EP)  # the controller's next cycle
+    assert double.objects[(ISVC, NS, name)]["spec"]["predictor"]["model"]["runtime"] == "tensora-vllm"
+
+
+def test_an_object_of_that_name_that_is_not_tensora_s_is_left_alone_and_the_replica_fails(
+        cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, kubeconfig = cluster
+    name = object_name(NB.id)
+    theirs = {"metadata": {"name": name, "namespace": NS, "labels": {"app": "theirs"}},
+              "spec": {"selector": {"app": "theirs"}, "ports": [{"name": "http", "port": 80}]}}
+    double.seed("api/v1/services", copy.deepcopy(theirs))
+    d = driver(kubeconfig)
+    status = d.start(NB)
+    assert status.state is ReplicaState.FAILED and "left alone" in status.detail and name in status.detail
+    kept = double.objects[("api/v1/services", NS, name)]
+    assert kept["spec"] == theirs["spec"] and kept["metadata"]["labels"] == {"app": "theirs"}
+    assert name not in double.names(PODS)  # nothing started
+    assert double.names("api/v1/secrets") == [] and double.names("api/v1/persistentvolumeclaims") == []  # cleaned
+    assert [(s.id, s.state) for s in d.observe()] == [(NB.id, ReplicaState.FAILED)]  # reported to the controller
+    assert d.observe() == []  # once
+    assert d.stop(NB.id).state is ReplicaState.STOPPED  # and a stop never deletes their Service
+    assert ("api/v1/services", NS, name) in double.objects
+
+
+def test_a_running_notebook_s_url_carries_its_token(cluster: tuple[ApiServerDouble, Path]) -> None:
+    import base64
+
+    double, kubeconfig = cluster
+    d = driver(kubeconfig)
+    d.start(NB)
+    name = object_name(NB.id)
+    token = base64.b64decode(double.objects[("api/v1/secrets", NS, name)]["data"]["token"]).decode()
+    double.set_status(PODS, NS, name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
+    d.start(NB)  # a redo renders a fresh token, but the Secret's data is never replaced: the URL stays valid
+    [seen] = d.observe()
+    assert seen.url == f"http://{name}.{NS}.svc:8888/lab?token={token}"
 
 
 def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[ApiServerDouble, Path],

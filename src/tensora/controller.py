@@ -254,7 +254,7 @@ class Controller:
                 fx.stop.append(r["id"])
             return 0
         if seen is None:  # recorded but never handed to the driver (or the driver forgot it): start it
-            fx.start.append(self._replica_spec(w, r))
+            fx.start.append(self._replica_spec(conn, w, r))
             return 0
         if seen.state is ReplicaState.FAILED:
             return self._replica_failed(conn, w, r, seen, siblings, now)
@@ -383,7 +383,7 @@ class Controller:
                 replica = self._new_replica(conn, w, slot, d.cls, d.node, "primary", now)
                 if slot > 0:
                     events.append(_event(wid, now, "replica_placed", f"replica {slot}: {d.reason}"))
-                fx.start.append(self._replica_spec(w, replica))
+                fx.start.append(self._replica_spec(conn, w, replica))
                 report.placed += 1
             elif isinstance(d, Wait):
                 wid, slot = _split(d.workload.id)
@@ -398,7 +398,7 @@ class Controller:
                     continue
                 replica = self._new_replica(conn, w, slot, d.to_class, d.node, "candidate", now)
                 events.append(_event(wid, now, "moving", d.reason))
-                fx.start.append(self._replica_spec(w, replica))
+                fx.start.append(self._replica_spec(conn, w, replica))
                 report.promoted += 1
             elif isinstance(d, RestartAvailable):
                 restart[_split(d.workload.id)[0]] = d
@@ -429,9 +429,10 @@ class Controller:
         return row
 
     @staticmethod
-    def _replica_spec(w: dict[str, Any], r: dict[str, Any]) -> ReplicaSpec:
+    def _replica_spec(conn: Any, w: dict[str, Any], r: dict[str, Any]) -> ReplicaSpec:
+        owner = repo.get_owner(conn, w["owner"])  # read at each start: a flag set since applies to new replicas
         return ReplicaSpec(r["id"], w["id"], WorkloadKind(w["kind"]), r["cls"], r["node"], w["model"],
-                           (w.get("spec") or {}).get("image"), w["owner"])
+                           (w.get("spec") or {}).get("image"), w["owner"], bool(owner and owner["untrusted"]))
 
     def _apply_effects(self, fx: _Effects, report: CycleReport) -> None:
         """Driver calls, after the intents committed. A failure here is redone next cycle."""

@@ -65,8 +65,6 @@ class ServeSettings(BaseModel):
                                     "(default: in-cluster credentials, else ~/.kube/config)")
     namespace: str = Field(default="tensora", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
                            description="kubernetes driver: the namespace of the replicas' objects")
-    untrusted_owners: list[str] = Field(default_factory=list, description="kubernetes driver: owners whose "
-                                        "notebook and endpoint pods run under the kata RuntimeClass")
     controller: bool = True
     workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
                          "the supervising process, woken over a unix socket")
@@ -159,7 +157,7 @@ def kubernetes_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
         raise ConfigError(f"no kubeconfig at {settings.kubeconfig}", field="kubeconfig")
     try:
         return connect(str(settings.kubeconfig) if settings.kubeconfig else None, catalog, settings.region,
-                       settings.namespace, frozenset(settings.untrusted_owners))
+                       settings.namespace)
     except (KubeConfigError, OSError, ValueError) as exc:
         raise ConfigError(f"cannot configure the Kubernetes client: {exc}", field="kubeconfig") from None
 

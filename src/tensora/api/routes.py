@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
@@ -21,12 +21,16 @@ from tensora import workloads
 from tensora.api.auth import Principal, create_key
 from tensora.api.errors import ApiError
 from tensora.api.schemas import (
+    OWNER_PATTERN,
     CatalogOut,
     ErrorOut,
     EventList,
     KeyCreate,
     KeyList,
     KeyOut,
+    OwnerList,
+    OwnerOut,
+    OwnerUpdate,
     RestartBody,
     TokenUsageOut,
     UsageBatch,
@@ -307,9 +311,42 @@ def revoke_api_key(key_id: str, svc: Svc, p: KeyAdmin) -> Response:
     return Response(status_code=204)
 
 
-# -- the gateway's side -----------------------------------------------------------------
+# -- owners ---------------------------------------------------------------------------
 
 Admin = Annotated[Principal, Depends(caller("admin"))]
+OwnerName = Annotated[str, Path(min_length=1, max_length=128, pattern=OWNER_PATTERN)]
+
+
+def _owner_out(owner: str, row: dict[str, Any] | None) -> dict[str, Any]:
+    return {"owner": owner, "untrusted": bool(row and row["untrusted"]), "updated_at": iso(row["updated_at"])
+            if row else None}
+
+
+@router.get("/v1/owners", response_model=OwnerList, responses=ERRORS, tags=["owners"],
+            description="The owners an operator has set flags on. Admin keys only.")
+def list_owners(svc: Svc, _: Admin) -> dict[str, Any]:
+    with svc.db.read() as conn:
+        return {"data": [_owner_out(r["owner"], r) for r in repo.list_owners(conn)]}
+
+
+@router.get("/v1/owners/{owner}", response_model=OwnerOut, responses=ERRORS, tags=["owners"],
+            description="An owner's flags: any owner may read its own; admin keys anyone's.")
+def get_owner(owner: OwnerName, svc: Svc, p: Reader) -> dict[str, Any]:
+    if owner != p.owner and not p.is_admin:
+        raise ApiError(404, f"no owner {owner!r}")
+    with svc.db.read() as conn:
+        return _owner_out(owner, repo.get_owner(conn, owner))
+
+
+@router.put("/v1/owners/{owner}", response_model=OwnerOut, responses=ERRORS, tags=["owners"],
+            description="Set an owner's flags (admin keys only). ``untrusted``: its new notebook and endpoint "
+                        "replicas run under ``runtimeClassName: kata`` on Kubernetes. Idempotent as PUT is.")
+def set_owner(owner: OwnerName, svc: Svc, _: Admin, body: Annotated[OwnerUpdate, Body()]) -> dict[str, Any]:
+    with svc.db.write() as conn:
+        return _owner_out(owner, repo.set_owner(conn, owner, body.untrusted, svc.clock.now()))
+
+
+# -- the gateway's side -----------------------------------------------------------------
 
 
 @router.get("/v1/gateway/routes", responses=ERRORS, tags=["gateway"],

@@ -96,11 +96,14 @@ class RestartBody(BaseModel):
                                       "then its fallback list")
 
 
+OWNER_PATTERN = r"^[A-Za-z0-9._@-]+$"
+
+
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(default="key", min_length=1, max_length=128)
-    owner: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@-]+$",
+    owner: str | None = Field(default=None, min_length=1, max_length=128, pattern=OWNER_PATTERN,
                               description="admin keys only: create a key for this owner")
     scopes: list[Literal[SCOPES]] | None = Field(  # type: ignore[valid-type]
         default=None, max_length=len(SCOPES),
@@ -111,6 +114,24 @@ class KeyCreate(BaseModel):
     tokens_per_minute: int | None = Field(
         default=None, ge=1, le=2_000_000_000,
         description="tokens (prompt + max_tokens reserved, settled to what was used) per minute at the gateway")
+
+
+class OwnerUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    untrusted: bool = Field(description="run this owner's notebook and endpoint pods under the Kata runtime "
+                                        "(Kubernetes driver; VMs are isolated already). New replicas only: a "
+                                        "restart moves a running workload")
+
+
+class OwnerOut(BaseModel):
+    owner: str
+    untrusted: bool
+    updated_at: str | None = Field(description="when the operator last set it; null: never (the defaults)")
+
+
+class OwnerList(BaseModel):
+    data: list[OwnerOut]
 
 
 class KeyOut(BaseModel):

@@ -486,6 +486,54 @@ def keys_revoke(ctx: typer.Context, key_id: Annotated[str, typer.Argument(help="
     out.print(f"revoked {key_id}")
 
 
+# -- owners -------------------------------------------------------------------------------------
+
+owners_app = typer.Typer(help="Owners' flags (admin keys): untrusted owners' pods run under Kata on Kubernetes.",
+                         no_args_is_help=True)
+app.add_typer(owners_app, name="owners", rich_help_panel="Use Tensora")
+
+
+def _print_owners(owners: list[Any], output: str, *, one: bool = True) -> None:
+    if output == "json":
+        dump(owners[0] if one else owners)
+        return
+    table = Table()
+    for column in ("owner", "untrusted", "updated"):
+        table.add_column(column, overflow="fold")
+    for o in owners:
+        table.add_row(o.owner, "yes" if o.untrusted else "no", local_time(o.updated_at) if o.updated_at else "-")
+    out.print(table)
+
+
+@owners_app.command("list")
+def owners_list(ctx: typer.Context, output: Output = "table") -> None:
+    """The owners that have flags set."""
+    check_output(output)
+    with session(ctx) as c:
+        owners = c.list_owners()
+    _print_owners(owners, output, one=False)
+
+
+@owners_app.command("get")
+def owners_get(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="the owner")],
+               output: Output = "table") -> None:
+    """One owner's flags (your own, or anyone's with an admin key)."""
+    check_output(output)
+    with session(ctx) as c:
+        _print_owners([c.get_owner(owner)], output)
+
+
+@owners_app.command("set")
+def owners_set(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="the owner")],
+               untrusted: Annotated[bool, typer.Option(
+                   "--untrusted/--trusted", help="run its new notebook and endpoint pods under Kata")],
+               output: Output = "table") -> None:
+    """Mark an owner untrusted (or trusted again). Applies to replicas started from now on."""
+    check_output(output)
+    with session(ctx) as c:
+        _print_owners([c.set_owner(owner, untrusted=untrusted)], output)
+
+
 # -- login --------------------------------------------------------------------------------------
 
 @app.command("login", rich_help_panel="Use Tensora")

@@ -36,7 +36,9 @@ class ReplicaSpec:
     image: str | None = None
     """VMs: the disk image to boot, if any."""
     owner: str = ""
-    """Whose workload it is (Kubernetes labels it, and runs untrusted owners under Kata)."""
+    """Whose workload it is (Kubernetes labels its objects with it)."""
+    untrusted: bool = False
+    """The owner is marked untrusted (``PUT /v1/owners/{owner}``): Kubernetes runs its pods under Kata."""
 
 
 @dataclass(frozen=True, slots=True)

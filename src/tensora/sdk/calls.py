@@ -17,6 +17,8 @@ from tensora.api.schemas import (
     EventOut,
     KeyList,
     KeyOut,
+    OwnerList,
+    OwnerOut,
     TokenUsageOut,
     UsageOut,
     WorkloadList,
@@ -28,6 +30,7 @@ T = TypeVar("T")
 Workload = WorkloadOut
 Event = EventOut
 Key = KeyOut
+Owner = OwnerOut
 Catalog = CatalogOut
 Usage = UsageOut
 TokenUsage = TokenUsageOut
@@ -143,6 +146,19 @@ def list_keys() -> Call[list[KeyOut]]:
 
 def revoke_key(key_id: str) -> Call[None]:
     return Call("DELETE", f"/v1/keys/{_id(key_id, 'key_id')}", _none, gone_ok=True)
+
+
+def get_owner(owner: str) -> Call[OwnerOut]:
+    return Call("GET", f"/v1/owners/{_id(owner, 'owner')}", OwnerOut.model_validate)
+
+
+def list_owners() -> Call[list[OwnerOut]]:
+    return Call("GET", "/v1/owners", lambda body: OwnerList.model_validate(body).data)
+
+
+def set_owner(owner: str, *, untrusted: bool) -> Call[OwnerOut]:
+    """A PUT: the same body twice is the same state, so it is retried like a GET."""
+    return Call("PUT", f"/v1/owners/{_id(owner, 'owner')}", OwnerOut.model_validate, json={"untrusted": untrusted})
 
 
 def ready() -> Call[dict[str, Any]]:

@@ -27,7 +27,7 @@ import httpx
 from tensora import __version__
 from tensora.api.schemas import WorkloadList
 from tensora.sdk import calls
-from tensora.sdk.calls import Call, Catalog, Event, Key, TokenUsage, Usage, Workload
+from tensora.sdk.calls import Call, Catalog, Event, Key, Owner, TokenUsage, Usage, Workload
 from tensora.sdk.errors import (
     APIConnectionError,
     APIError,
@@ -269,6 +269,16 @@ class Client(_Base):
     def revoke_key(self, key_id: str) -> None:
         self.run(calls.revoke_key(key_id))
 
+    def get_owner(self, owner: str) -> Owner:
+        return self.run(calls.get_owner(owner))
+
+    def list_owners(self) -> list[Owner]:
+        return self.run(calls.list_owners())
+
+    def set_owner(self, owner: str, *, untrusted: bool) -> Owner:
+        """Admin keys: mark ``owner`` untrusted (its new pods run under Kata on Kubernetes), or not."""
+        return self.run(calls.set_owner(owner, untrusted=untrusted))
+
     def ready(self) -> dict[str, Any]:
         return self.run(calls.ready())
 
@@ -392,6 +402,15 @@ class AsyncClient(_Base):
 
     async def revoke_key(self, key_id: str) -> None:
         await self.run(calls.revoke_key(key_id))
+
+    async def get_owner(self, owner: str) -> Owner:
+        return await self.run(calls.get_owner(owner))
+
+    async def list_owners(self) -> list[Owner]:
+        return await self.run(calls.list_owners())
+
+    async def set_owner(self, owner: str, *, untrusted: bool) -> Owner:
+        return await self.run(calls.set_owner(owner, untrusted=untrusted))
 
     async def ready(self) -> dict[str, Any]:
         return await self.run(calls.ready())

@@ -178,6 +178,17 @@ class IdempotencyRecord(Base):
     expires_at: Mapped[float] = mapped_column(Float, index=True)
 
 
+class Owner(Base):
+    """What the operator says of an owner: ``untrusted`` runs its pods under Kata on Kubernetes. An
+    owner with no row is trusted."""
+
+    __tablename__ = "owners"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    untrusted: Mapped[bool] = mapped_column(Boolean, default=False)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
 class Lease(Base):
     """Leadership: one holder per name (``controller/<region>``) until ``expires_at``."""
 

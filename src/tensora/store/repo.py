@@ -17,6 +17,7 @@ from tensora.store.models import (
     IdempotencyRecord,
     Lease,
     Node,
+    Owner,
     Replica,
     TokenUsage,
     UsageSegment,
@@ -32,6 +33,7 @@ K = cast(Table, ApiKey.__table__)
 I = cast(Table, IdempotencyRecord.__table__)  # noqa: E741
 L = cast(Table, Lease.__table__)
 T = cast(Table, TokenUsage.__table__)
+O = cast(Table, Owner.__table__)  # noqa: E741
 
 # Hot-path statements are built once with bound parameters and executed with a dict of
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
@@ -252,6 +254,29 @@ def revoke_key(conn: Connection, key_id: str, owner: str | None, at: float) -> b
 def count_admin_keys(conn: Connection) -> int:
     rows = conn.execute(select(K.c.scopes).where(K.c.revoked_at.is_(None))).scalars()
     return sum(1 for scopes in rows if "admin" in scopes)
+
+
+# -- owners ---------------------------------------------------------------------------
+
+def get_owner(conn: Connection, owner: str) -> dict[str, Any] | None:
+    row = conn.execute(select(O).where(O.c.owner == owner)).mappings().first()
+    return dict(row) if row else None
+
+
+def list_owners(conn: Connection) -> list[dict[str, Any]]:
+    """The owners the operator has said something of, by name."""
+    return [dict(r) for r in conn.execute(select(O).order_by(O.c.owner)).mappings()]
+
+
+def set_owner(conn: Connection, owner: str, untrusted: bool, at: float) -> dict[str, Any]:
+    values = {"owner": owner, "untrusted": untrusted, "updated_at": at}
+    if conn.execute(update(O).where(O.c.owner == owner).values(untrusted=untrusted, updated_at=at)).rowcount == 0:
+        conn.execute(insert(O), values)
+    return values
+
+
+def untrusted_owners(conn: Connection) -> set[str]:
+    return set(conn.execute(select(O.c.owner).where(O.c.untrusted.is_(True))).scalars())
 
 
 # -- gateway: routes and token usage ------------------------------------------------

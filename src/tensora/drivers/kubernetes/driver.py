@@ -1,24 +1,34 @@
 """The Kubernetes driver: replicas as the objects ``render`` makes, on the nodes ``cluster`` reads.
 
-Behind the same ``Driver`` protocol as the local and simulated drivers. Everything it makes carries
-Tensora's labels, so ``observe`` after a controller restart lists (adopts) what an earlier one
-made; a ``start`` that finds its objects already there (409 AlreadyExists) adopts them too, and a
-``stop`` that finds nothing (404) is done. Transient API errors propagate: the controller redoes the
-work next cycle. It talks to the API server with lightkube (sync client).
+Behind the same ``Driver`` protocol as the local and simulated drivers, which the controller calls
+from its thread. Inside, the driver is async: lightkube's ``AsyncClient`` on one event loop of the
+driver's own thread, so the lists a cycle needs go out together (nodes with pods; pods, VMs,
+inference services and notebook secrets) and the watches are tasks on that loop, not a thread each.
 
-State is always read by listing (``observe``: one list per kind a cycle, by label), which is correct
-whatever was missed; ``watch(on_change)`` adds a watch per kind that wakes the controller as soon as a
-replica's object changes (a pod turns Ready), so it need not wait for its next tick. A watch whose
-resourceVersion is too old (410 Gone) restarts from the current state (lightkube's retry), and any
-other error is retried after a second. Move-back is the controller's, as on every driver: start the
-preferred replica, wait until it is ready, shift routes, stop the old one.
+Everything it makes carries Tensora's labels, so ``observe`` after a controller restart lists
+(adopts) what an earlier one made. ``start`` reconciles each object with what ``render`` wants:
+made when missing; when already there (409 AlreadyExists: an earlier start, or a replica whose pod
+went away and is being started again), read, and if what Tensora manages in it differs, replaced
+with the resourceVersion that was read; a 409 Conflict (someone wrote it in between) reads again
+and re-merges, so the other writer's change is kept. An object of that name that is not Tensora's
+is never touched: the replica fails, saying so. A ``stop`` that finds nothing (404) is done.
+Transient API errors propagate: the controller redoes the work next cycle.
+
+State is always read by listing (``observe``), which is correct whatever was missed; ``watch``
+wakes the controller as soon as a replica's object changes (a pod turns Ready), so it need not wait
+for its next tick. A watch whose resourceVersion is too old (410 Gone) restarts from the current
+state (lightkube's retry), and any other error is retried after a growing pause. Move-back is the
+controller's, as on every driver: start the preferred replica, wait until it is ready, shift
+routes, stop the old one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from tensora.admission import WorkloadKind
 from tensora.capacity import Node
@@ -30,13 +40,17 @@ from tensora.drivers.kubernetes.render import (
     NOTEBOOK_PORT,
     WORKLOAD_LABEL,
     Context,
+    NotOurs,
+    label_value,
     object_name,
+    reconciled,
     replica_objects,
 )
 
 MANAGED = {"app.kubernetes.io/managed-by": "tensora"}
-KINDS_BY_WORKLOAD = {WorkloadKind.NOTEBOOK: ("Service", "Pod", "PersistentVolumeClaim", "Secret"),
-                     WorkloadKind.VM: ("VirtualMachine",), WorkloadKind.ENDPOINT: ("InferenceService",)}
+CONFLICT_RETRIES = 5
+"""Replaces that may conflict in a row before ``start`` gives up (the next cycle tries again)."""
+T = TypeVar("T")
 
 
 def _resources() -> dict[str, Any]:
@@ -57,28 +71,49 @@ def _dict(obj: Any) -> dict[str, Any]:
 
 
 class KubernetesDriver:
-    """``client``: a lightkube ``Client``; replicas live in ``namespace``."""
+    """``make_client``: returns a lightkube ``AsyncClient`` (called on the driver's loop);
+    replicas live in ``namespace``."""
 
-    def __init__(self, client: Any, catalog: Catalog, region: str, namespace: str,
-                 untrusted_owners: frozenset[str] = frozenset()) -> None:
-        self.client, self.catalog, self.region, self.namespace = client, catalog, region, namespace
-        self.untrusted = untrusted_owners
+    def __init__(self, make_client: Callable[[], Any], catalog: Catalog, region: str, namespace: str) -> None:
+        self.catalog, self.region, self.namespace = catalog, region, namespace
         self.res = _resources()
-        self._closing = threading.Event()
-        self._watchers: list[threading.Thread] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kubernetes-driver", daemon=True)
+        self._thread.start()
+        self._closing = asyncio.Event()
+        self._watches: list[asyncio.Task[None]] = []
+        self._failed: dict[str, ReplicaStatus] = {}
+
+        async def made() -> Any:
+            return make_client()
+
+        self.client = self._run(made())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the driver's loop and wait for it (the client's own timeouts bound it)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
-        self._closing.set()
-        self.client.close()
-        for t in self._watchers:
-            t.join(timeout=5)
+        async def shut() -> None:
+            self._closing.set()
+            for t in self._watches:
+                t.cancel()
+            await asyncio.gather(*self._watches, return_exceptions=True)
+            await self.client.close()
+
+        if self._loop.is_running():
+            self._run(shut())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        self._loop.close()
 
     def watch(self, on_change: Callable[[], None]) -> None:
         """Call ``on_change`` whenever a replica's Pod, InferenceService or VirtualMachine changes."""
-        for kind in ("Pod", "InferenceService", "VirtualMachine"):
-            t = threading.Thread(target=self._watch, args=(kind, on_change), name=f"watch-{kind}", daemon=True)
-            self._watchers.append(t)
-            t.start()
+        async def begin() -> None:
+            for kind in ("Pod", "InferenceService", "VirtualMachine"):
+                self._watches.append(asyncio.create_task(self._watch(kind, on_change), name=f"watch-{kind}"))
+
+        self._run(begin())
 
     def _on_watch_error(self, exc: Exception, count: int) -> Any:
         """lightkube's hook: stop when closing; a 410 Gone at once (it restarts from the current state);
@@ -91,68 +126,136 @@ class KubernetesDriver:
         gone = isinstance(exc, ApiError) and exc.status.code == 410
         return OnErrorResult(OnErrorAction.RETRY, sleep=0 if gone else min(5.0, 0.5 * count))
 
-    def _watch(self, kind: str, on_change: Callable[[], None]) -> None:
+    async def _watch(self, kind: str, on_change: Callable[[], None]) -> None:
         while not self._closing.is_set():
             try:
-                for _event in self.client.watch(self.res[kind], namespace=self.namespace, labels=MANAGED,
-                                                on_error=self._on_watch_error):
-                    if self._closing.is_set():
-                        return
+                async for _event in self.client.watch(self.res[kind], namespace=self.namespace, labels=MANAGED,
+                                                      on_error=self._on_watch_error):
                     on_change()
-            except Exception:  # closed, or the API server away: the lists stay correct; try again
-                self._closing.wait(1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the API server away (a refused connection): the lists stay correct; try again
+                try:
+                    await asyncio.wait_for(self._closing.wait(), 1.0)
+                except TimeoutError:
+                    pass
+
+    async def _list(self, kind: str, **kw: Any) -> list[dict[str, Any]]:
+        return [_dict(o) async for o in self.client.list(self.res[kind], **kw)]
 
     # -- capacity ---------------------------------------------------------------------------
 
     def nodes(self) -> Sequence[Node]:
-        nodes = [_dict(n) for n in self.client.list(self.res["Node"])]
-        pods = [_dict(p) for p in self.client.list(self.res["Pod"], namespace="*")]
+        async def read() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            nodes, pods = await asyncio.gather(self._list("Node"), self._list("Pod", namespace="*"))
+            return nodes, pods
+
+        nodes, pods = self._run(read())
         return [n for n in nodes_from_cluster(nodes, pods, self.catalog, self.region) if n.region == self.region]
 
     # -- replicas ---------------------------------------------------------------------------
 
     def start(self, spec: ReplicaSpec) -> ReplicaStatus:
-        from lightkube import ApiError, codecs
-
-        ctx = Context(self.namespace, spec.owner, untrusted=spec.owner in self.untrusted)
+        ctx = Context(self.namespace, spec.owner, untrusted=spec.untrusted)
         try:
             docs = replica_objects(spec, self.catalog[spec.cls], ctx)
         except (ValueError, KeyError) as exc:
-            return ReplicaStatus(spec.id, spec.workload_id, spec.cls, spec.node, ReplicaState.FAILED, detail=str(exc))
-        for doc in docs:
-            try:
-                self.client.create(codecs.from_dict(doc), namespace=self.namespace)
-            except ApiError as exc:
-                if exc.status.code != 409:  # 409 AlreadyExists: made by an earlier start; adopt it
-                    raise
+            return self._failed_start(spec, str(exc))
+
+        async def apply() -> None:
+            # what the pod needs (its secret and volume claim) and its service together, then the pod
+            first = [d for d in docs if d["kind"] != "Pod"]
+            for wave in (first, [d for d in docs if d["kind"] == "Pod"]):
+                results = await asyncio.gather(*(self._ensure(d) for d in wave), return_exceptions=True)
+                for r in results:
+                    if isinstance(r, BaseException):
+                        raise r
+
+        try:
+            self._run(apply())
+        except NotOurs as exc:
+            self._run(self._delete_replica(spec.id))  # what this start made; the other object is left alone
+            return self._failed_start(spec, str(exc))
         return ReplicaStatus(spec.id, spec.workload_id, spec.cls, spec.node, ReplicaState.STARTING)
+
+    def _failed_start(self, spec: ReplicaSpec, why: str) -> ReplicaStatus:
+        """A start that can never succeed: reported by the next ``observe`` (the controller then
+        records it as failed, with ``why``), so it is not started again and again."""
+        status = ReplicaStatus(spec.id, spec.workload_id, spec.cls, spec.node, ReplicaState.FAILED, detail=why)
+        self._failed[spec.id] = status
+        return status
+
+    async def _ensure(self, desired: dict[str, Any]) -> None:
+        """Make ``desired``, or bring the existing object of its name to it (see the module's text)."""
+        from lightkube import ApiError, codecs
+
+        try:
+            await self.client.create(codecs.from_dict(desired), namespace=self.namespace)
+            return
+        except ApiError as exc:
+            if exc.status.code != 409:
+                raise
+        kind, name = desired["kind"], desired["metadata"]["name"]
+        for _ in range(CONFLICT_RETRIES):
+            current = _dict(await self.client.get(self.res[kind], name, namespace=self.namespace))
+            update = reconciled(current, desired)
+            if update is None:
+                return  # as wanted: adopted as it is
+            try:
+                await self.client.replace(codecs.from_dict(update), namespace=self.namespace)
+                return
+            except ApiError as exc:
+                if exc.status.code != 409:  # 409 Conflict: changed since it was read; read it again
+                    raise
+        raise RuntimeError(f"{kind} {name}: still conflicting after {CONFLICT_RETRIES} replaces; next cycle")
 
     def stop(self, replica_id: str) -> ReplicaStatus:
         """Delete the replica's objects: STOPPING while any was still there, STOPPED when none was."""
-        from lightkube import ApiError
-
-        name = object_name(replica_id)
-        deleted = 0
-        for kind in ("Service", "Pod", "PersistentVolumeClaim", "Secret", "VirtualMachine", "InferenceService"):
-            for n in (name, f"{name}-home") if kind == "PersistentVolumeClaim" else (name,):
-                try:
-                    self.client.delete(self.res[kind], n, namespace=self.namespace)
-                    deleted += 1
-                except ApiError as exc:
-                    if exc.status.code != 404:  # 404: never made, or already gone
-                        raise
+        self._failed.pop(replica_id, None)
+        deleted = self._run(self._delete_replica(replica_id))
         return ReplicaStatus(replica_id, "", "", "", ReplicaState.STOPPING if deleted else ReplicaState.STOPPED)
 
+    async def _delete_replica(self, replica_id: str) -> int:
+        """Delete each object of the replica's names that is Tensora's for this replica (read first:
+        an object of that name that is someone else's stays). How many were deleted."""
+        from lightkube import ApiError
+
+        name, mine = object_name(replica_id), label_value(replica_id)
+
+        async def delete(kind: str, n: str) -> int:
+            try:
+                current = _dict(await self.client.get(self.res[kind], n, namespace=self.namespace))
+                if ((current.get("metadata") or {}).get("labels") or {}).get(REPLICA_LABEL) != mine:
+                    return 0
+                await self.client.delete(self.res[kind], n, namespace=self.namespace)
+                return 1
+            except ApiError as exc:
+                if exc.status.code != 404:  # 404: never made, or already gone
+                    raise
+                return 0
+
+        targets = [(k, name) for k in ("Service", "Pod", "Secret", "VirtualMachine", "InferenceService")]
+        targets.append(("PersistentVolumeClaim", f"{name}-home"))
+        return sum(await asyncio.gather(*(delete(k, n) for k, n in targets)))
+
     def observe(self) -> Sequence[ReplicaStatus]:
-        out = []
-        for kind in ("Pod", "VirtualMachine", "InferenceService"):
-            for obj in self.client.list(self.res[kind], namespace=self.namespace, labels=MANAGED):
-                status = self._status(kind, _dict(obj))
+        kinds = ("Pod", "VirtualMachine", "InferenceService")
+
+        async def read() -> list[list[dict[str, Any]]]:
+            return list(await asyncio.gather(*(self._list(k, namespace=self.namespace, labels=MANAGED)
+                                               for k in (*kinds, "Secret"))))
+
+        *lists, secrets = self._run(read())
+        tokens = {s["metadata"]["name"]: _token(s) for s in secrets}
+        out = [self._failed.pop(rid) for rid in list(self._failed)]  # reported once; the controller records it
+        for kind, objs in zip(kinds, lists, strict=True):
+            for obj in objs:
+                status = self._status(kind, obj, tokens)
                 if status is not None:
                     out.append(status)
         return out
 
-    def _status(self, kind: str, d: dict[str, Any]) -> ReplicaStatus | None:
+    def _status(self, kind: str, d: dict[str, Any], tokens: dict[str, str | None]) -> ReplicaStatus | None:
         meta = d.get("metadata") or {}
         labels = meta.get("labels") or {}
         rid, wid, cls = labels.get(REPLICA_LABEL), labels.get(WORKLOAD_LABEL), labels.get(CLASS_LABEL)
@@ -169,6 +272,8 @@ class KubernetesDriver:
             if phase == "Running" and pod_ready:
                 state = ReplicaState.RUNNING
                 url = f"http://{meta['name']}.{self.namespace}.svc:{NOTEBOOK_PORT}/lab"
+                if token := tokens.get(meta["name"]):
+                    url += f"?token={token}"
             elif phase == "Failed":
                 state, detail = ReplicaState.FAILED, st.get("message") or st.get("reason") or "the pod failed"
             elif phase == "Succeeded":
@@ -190,6 +295,11 @@ class KubernetesDriver:
         return ReplicaStatus(rid, wid, cls, node, state, url, detail)
 
 
+def _token(secret: dict[str, Any]) -> str | None:
+    data = (secret.get("data") or {}).get("token")
+    return base64.b64decode(data).decode() if data else None
+
+
 def _node(d: dict[str, Any], kind: str) -> str:
     spec = d.get("spec") or {}
     if kind == "Pod" and spec.get("nodeName"):
@@ -204,11 +314,10 @@ def _node(d: dict[str, Any], kind: str) -> str:
     return ""
 
 
-def connect(kubeconfig: str | None, catalog: Catalog, region: str, namespace: str,
-            untrusted_owners: frozenset[str] = frozenset()) -> KubernetesDriver:
+def connect(kubeconfig: str | None, catalog: Catalog, region: str, namespace: str) -> KubernetesDriver:
     """A driver for the cluster of ``kubeconfig`` (default: in-cluster, then ~/.kube/config)."""
-    from lightkube import Client
+    from lightkube import AsyncClient
     from lightkube.config.kubeconfig import KubeConfig
 
-    config = KubeConfig.from_file(kubeconfig) if kubeconfig else None
-    return KubernetesDriver(Client(config), catalog, region, namespace, untrusted_owners)
+    config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
+    return KubernetesDriver(lambda: AsyncClient(config), catalog, region, namespace)

@@ -18,6 +18,7 @@ only on GPU classes, and on a CPU class every GPU is hidden. Untrusted tenants' 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 import secrets
@@ -163,6 +164,49 @@ def endpoint(spec: ReplicaSpec, cls: ComputeClass, ctx: Context) -> list[dict[st
         predictor["runtimeClassName"] = "kata"
     return [{"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
              "metadata": _meta(spec, cls, ctx, name), "spec": {"predictor": predictor}}]
+
+
+class NotOurs(Exception):
+    """An object of the name a replica's object needs exists, and Tensora did not make it for that
+    replica: it is left alone."""
+
+
+SPEC_OWNED = {"InferenceService", "VirtualMachine"}
+"""Kinds whose whole spec is Tensora's to keep as rendered (mutable, and nobody else's to change)."""
+
+
+def reconciled(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any] | None:
+    """What to replace ``current`` with so that what Tensora manages in it is as ``desired``, or None
+    when it is already. Pure. Managed: the labels and annotations Tensora sets (others' are kept);
+    the whole spec of an InferenceService or VirtualMachine; a Service's selector and ports. Never
+    touched: a Secret's data (the notebook's token, which the owner already has), a claim's spec
+    (immutable, and the home dir), a Pod's spec (immutable: a pod that must change is made anew).
+    The result carries ``current``'s resourceVersion, so a write in between is a 409 Conflict.
+    Raises NotOurs when ``current`` is not Tensora's object for the same replica."""
+    meta, want = current.get("metadata") or {}, desired["metadata"]
+    labels = meta.get("labels") or {}
+    if (labels.get("app.kubernetes.io/managed-by") != "tensora"
+            or labels.get(REPLICA_LABEL) != want["labels"][REPLICA_LABEL]):
+        raise NotOurs(f"a {desired['kind']} named {want['name']} already exists in namespace "
+                      f"{meta.get('namespace') or want.get('namespace')} and Tensora did not make it for this "
+                      "replica; it was left alone")
+    out = copy.deepcopy(current)
+    out.pop("status", None)
+    out["metadata"]["labels"] = {**labels, **want["labels"]}
+    out["metadata"]["annotations"] = {**(meta.get("annotations") or {}), **want.get("annotations", {})}
+    if desired["kind"] in SPEC_OWNED:
+        out["spec"] = copy.deepcopy(desired["spec"])
+    elif desired["kind"] == "Service":
+        out["spec"] = {**(current.get("spec") or {}), "selector": desired["spec"]["selector"],
+                       "ports": [{**_port(current, p["name"]), **p} for p in desired["spec"]["ports"]]}
+    before = {k: v for k, v in current.items() if k != "status"}
+    before["metadata"] = {**meta, "labels": labels, "annotations": meta.get("annotations") or {}}
+    return None if out == before else out
+
+
+def _port(current: dict[str, Any], name: str) -> dict[str, Any]:
+    """A Service port as stored, so defaults the API server filled in (protocol) are not a change."""
+    return next((p for p in (current.get("spec") or {}).get("ports") or [] if p.get("name") == name), {})
 
 
 def replica_objects(spec: ReplicaSpec, cls: ComputeClass, ctx: Context) -> list[dict[str, Any]]:

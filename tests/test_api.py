@@ -31,7 +31,7 @@ WRITTEN_TABLES = ("workloads", "events", "replicas", "usage_segments", "idempote
 ROUTES = ["/v1/workloads", "/v1/workloads/{workload_id}", "/v1/workloads/{workload_id}/events",
           "/v1/workloads/{workload_id}/stop", "/v1/workloads/{workload_id}/restart", "/v1/catalog",
           "/v1/usage", "/v1/usage/tokens", "/v1/keys", "/v1/keys/{key_id}", "/v1/gateway/routes",
-          "/v1/gateway/usage", "/healthz", "/readyz"]
+          "/v1/gateway/usage", "/v1/owners", "/v1/owners/{owner}", "/healthz", "/readyz"]
 
 
 # -- harness --------------------------------------------------------------------------
@@ -504,6 +504,30 @@ def test_keys_show_their_secret_once_store_only_a_digest_and_revoke_at_once(api:
     assert carol.status_code == 201 and carol.json()["owner"] == "carol"
     assert set(carol.json()["scopes"]) == set(apikeys.DEFAULT_SCOPES)
     assert api.as_(carol.json()["key"]).get("/v1/workloads").json()["data"] == []
+
+
+def test_an_admin_marks_an_owner_untrusted_and_its_new_replicas_carry_the_flag(api: Api) -> None:
+    alice, bob, admin = api.as_(api.stack.alice), api.as_(api.stack.bob), api.as_(api.stack.admin)
+    assert alice.get("/v1/owners/alice").json() == {"owner": "alice", "untrusted": False, "updated_at": None}
+    assert_error(alice.put("/v1/owners/alice", json={"untrusted": False}), 403)  # only admins set flags
+    assert_error(alice.get("/v1/owners/bob"), 404)  # anyone else's: as if it did not exist
+    assert_error(alice.get("/v1/owners"), 403)
+    assert_error(admin.put("/v1/owners/alice", json={"untrusted": "maybe"}), 422, "untrusted")
+    assert_error(admin.put("/v1/owners/alice", json={"untrusted": True, "vip": True}), 422, "vip")
+    assert_error(admin.put("/v1/owners/not%20a%20name", json={"untrusted": True}), 422, "owner")
+    assert admin.get("/v1/owners").json() == {"data": []}  # nothing half-written by those
+
+    r = admin.put("/v1/owners/alice", json={"untrusted": True})
+    assert r.status_code == 200 and r.json() == {"owner": "alice", "untrusted": True, "updated_at": iso(T0)}
+    assert admin.put("/v1/owners/alice", json={"untrusted": True}).json() == r.json()  # a PUT twice: one state
+    assert alice.get("/v1/owners/alice").json()["untrusted"] is True
+    assert [o["owner"] for o in admin.get("/v1/owners").json()["data"]] == ["alice"]
+
+    nb_alice = created(alice, kind="notebook", name="nb", gpu_class="cpu-2c-8g")
+    nb_bob = created(bob, kind="notebook", name="nb", gpu_class="cpu-2c-8g")
+    api.cycle()
+    started = {s.workload_id: s for s in api.stack.controller.driver.specs()}  # what the driver was told
+    assert started[nb_alice["id"]].untrusted is True and started[nb_bob["id"]].untrusted is False
 
 
 def test_a_key_revoked_by_another_process_stops_working_within_the_cache_ttl(api: Api) -> None:

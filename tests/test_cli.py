@@ -159,6 +159,17 @@ def test_keys_scopes_and_revocation(cli: Cli) -> None:
     cli("workloads", "list", code=1, TENSORA_API_KEY=k["key"])
 
 
+def test_an_admin_marks_an_owner_untrusted_and_back(cli: Cli) -> None:
+    assert cli.json("owners", "set", "mallory", "--untrusted") == {
+        "owner": "mallory", "untrusted": True, "updated_at": cli.json("owners", "get", "mallory")["updated_at"]}
+    assert "mallory" in cli("owners", "list").stdout
+    assert cli.json("owners", "set", "mallory", "--trusted")["untrusted"] is False
+    assert [o["owner"] for o in cli.json("owners", "list")["data"]] == ["mallory"]
+    cli("owners", "set", "mallory", code=2)  # --untrusted or --trusted: one must be said
+    r = cli("owners", "set", "bad name", "--untrusted", code=1)
+    assert "422" in r.stderr and "owner" in r.stderr
+
+
 def test_login_saves_a_private_profile_that_later_commands_use(cli: Cli) -> None:
     cfg = cli.tmp / "profiles.json"
     r = cli("login", "--key-file", str(cli.tmp / "data" / "admin-key"), TENSORA_API_KEY="")

@@ -105,3 +105,89 @@ LABELS = {"plain": ("alice", "alice"), "an email": ("a@b.c", "a-b.c"), "too long
 @pytest.mark.parametrize(("text", "want"), LABELS.values(), ids=LABELS.keys())
 def test_label_value(text: str, want: str) -> None:
     assert label_value(text) == want
+
+
+# -- reconciling an object that exists with what is rendered --------------------------------------
+
+NB_DOCS = {d["kind"]: d for d in replica_objects(spec(WorkloadKind.NOTEBOOK, "cpu-4c-16g"), CATALOG["cpu-4c-16g"], CTX)}
+EP_DOC = replica_objects(spec(WorkloadKind.ENDPOINT, "l40s-48gb", model="s3://m"), CATALOG["l40s-48gb"], CTX)[0]
+
+
+def stored(doc: dict[str, Any], **edits: Any) -> dict[str, Any]:
+    """``doc`` as the API server returns it: a resourceVersion, a status, fields it fills in; then ``edits``
+    (a function of the copy, applied in place)."""
+    out = copy.deepcopy(doc)
+    out["metadata"]["resourceVersion"], out["status"] = "41", {"phase": "Running"}
+    if out["kind"] == "Service":
+        out["spec"]["clusterIP"] = "10.0.0.7"
+        out["spec"]["ports"][0]["protocol"] = "TCP"
+    if out["kind"] == "Secret":
+        out["data"] = {"token": "b2xk"}
+        out.pop("stringData")
+    for edit in edits.values():
+        edit(out)
+    return out
+
+
+def _set(path: str, value: Any) -> Any:
+    def edit(d: dict[str, Any]) -> None:
+        *parents, last = path.split("/")
+        for p in parents:
+            d = d[p]
+        d[last] = value
+    return edit
+
+
+RECONCILED: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]] = {
+    # name: (desired, stored, what the update must contain, or None for "nothing to write")
+    "as rendered": (EP_DOC, stored(EP_DOC), None),
+    "someone else's label only": (EP_DOC, stored(EP_DOC, e=_set("metadata/labels/team", "ml")), None),
+    "server-filled service fields": (NB_DOCS["Service"], stored(NB_DOCS["Service"]), None),
+    "pod spec differs (immutable: never replaced)": (
+        NB_DOCS["Pod"], stored(NB_DOCS["Pod"], e=_set("spec/schedulerName", "default-scheduler")), None),
+    "secret's token differs (never rewritten)": (NB_DOCS["Secret"], stored(NB_DOCS["Secret"]), None),
+    "inference service edited by hand": (
+        EP_DOC, stored(EP_DOC, e=_set("spec/predictor/model/runtime", "theirs"), f=_set("metadata/labels/team", "ml")),
+        {"runtime": GPU_RUNTIME, "team": "ml"}),
+    "tensora's class label removed": (
+        NB_DOCS["Pod"], stored(NB_DOCS["Pod"], e=lambda d: d["metadata"]["labels"].pop("tensora.io/class")),
+        {"class": "cpu-4c-16g"}),
+    "service selector changed": (
+        NB_DOCS["Service"], stored(NB_DOCS["Service"], e=_set("spec/selector", {"app": "x"})),
+        {"selector": {"tensora.io/replica": "rp_Ab3dE9"}, "clusterIP": "10.0.0.7"}),
+}
+
+
+@pytest.mark.parametrize(("desired", "current", "expect"), RECONCILED.values(), ids=RECONCILED.keys())
+def test_reconciled_writes_only_what_tensora_manages(desired: dict[str, Any], current: dict[str, Any],
+                                                     expect: dict[str, Any] | None) -> None:
+    from tensora.drivers.kubernetes.render import reconciled
+
+    before = copy.deepcopy(current)
+    update = reconciled(current, desired)
+    assert current == before  # pure
+    if expect is None:
+        assert update is None
+        return
+    assert update is not None
+    assert update["metadata"]["resourceVersion"] == "41" and "status" not in update  # a conditional replace
+    labels, spec_ = update["metadata"]["labels"], update["spec"]
+    for key, value in expect.items():
+        got = {"runtime": lambda: spec_["predictor"]["model"]["runtime"], "team": lambda: labels["team"],
+               "class": lambda: labels["tensora.io/class"], "selector": lambda: spec_["selector"],
+               "clusterIP": lambda: spec_["clusterIP"]}[key]()
+        assert got == value, key
+    assert reconciled(update, desired) is None  # once written, nothing more to do
+    validate(update)
+
+
+@pytest.mark.parametrize("labels", [{"app": "theirs"}, {"app.kubernetes.io/managed-by": "tensora",
+                                                        "tensora.io/replica": "rp_other"}],
+                         ids=["not tensora's", "another replica's"])
+def test_an_object_that_is_not_this_replica_s_is_refused(labels: dict[str, str]) -> None:
+    from tensora.drivers.kubernetes.render import NotOurs, reconciled
+
+    current = stored(EP_DOC)
+    current["metadata"]["labels"] = labels
+    with pytest.raises(NotOurs, match="left alone"):
+        reconciled(current, EP_DOC)

@@ -56,6 +56,10 @@ class SimulatedDriver:
         self._replicas[spec.id] = _Replica(spec, state, self._clock.now() + delay)
         return self._status(self._replicas[spec.id])
 
+    def specs(self) -> list[ReplicaSpec]:
+        """What each replica was started with (the fleet's record, as a real cloud's API would show)."""
+        return [r.spec for r in self._replicas.values()]
+
     def stop(self, replica_id: str) -> ReplicaStatus:
         replica = self._replicas[replica_id]
         if replica.state is not ReplicaState.FAILED:

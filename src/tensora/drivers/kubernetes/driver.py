@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import Catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
@@ -132,13 +132,9 @@ class KubernetesDriver:
                 async for _event in self.client.watch(self.res[kind], namespace=self.namespace, labels=MANAGED,
                                                       on_error=self._on_watch_error):
                     on_change()
-            except asyncio.CancelledError:
-                raise
             except Exception:  # the API server away (a refused connection): the lists stay correct; try again
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._closing.wait(), 1.0)
-                except TimeoutError:
-                    pass
 
     async def _list(self, kind: str, **kw: Any) -> list[dict[str, Any]]:
         return [_dict(o) async for o in self.client.list(self.res[kind], **kw)]

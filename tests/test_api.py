@@ -467,6 +467,7 @@ def test_usage_is_accounted_by_placed_class_owner_and_day(api: Api) -> None:
 
 def test_keys_show_their_secret_once_store_only_a_digest_and_revoke_at_once(api: Api) -> None:
     alice, admin = api.as_(api.stack.alice), api.as_(api.stack.admin)
+    assert_error(alice.post("/v1/keys", json={"name": "lap\x00top"}), 422, "name")  # PostgreSQL text holds no NUL
     r = alice.post("/v1/keys", json={"name": "laptop", "scopes": ["workloads:read", "usage:read"]})
     assert r.status_code == 201, r.text
     key = r.json()

@@ -102,7 +102,8 @@ OWNER_PATTERN = r"^[A-Za-z0-9._@-]+$"
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(default="key", min_length=1, max_length=128)
+    name: str = Field(default="key", min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$",
+                      description="a label for you; no control characters")
     owner: str | None = Field(default=None, min_length=1, max_length=128, pattern=OWNER_PATTERN,
                               description="admin keys only: create a key for this owner")
     scopes: list[Literal[SCOPES]] | None = Field(  # type: ignore[valid-type]

@@ -318,8 +318,10 @@ OwnerName = Annotated[str, Path(min_length=1, max_length=128, pattern=OWNER_PATT
 
 
 def _owner_out(owner: str, row: dict[str, Any] | None) -> dict[str, Any]:
-    return {"owner": owner, "untrusted": bool(row and row["untrusted"]), "updated_at": iso(row["updated_at"])
-            if row else None}
+    """An owner never set has the defaults (trusted) and no ``updated_at``."""
+    if row is None:
+        return {"owner": owner, "untrusted": False, "updated_at": None}
+    return {"owner": owner, "untrusted": bool(row["untrusted"]), "updated_at": iso(row["updated_at"])}
 
 
 @router.get("/v1/owners", response_model=OwnerList, responses=ERRORS, tags=["owners"],

@@ -269,14 +269,12 @@ def list_owners(conn: Connection) -> list[dict[str, Any]]:
 
 
 def set_owner(conn: Connection, owner: str, untrusted: bool, at: float) -> dict[str, Any]:
+    """An UPDATE, then an INSERT for an owner never set; two first sets at once: the unique owner
+    decides, and the other is a Conflict (409)."""
     values = {"owner": owner, "untrusted": untrusted, "updated_at": at}
     if conn.execute(update(O).where(O.c.owner == owner).values(untrusted=untrusted, updated_at=at)).rowcount == 0:
         conn.execute(insert(O), values)
     return values
-
-
-def untrusted_owners(conn: Connection) -> set[str]:
-    return set(conn.execute(select(O.c.owner).where(O.c.untrusted.is_(True))).scalars())
 
 
 # -- gateway: routes and token usage ------------------------------------------------

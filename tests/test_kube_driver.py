@@ -63,8 +63,8 @@ current-context: double
 _OPEN: list[KubernetesDriver] = []
 
 
-def driver(kubeconfig: Path) -> KubernetesDriver:
-    d = connect(str(kubeconfig), CATALOG, "eu-west", NS)
+def driver(kubeconfig: Path, **kw: Any) -> KubernetesDriver:
+    d = connect(str(kubeconfig), CATALOG, "eu-west", NS, **kw)
     _OPEN.append(d)
     return d
 
@@ -293,6 +293,22 @@ def test_a_running_notebook_s_url_carries_its_token(cluster: tuple[ApiServerDoub
     d.start(NB)  # a redo renders a fresh token, but the Secret's data is never replaced: the URL stays valid
     [seen] = d.observe()
     assert seen.url == f"http://{name}.{NS}.svc:8888/lab?token={token}"
+
+
+def test_with_a_notebook_domain_the_url_is_the_ingress_s_and_stop_removes_it(
+        cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, kubeconfig = cluster
+    d = driver(kubeconfig, notebook_domain="nb.example.org")
+    d.start(NB)
+    name = object_name(NB.id)
+    ingresses = "apis/networking.k8s.io/v1/ingresses"
+    assert double.names(ingresses) == [name]
+    assert double.objects[(ingresses, NS, name)]["spec"]["rules"][0]["host"] == f"{name}.nb.example.org"
+    double.set_status(PODS, NS, name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
+    [seen] = d.observe()
+    assert seen.url is not None and seen.url.startswith(f"https://{name}.nb.example.org/lab?token=")
+    d.stop(NB.id)
+    assert double.names(ingresses) == [] and name not in double.names(PODS)
 
 
 def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[ApiServerDouble, Path],

@@ -80,7 +80,7 @@ def _granted(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 
 def test_the_controller_may_do_exactly_what_its_driver_does_to_replicas_objects() -> None:
-    """Every kind the driver renders for a notebook, a VM and an endpoint is granted the verbs it
+    """Every kind the driver renders for a notebook (with its Ingress), a VM and an endpoint is granted the verbs it
     uses (create; get, list, watch; update for a replace; delete) in the workloads namespace, and
     nothing else is granted there."""
     from tensora.admission import WorkloadKind
@@ -93,10 +93,12 @@ def test_the_controller_may_do_exactly_what_its_driver_does_to_replicas_objects(
     rendered = [doc for kind, cls in ((WorkloadKind.NOTEBOOK, "cpu-4c-16g"), (WorkloadKind.VM, "l40s-48gb"),
                                       (WorkloadKind.ENDPOINT, "l40s-48gb"))
                 for doc in replica_objects(ReplicaSpec("rp_x", "wl_x", kind, cls, "n", model="s3://m"),
-                                           catalog[cls], Context("tensora-eu-west-workloads", "alice"))]
+                                           catalog[cls], Context("tensora-eu-west-workloads", "alice",
+                                                                          notebook_domain="nb.example.org"))]
     res = _resources()  # the lightkube resources the driver calls, which name their group and plural
     used = {(res[d["kind"]]._api_info.resource.group, res[d["kind"]]._api_info.plural) for d in rendered}
     assert ("", "secrets") in used and ("kubevirt.io", "virtualmachines") in used
+    assert ("networking.k8s.io", "ingresses") in used  # a notebook's, where a notebook domain is set
     docs = build(DEPLOY / "overlays" / "eu-west")
     [role] = [d for d in docs if d["kind"] == "Role"]
     assert role["metadata"]["namespace"] == "tensora-eu-west-workloads"

@@ -83,6 +83,25 @@ def test_rendered_objects_validate_and_say_what_the_placement_means(replica: Rep
             assert [g["deviceName"] for g in gpus] == ([f"nvidia.com/{cls.gpu_model}"] if gpu else [])
 
 
+def test_with_a_notebook_domain_a_notebook_gets_an_ingress_to_its_service() -> None:
+    from tensora.drivers.kubernetes.render import notebook_url
+
+    ctx = Context(CTX.namespace, CTX.owner, notebook_domain="nb.example.org", ingress_class="nginx")
+    docs = replica_objects(spec(WorkloadKind.NOTEBOOK, "l40s-48gb"), CATALOG["l40s-48gb"], ctx)
+    assert [d["kind"] for d in docs] == ["Secret", "PersistentVolumeClaim", "Pod", "Service", "Ingress"]
+    ingress, service = docs[4], docs[3]
+    validate(ingress)
+    name = service["metadata"]["name"]
+    [rule] = ingress["spec"]["rules"]
+    assert rule["host"] == f"{name}.nb.example.org" and ingress["spec"]["tls"] == [{"hosts": [rule["host"]]}]
+    assert rule["http"]["paths"][0]["backend"]["service"] == {"name": name, "port": {"name": "http"}}
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert notebook_url(name, ctx) == f"https://{name}.nb.example.org/lab"
+    assert notebook_url(name, CTX) == f"http://{name}.tensora-eu-west.svc:8888/lab"  # no domain: in the cluster
+    vm = replica_objects(spec(WorkloadKind.VM, "cpu-2c-8g"), CATALOG["cpu-2c-8g"], ctx)
+    assert [d["kind"] for d in vm] == ["VirtualMachine"]  # notebooks only
+
+
 def test_a_misspelt_field_fails_validation() -> None:
     import jsonschema
 

@@ -110,6 +110,8 @@ BAD_SETTINGS = {
     "bad value from a flag names the flag": Bad(env={"TENSORA_REGION": "ok"}, flags={"region": "UPPER"},
                                                 source="--region", field="region"),
     "zero tick from env": Bad(env={"TENSORA_TICK_S": "0"}, source="TENSORA_TICK_S", field="tick_s"),
+    "a notebook domain that is a URL": Bad(config="driver: kubernetes\nnotebook_domain: https://nb.example.org\n",
+                                           field="notebook_domain", line=2, message="pattern"),
 }
 
 

@@ -65,6 +65,12 @@ class ServeSettings(BaseModel):
                                     "(default: in-cluster credentials, else ~/.kube/config)")
     namespace: str = Field(default="tensora", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
                            description="kubernetes driver: the namespace of the replicas' objects")
+    notebook_domain: str | None = Field(default=None, pattern=r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$",
+                                        description="kubernetes driver: each notebook gets an Ingress at "
+                                        "https://<name>.<notebook_domain>/ (a wildcard DNS record and certificate "
+                                        "at the ingress controller); default: none, the Service's cluster address")
+    ingress_class: str | None = Field(default=None, description="kubernetes driver: the notebooks' IngressClass "
+                                      "(default: the cluster's default class)")
     controller: bool = True
     workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
                          "the supervising process, woken over a unix socket")
@@ -157,7 +163,8 @@ def kubernetes_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
         raise ConfigError(f"no kubeconfig at {settings.kubeconfig}", field="kubeconfig")
     try:
         return connect(str(settings.kubeconfig) if settings.kubeconfig else None, catalog, settings.region,
-                       settings.namespace)
+                       settings.namespace, notebook_domain=settings.notebook_domain,
+                       ingress_class=settings.ingress_class)
     except (KubeConfigError, OSError, ValueError) as exc:
         raise ConfigError(f"cannot configure the Kubernetes client: {exc}", field="kubeconfig") from None
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -37,11 +38,11 @@ from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
 from tensora.drivers.kubernetes.cluster import REPLICA_LABEL, nodes_from_cluster
 from tensora.drivers.kubernetes.render import (
     CLASS_LABEL,
-    NOTEBOOK_PORT,
     WORKLOAD_LABEL,
     Context,
     NotOurs,
     label_value,
+    notebook_url,
     object_name,
     reconciled,
     replica_objects,
@@ -57,9 +58,10 @@ def _resources() -> dict[str, Any]:
     from lightkube.generic_resource import create_namespaced_resource
     from lightkube.resources.core_v1 import Node as KNode
     from lightkube.resources.core_v1 import PersistentVolumeClaim, Pod, Secret, Service
+    from lightkube.resources.networking_v1 import Ingress
 
     return {"Node": KNode, "Pod": Pod, "Service": Service, "Secret": Secret, "PersistentVolumeClaim":
-            PersistentVolumeClaim,
+            PersistentVolumeClaim, "Ingress": Ingress,
             "InferenceService": create_namespaced_resource("serving.kserve.io", "v1beta1", "InferenceService",
                                                            "inferenceservices"),
             "VirtualMachine": create_namespaced_resource("kubevirt.io", "v1", "VirtualMachine", "virtualmachines")}
@@ -74,8 +76,10 @@ class KubernetesDriver:
     """``make_client``: returns a lightkube ``AsyncClient`` (called on the driver's loop);
     replicas live in ``namespace``."""
 
-    def __init__(self, make_client: Callable[[], Any], catalog: Catalog, region: str, namespace: str) -> None:
+    def __init__(self, make_client: Callable[[], Any], catalog: Catalog, region: str, namespace: str, *,
+                 notebook_domain: str | None = None, ingress_class: str | None = None) -> None:
         self.catalog, self.region, self.namespace = catalog, region, namespace
+        self.context = Context(namespace, "", notebook_domain=notebook_domain, ingress_class=ingress_class)
         self.res = _resources()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kubernetes-driver", daemon=True)
@@ -152,7 +156,7 @@ class KubernetesDriver:
     # -- replicas ---------------------------------------------------------------------------
 
     def start(self, spec: ReplicaSpec) -> ReplicaStatus:
-        ctx = Context(self.namespace, spec.owner, untrusted=spec.untrusted)
+        ctx = dataclasses.replace(self.context, owner=spec.owner, untrusted=spec.untrusted)
         try:
             docs = replica_objects(spec, self.catalog[spec.cls], ctx)
         except (ValueError, KeyError) as exc:
@@ -230,7 +234,7 @@ class KubernetesDriver:
                     raise
                 return 0
 
-        targets = [(k, name) for k in ("Service", "Pod", "Secret", "VirtualMachine", "InferenceService")]
+        targets = [(k, name) for k in ("Ingress", "Service", "Pod", "Secret", "VirtualMachine", "InferenceService")]
         targets.append(("PersistentVolumeClaim", f"{name}-home"))
         return sum(await asyncio.gather(*(delete(k, n) for k, n in targets)))
 
@@ -267,7 +271,7 @@ class KubernetesDriver:
             pod_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
             if phase == "Running" and pod_ready:
                 state = ReplicaState.RUNNING
-                url = f"http://{meta['name']}.{self.namespace}.svc:{NOTEBOOK_PORT}/lab"
+                url = notebook_url(meta["name"], self.context)
                 if token := tokens.get(meta["name"]):
                     url += f"?token={token}"
             elif phase == "Failed":
@@ -310,10 +314,12 @@ def _node(d: dict[str, Any], kind: str) -> str:
     return ""
 
 
-def connect(kubeconfig: str | None, catalog: Catalog, region: str, namespace: str) -> KubernetesDriver:
+def connect(kubeconfig: str | None, catalog: Catalog, region: str, namespace: str, *,
+            notebook_domain: str | None = None, ingress_class: str | None = None) -> KubernetesDriver:
     """A driver for the cluster of ``kubeconfig`` (default: in-cluster, then ~/.kube/config)."""
     from lightkube import AsyncClient
     from lightkube.config.kubeconfig import KubeConfig
 
     config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
-    return KubernetesDriver(lambda: AsyncClient(config), catalog, region, namespace)
+    return KubernetesDriver(lambda: AsyncClient(config), catalog, region, namespace,
+                            notebook_domain=notebook_domain, ingress_class=ingress_class)

@@ -2,7 +2,8 @@
 applies what this returns, and the tests validate it offline.
 
 - notebook -> a Secret (its token), a PersistentVolumeClaim (the home dir), a Pod running JupyterLab,
-  a Service;
+  a Service, and where a notebook domain is set, an Ingress (``https://<name>.<domain>/``) so its
+  owner can reach it from outside the cluster;
 - VM -> a KubeVirt ``VirtualMachine`` (the GPU passed through via ``spec.domain.devices.gpus``, only
   on GPU classes);
 - endpoint -> a KServe ``InferenceService`` on the ClusterServingRuntime ``tensora-vllm`` (GPU
@@ -47,6 +48,16 @@ class Context:
     notebook_image: str = "quay.io/jupyter/base-notebook:2025-10-20"
     home_size: str = "10Gi"
     storage_class: str | None = None
+    notebook_domain: str | None = None
+    """Notebooks get an Ingress at ``<object name>.<notebook_domain>`` (TLS at the ingress controller)."""
+    ingress_class: str | None = None
+
+
+def notebook_url(name: str, ctx: Context) -> str:
+    """Where a notebook's owner opens it: through the Ingress, or the Service's cluster address."""
+    if ctx.notebook_domain:
+        return f"https://{name}.{ctx.notebook_domain}/lab"
+    return f"http://{name}.{ctx.namespace}.svc:{NOTEBOOK_PORT}/lab"
 
 
 def label_value(text: str) -> str:
@@ -129,7 +140,17 @@ def notebook(spec: ReplicaSpec, cls: ComputeClass, ctx: Context, token: str | No
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, cls, ctx, name),
                "spec": {"selector": {REPLICA_LABEL: label_value(spec.id)},
                         "ports": [{"name": "http", "port": NOTEBOOK_PORT, "targetPort": "http"}]}}
-    return [secret, pvc, pod, service]
+    if not ctx.notebook_domain:
+        return [secret, pvc, pod, service]
+    host = f"{name}.{ctx.notebook_domain}"
+    ingress: dict[str, Any] = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": _meta(spec, cls, ctx, name),
+        "spec": {"tls": [{"hosts": [host]}], "rules": [{"host": host, "http": {"paths": [
+            {"path": "/", "pathType": "Prefix",
+             "backend": {"service": {"name": name, "port": {"name": "http"}}}}]}}]}}
+    if ctx.ingress_class:
+        ingress["spec"]["ingressClassName"] = ctx.ingress_class
+    return [secret, pvc, pod, service, ingress]
 
 
 def vm(spec: ReplicaSpec, cls: ComputeClass, ctx: Context) -> list[dict[str, Any]]:
@@ -171,14 +192,14 @@ class NotOurs(Exception):
     replica: it is left alone."""
 
 
-SPEC_OWNED = {"InferenceService", "VirtualMachine"}
+SPEC_OWNED = {"InferenceService", "VirtualMachine", "Ingress"}
 """Kinds whose whole spec is Tensora's to keep as rendered (mutable, and nobody else's to change)."""
 
 
 def reconciled(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any] | None:
     """What to replace ``current`` with so that what Tensora manages in it is as ``desired``, or None
     when it is already. Pure. Managed: the labels and annotations Tensora sets (others' are kept);
-    the whole spec of an InferenceService or VirtualMachine; a Service's selector and ports. Never
+    the whole spec of an InferenceService, VirtualMachine or Ingress; a Service's selector and ports. Never
     touched: a Secret's data (the notebook's token, which the owner already has), a claim's spec
     (immutable, and the home dir), a Pod's spec (immutable: a pod that must change is made anew).
     The result carries ``current``'s resourceVersion, so a write in between is a 409 Conflict.

@@ -120,16 +120,20 @@ def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_a
                 assert out.model == "tiny-chat" and out.usage is not None and out.usage.completion_tokens == 4
                 assert raw.headers["x-tensora-served-by"] == "replica" and raw.headers["x-tensora-fallback"] == "false"
                 seen.append(out.usage.completion_tokens)
-            text, chunks = "", 0
+            deltas, usage = [], None
             for chunk in client.chat.completions.create(model="tiny-chat", stream=True, max_tokens=5,
                                                         stream_options={"include_usage": True},
                                                         messages=[{"role": "user", "content": "hello"}]):
                 assert chunk.model == "tiny-chat"
-                chunks += 1
-                text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                deltas.extend(c.delta.content for c in chunk.choices if c.delta.content)
                 if chunk.usage is not None:
-                    seen.append(chunk.usage.completion_tokens)
-            assert chunks >= 5 and text  # the openai client saw [DONE] (transformers serve sends none)
+                    usage = chunk.usage.completion_tokens
+                    seen.append(usage)
+            # five tokens generated and streamed, and the openai client saw the end ([DONE]: transformers
+            # serve sends none). The number of deltas is the model server's: its streamer holds tokens
+            # back until a word ends, so a sampled output can come as one delta (a check of "at least
+            # five chunks" failed so); chunk-by-chunk forwarding is tested in test_gateway.py.
+            assert usage == 5 and "".join(deltas), (usage, deltas)
 
         deadline = time.monotonic() + 20
         while True:  # the gateway picks the new replica up within poll_s

@@ -44,6 +44,7 @@ from tensora.drivers.kubernetes.render import (
     label_value,
     notebook_url,
     object_name,
+    ours,
     reconciled,
     replica_objects,
 )
@@ -224,8 +225,7 @@ class KubernetesDriver:
 
         async def delete(kind: str, n: str) -> int:
             try:
-                current = _dict(await self.client.get(self.res[kind], n, namespace=self.namespace))
-                if ((current.get("metadata") or {}).get("labels") or {}).get(REPLICA_LABEL) != mine:
+                if not ours(_dict(await self.client.get(self.res[kind], n, namespace=self.namespace)), mine):
                     return 0
                 await self.client.delete(self.res[kind], n, namespace=self.namespace)
                 return 1

@@ -196,6 +196,12 @@ SPEC_OWNED = {"InferenceService", "VirtualMachine", "Ingress"}
 """Kinds whose whole spec is Tensora's to keep as rendered (mutable, and nobody else's to change)."""
 
 
+def ours(obj: dict[str, Any], replica_label: str) -> bool:
+    """Whether ``obj`` is one Tensora made for the replica labelled ``replica_label``."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return labels.get("app.kubernetes.io/managed-by") == "tensora" and labels.get(REPLICA_LABEL) == replica_label
+
+
 def reconciled(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any] | None:
     """What to replace ``current`` with so that what Tensora manages in it is as ``desired``, or None
     when it is already. Pure. Managed: the labels and annotations Tensora sets (others' are kept);
@@ -206,8 +212,7 @@ def reconciled(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, An
     Raises NotOurs when ``current`` is not Tensora's object for the same replica."""
     meta, want = current.get("metadata") or {}, desired["metadata"]
     labels = meta.get("labels") or {}
-    if (labels.get("app.kubernetes.io/managed-by") != "tensora"
-            or labels.get(REPLICA_LABEL) != want["labels"][REPLICA_LABEL]):
+    if not ours(current, want["labels"][REPLICA_LABEL]):
         raise NotOurs(f"a {desired['kind']} named {want['name']} already exists in namespace "
                       f"{meta.get('namespace') or want.get('namespace')} and Tensora did not make it for this "
                       "replica; it was left alone")

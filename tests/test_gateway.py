@@ -58,11 +58,13 @@ def endpoints(b: Backends, **main: Any) -> list[dict[str, Any]]:
 
 
 def gateway(table: RouteTable, *, peers: tuple[Peer, ...] = (), clock: Any = None, limiter: Any = None,
-            region: str = "local", **opts: Any) -> Gateway:
+            region: str = "local", wall: Any = None, **opts: Any) -> Gateway:
     o = Options(region=region, ttft_s=0.5, deadline_s=4.0, breaker=Policy(consecutive=1000), peers=peers)
     for k, v in opts.items():
         setattr(o, k, v)
     kw = {"clock": clock} if clock is not None else {}
+    if wall is not None:
+        kw["wall"] = wall
     return Gateway(o, lambda: table, limiter or MemoryLimiter(), None, **kw)
 
 
@@ -264,9 +266,15 @@ def test_keys_scopes_and_models_in_openais_error_shape(backends: Backends) -> No
     assert [m["id"] for m in models.json()["data"]] == ["m-shared"]
 
 
+# The windows are whole minutes of wall time: a test whose requests straddled a minute's end would see
+# two windows (CI once admitted all 16 of the two-gateway test's requests). The rate tests hold the
+# wall clock 30 s into a minute.
+MID_MINUTE = 1_800_000_030.0
+
+
 def test_rate_limits_per_key_with_headers_and_token_reservations(backends: Backends) -> None:
     table = make_table(endpoints(backends), KEYS, limits={ALICE: (3, 1000), BOB: (100, 300)})
-    with serving(gateway(table, default_max_tokens=100)) as url:
+    with serving(gateway(table, default_max_tokens=100, wall=lambda: MID_MINUTE)) as url:
         ok = [post(url, chat()) for _ in range(3)]
         limited = post(url, chat())
         # bob: 300 tokens a minute; each request reserves ~105 (prompt + max_tokens) and uses 7 + 8
@@ -274,7 +282,7 @@ def test_rate_limits_per_key_with_headers_and_token_reservations(backends: Backe
         too_big = post(url, chat(model="m-shared", max_tokens=400), key=BOB)
     assert [r.status_code for r in ok] == [200, 200, 200]
     assert [r.headers["x-ratelimit-remaining-requests"] for r in ok] == ["2", "1", "0"]
-    assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+    assert limited.status_code == 429 and limited.headers["retry-after"] == "30"  # the window ends 30 s on
     assert limited.json()["error"]["code"] == "rate_limit_exceeded"
     assert limited.headers["ratelimit-policy"] == '"requests";q=3;w=60, "tokens";q=1000;w=60'
     assert limited.headers["ratelimit"].startswith('"requests";r=0;t=')
@@ -295,8 +303,8 @@ def redis_url() -> Iterator[str]:
 def test_rate_limits_hold_across_two_gateways_sharing_redis(backends: Backends, redis_url: str) -> None:
     table = make_table(endpoints(backends), KEYS, limits={ALICE: (10, 100_000)})
     prefix = f"t{time.monotonic_ns()}"
-    with (serving(gateway(table, limiter=RedisLimiter(redis_url, prefix))) as a,
-          serving(gateway(table, limiter=RedisLimiter(redis_url, prefix))) as b):
+    with (serving(gateway(table, limiter=RedisLimiter(redis_url, prefix), wall=lambda: MID_MINUTE)) as a,
+          serving(gateway(table, limiter=RedisLimiter(redis_url, prefix), wall=lambda: MID_MINUTE)) as b):
         codes = [post(url, chat()).status_code for url in [a, b] * 8]
     assert codes.count(200) == 10 and codes.count(429) == 6
     assert codes[:10] == [200] * 10

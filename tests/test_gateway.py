@@ -4,6 +4,7 @@ rate limits (in memory and across two gateways sharing a real Redis), headers, a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from services import free_port
 from tensora import apikeys
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Peer
-from tensora.gateway.limits import MemoryLimiter, RedisLimiter
+from tensora.gateway.limits import MemoryLimiter, Quota, RedisLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 
@@ -308,6 +309,24 @@ def test_rate_limits_hold_across_two_gateways_sharing_redis(backends: Backends, 
         codes = [post(url, chat()).status_code for url in [a, b] * 8]
     assert codes.count(200) == 10 and codes.count(429) == 6
     assert codes[:10] == [200] * 10
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_a_window_ends_on_the_minute_and_a_late_settle_leaves_the_next_alone(kind: str, redis_url: str) -> None:
+    async def go() -> list[tuple[bool, int, int, float]]:
+        lim = MemoryLimiter() if kind == "memory" else RedisLimiter(redis_url, f"w{time.monotonic_ns()}")
+        q, end = Quota(rpm=2, tpm=1000), 1_800_000_060.0  # a minute's end
+        try:
+            seen = [await lim.admit("k", q, 100, end - t) for t in (30.0, 0.5, 0.1)]  # 2 fit, the 3rd not
+            seen.append(await lim.admit("k", q, 100, end))  # the next window: admitted again
+            await lim.settle("k", seen[0].window, 100, 10)  # the old window's reservation settles late
+            seen.append(await lim.admit("k", q, 100, end + 1))
+            return [(a.ok, a.requests, a.tokens, round(a.reset_s, 3)) for a in seen]
+        finally:
+            await lim.close()
+
+    assert asyncio.run(go()) == [(True, 1, 100, 30.0), (True, 2, 200, 0.5), (False, 2, 200, 0.1),
+                                 (True, 1, 100, 60.0), (True, 2, 200, 59.0)]
 
 
 def test_the_openai_client_end_to_end_streaming_and_not(backends: Backends) -> None:

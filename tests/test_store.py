@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from tensora.errors import Conflict
 from tensora.store import repo
@@ -90,6 +92,37 @@ def test_a_failed_transaction_leaves_no_row(db: Database) -> None:
         raise RuntimeError("crash before commit")
     with db.read() as conn:
         assert repo.list_keys(conn, None) == []
+
+
+def test_two_first_sets_of_an_owner_at_once_both_succeed(db: Database) -> None:
+    """The second set runs while the first's row is written but not committed: on PostgreSQL it
+    waits on that row's lock (seen in pg_locks), then updates it; before the upsert it failed the
+    unique key (a 409). SQLite's writes take turns, so there it runs after the first commits."""
+    second: dict[str, Any] = {}
+
+    def set_again() -> None:
+        try:
+            with db.write() as conn:
+                second["row"] = repo.set_owner(conn, "dave", False, 2.0)
+        except Exception as exc:  # kept for the assertion below
+            second["error"] = exc
+
+    other = threading.Thread(target=set_again)
+    with db.write() as conn:
+        repo.set_owner(conn, "dave", True, 1.0)
+        other.start()
+        if db.engine.dialect.name == "postgresql":
+            with db.engine.connect() as watch:
+                for _ in range(200):  # until the second waits on a lock, at most 10 s
+                    if watch.execute(text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar():
+                        break
+                    time.sleep(0.05)
+                else:
+                    pytest.fail("the second set never waited on the first")
+    other.join(timeout=10)
+    assert "error" not in second, second.get("error")
+    with db.read() as conn:
+        assert repo.list_owners(conn) == [{"owner": "dave", "untrusted": False, "updated_at": 2.0}]
 
 
 URL_CASES = {

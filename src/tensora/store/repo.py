@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 from sqlalchemy import Connection, Table, and_, bindparam, case, delete, func, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from tensora.store.models import (
     ApiKey,
@@ -269,11 +271,12 @@ def list_owners(conn: Connection) -> list[dict[str, Any]]:
 
 
 def set_owner(conn: Connection, owner: str, untrusted: bool, at: float) -> dict[str, Any]:
-    """An UPDATE, then an INSERT for an owner never set; two first sets at once: the unique owner
-    decides, and the other is a Conflict (409)."""
+    """One upsert (INSERT ... ON CONFLICT (owner) DO UPDATE, which SQLite and PostgreSQL both have),
+    so two first sets of a new owner at once both succeed and the later one's flag stays."""
     values = {"owner": owner, "untrusted": untrusted, "updated_at": at}
-    if conn.execute(update(O).where(O.c.owner == owner).values(untrusted=untrusted, updated_at=at)).rowcount == 0:
-        conn.execute(insert(O), values)
+    upsert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    conn.execute(upsert(O).values(values)
+                 .on_conflict_do_update(index_elements=[O.c.owner], set_={"untrusted": untrusted, "updated_at": at}))
     return values
 
 

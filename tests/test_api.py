@@ -254,13 +254,15 @@ def test_an_endpoint_runs_the_replicas_it_asked_for_and_lists_them(api: Api) -> 
     assert alice.get("/v1/usage").json()["total_seconds"] == pytest.approx(200)  # two replicas, 100 s each
 
 
-def test_list_filters_by_kind_and_state_and_pages_with_a_cursor(api: Api) -> None:
+def test_list_filters_by_kind_and_state_and_pages_with_a_cursor_in_creation_order(api: Api) -> None:
     alice = api.as_(api.stack.alice)
     model, _ = tiny_model(api.tmp)
-    ids = {created(alice, kind="notebook", name=f"nb{i}", gpu_class="cpu-1c-4g")["id"] for i in range(3)}
-    vms = {created(alice, kind="vm", name=f"vm{i}", gpu_class="cpu-1c-4g")["id"] for i in range(2)}
-    eps = {created(alice, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model=str(model))["id"]}
-    stopped = next(iter(vms))
+    made = [created(alice, kind="notebook", name=f"nb{i}", gpu_class="cpu-1c-4g")["id"] for i in range(2)]
+    made += [created(alice, kind="vm", name=f"vm{i}", gpu_class="cpu-1c-4g")["id"] for i in range(2)]
+    made += [created(alice, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model=str(model))["id"]]
+    made += [created(alice, kind="notebook", name="nb2", gpu_class="cpu-1c-4g")["id"]]
+    ids, vms, eps = {made[0], made[1], made[5]}, set(made[2:4]), {made[4]}
+    stopped = made[2]
     assert alice.post(f"/v1/workloads/{stopped}/stop").json()["state"] == "stopped"  # never placed: at once
     everything = ids | vms | eps
 
@@ -269,7 +271,8 @@ def test_list_filters_by_kind_and_state_and_pages_with_a_cursor(api: Api) -> Non
         assert r.status_code == 200, r.text
         return [w["id"] for w in r.json()["data"]]
 
-    assert set(listed()) == everything
+    assert listed() == made  # the order they were made in, kinds interleaved
+    assert listed(kind="notebook") == [made[0], made[1], made[5]]
     assert set(listed(kind="vm")) == vms
     assert set(listed(kind="endpoint")) == eps
     assert listed(state="stopped") == [stopped]
@@ -288,7 +291,7 @@ def test_list_filters_by_kind_and_state_and_pages_with_a_cursor(api: Api) -> Non
         if after is None:
             break
         assert after == seen[-1]
-    assert pages == 3 and len(seen) == len(everything) and set(seen) == everything
+    assert pages == 3 and seen == made
     assert alice.get("/v1/workloads", params={"limit": 6}).json()["next"] is None
     assert listed(limit=500, after=max(everything)) == []
 

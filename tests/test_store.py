@@ -1,4 +1,4 @@
-"""The store on SQLite and PostgreSQL: migrations match the models; the lease; atomic claims."""
+"""The store on SQLite and PostgreSQL: migrations match the models; the lease; atomic claims; ids."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from hypothesis import given
+from hypothesis import strategies as st
 from sqlalchemy import inspect, text
 
 from tensora.errors import Conflict
@@ -123,6 +125,34 @@ def test_two_first_sets_of_an_owner_at_once_both_succeed(db: Database) -> None:
     assert "error" not in second, second.get("error")
     with db.read() as conn:
         assert repo.list_owners(conn) == [{"owner": "dave", "untrusted": False, "updated_at": 2.0}]
+
+
+ID_CASES = {  # clock readings (s) -> the 9-digit stamps of the ids made at them
+    "the millisecond in base 36": ([1.0, 2.5], ["0000000rs", "0000001xg"]),
+    "the same millisecond twice -> bumped by one": ([1.0, 1.0, 1.0], ["0000000rs", "0000000rt", "0000000ru"]),
+    "a clock stepped back -> still after the last": ([2.0, 1.0], ["0000001jk", "0000001jl"]),
+    "epoch 0 -> millisecond 1 (the first is past 0)": ([0.0], ["000000001"]),
+    "a day of 2026": ([1_796_000_000.0], ["0mx2k114w"]),
+}
+
+
+@pytest.mark.parametrize("case", ID_CASES.values(), ids=ID_CASES.keys())
+def test_ids_carry_their_creation_millisecond(case: tuple[list[float], list[str]]) -> None:
+    readings, want = case
+    clock = iter(readings)
+    ids = repo.Ids(lambda: next(clock))
+    made = [ids.new("wl_") for _ in readings]
+    assert [m[3:12] for m in made] == want
+    assert all(len(m) == 3 + 9 + 10 and m[12:].isalnum() for m in made)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e11, allow_nan=False), min_size=1, max_size=50))
+def test_ids_sort_in_the_order_they_were_made_whatever_the_clock_does(readings: list[float]) -> None:
+    clock = iter(readings)
+    ids = repo.Ids(lambda: next(clock))
+    made = [ids.new("rp_") for _ in readings]
+    assert made == sorted(made) and len(set(made)) == len(made)
+    assert all(int(m[3:12], 36) >= int(r * 1000) for m, r in zip(made, readings, strict=True))  # never early
 
 
 URL_CASES = {

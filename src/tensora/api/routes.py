@@ -141,7 +141,9 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
                                svc.wake)
 
 
-@router.get("/v1/workloads", response_model=WorkloadList, responses=ERRORS, tags=["workloads"])
+@router.get("/v1/workloads", response_model=WorkloadList, responses=ERRORS, tags=["workloads"],
+            description="Your workloads (every owner's for admin keys), oldest first: ids sort in the order they "
+                        "were made. ``next`` is the cursor for ``after`` while more remain.")
 def list_workloads(svc: Svc, p: Reader,
                    kind: Annotated[str | None, Query(pattern="^(notebook|vm|endpoint)$")] = None,
                    state: Annotated[str | None, Query(

@@ -259,6 +259,41 @@ def test_stop_and_delete_release_capacity_and_close_usage(db: Database) -> None:
     assert all(s.state.value == "stopped" for s in driver.observe() if s.workload_id == a)
 
 
+class FlakyRelease(SimulatedDriver):
+    """The simulated fleet, but the first release fails (the storage API was down)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.calls: list[str] = []
+
+    def release(self, workload_id: str) -> None:
+        self.calls.append(workload_id)
+        if len(self.calls) == 1:
+            raise RuntimeError("the storage API is down")
+        super().release(workload_id)
+
+
+def test_a_deleted_workloads_storage_is_given_back_once_its_replicas_are_gone(db: Database) -> None:
+    clock = FakeClock(T0)
+    sim = FlakyRelease(fleet(), clock)
+    c, _ = make(db, clock, sim)
+    c.release_every = 1
+    gone = submit(db, clock, kind="notebook", name="gone", gpu_class="cpu-1c-4g")
+    kept = submit(db, clock, kind="notebook", name="kept", gpu_class="cpu-1c-4g")
+    c.run_once()
+    with db.write() as conn:
+        workloads.stop(conn, get(db, kept), clock.now())  # stopped, not deleted: its home stays
+        workloads.delete(conn, get(db, gone), clock.now())
+    assert c.run_once().released == [] and sim.calls == []  # its replica is still stopping
+    assert c.run_once().released == [] and sim.calls == [gone]  # gone now: given back, but that failed
+    assert get(db, gone)["released_at"] is None
+    assert c.run_once().released == [gone]  # redone
+    c.run_once()
+    c.run_once()
+    assert sim.calls == [gone, gone] and sim.released == [gone]  # once done, never asked again
+    assert get(db, gone)["released_at"] is not None and get(db, kept)["released_at"] is None
+
+
 def test_only_the_lease_holder_acts_and_a_standby_takes_over_after_expiry(db: Database) -> None:
     clock = FakeClock(T0)
     sim = SimulatedDriver(fleet(), clock)

@@ -6,6 +6,7 @@ a new driver (a controller restart), states read back, stopped, transient API er
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from tensora.admission import WorkloadKind
 from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.kubernetes.driver import KubernetesDriver, connect
-from tensora.drivers.kubernetes.render import object_name
+from tensora.drivers.kubernetes.render import home_claim_name, object_name
 
 pytest.importorskip("lightkube")
 
@@ -28,6 +29,7 @@ NS = "tensora"
 CATALOG = default_catalog()
 PODS, NODES = "api/v1/pods", "api/v1/nodes"
 ISVC = "apis/serving.kserve.io/v1beta1/inferenceservices"
+CLAIMS = "api/v1/persistentvolumeclaims"
 GFD = {"nvidia.com/gpu.product": "NVIDIA-L40S", "nvidia.com/gpu.memory": "46068",
        "topology.kubernetes.io/region": "eu-west"}
 
@@ -93,7 +95,7 @@ def test_a_replica_is_made_adopted_read_back_and_stopped(cluster: tuple[ApiServe
     assert d.start(NB).state is ReplicaState.STARTING
     name = object_name(NB.id)
     assert double.names(f"api/v1/{'secrets'}") == [name]
-    assert double.names("api/v1/persistentvolumeclaims") == [f"{name}-home"]
+    assert double.names(CLAIMS) == [home_claim_name(NB.workload_id)]
     assert double.names(PODS)[-1] == name and double.names("api/v1/services") == [name]
     pod = double.objects[(PODS, NS, name)]
     assert pod["metadata"]["labels"]["tensora.io/owner"] == "alice-example.com"
@@ -112,8 +114,40 @@ def test_a_replica_is_made_adopted_read_back_and_stopped(cluster: tuple[ApiServe
 
     assert restarted.stop(NB.id).state is ReplicaState.STOPPING
     assert restarted.observe() == [] and name not in double.names(PODS)
-    assert double.names("api/v1/secrets") == [] and double.names("api/v1/persistentvolumeclaims") == []
+    assert double.names("api/v1/secrets") == [] and double.names("api/v1/services") == []
+    assert double.names(CLAIMS) == [home_claim_name(NB.workload_id)]  # the home is the workload's: kept
     assert restarted.stop(NB.id).state is ReplicaState.STOPPED  # nothing left: done
+
+
+def test_a_restarted_notebook_keeps_its_home_until_the_workload_is_released(
+        cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, kubeconfig = cluster
+    d = driver(kubeconfig)
+    home = home_claim_name(NB.workload_id)
+    d.start(NB)
+    double.objects[(CLAIMS, NS, home)]["status"] = {"phase": "Bound"}  # what the storage made of it
+    d.stop(NB.id)
+    on_gpu = dataclasses.replace(NB, id="rp_nb2", cls="l40s-48gb", node="gpu-1")  # "Restart on GPU"
+    d.start(on_gpu)
+    pod = double.objects[(PODS, NS, object_name(on_gpu.id))]
+    assert pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == home  # the same files
+    assert double.names(CLAIMS) == [home] and double.objects[(CLAIMS, NS, home)]["status"] == {"phase": "Bound"}
+    d.stop(on_gpu.id)
+
+    someone = {"metadata": {"name": home_claim_name("wl_theirs"), "namespace": NS, "labels": {"app": "theirs"}},
+               "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}
+    double.seed(CLAIMS, copy.deepcopy(someone))
+    d.release(NB.workload_id)
+    d.release(NB.workload_id)  # again (a redone cycle): nothing there, done
+    d.release("wl_theirs")  # a claim of that name that Tensora did not make stays
+    assert double.names(CLAIMS) == [someone["metadata"]["name"]]
+
+
+def test_the_home_claim_takes_the_configured_storage_class_and_size(cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, kubeconfig = cluster
+    driver(kubeconfig, storage_class="ceph-rbd", home_size="50Gi").start(NB)
+    claim = double.objects[(CLAIMS, NS, home_claim_name(NB.workload_id))]["spec"]
+    assert claim["storageClassName"] == "ceph-rbd" and claim["resources"]["requests"]["storage"] == "50Gi"
 
 
 def test_an_endpoint_is_an_inference_service_on_the_gpu_runtime(cluster: tuple[ApiServerDouble, Path]) -> None:
@@ -274,7 +308,7 @@ def test_an_object_of_that_name_that_is_not_tensora_s_is_left_alone_and_the_repl
     kept = double.objects[("api/v1/services", NS, name)]
     assert kept["spec"] == theirs["spec"] and kept["metadata"]["labels"] == {"app": "theirs"}
     assert name not in double.names(PODS)  # nothing started
-    assert double.names("api/v1/secrets") == [] and double.names("api/v1/persistentvolumeclaims") == []  # cleaned
+    assert double.names("api/v1/secrets") == []  # cleaned (the home claim is the workload's: released with it)
     assert [(s.id, s.state) for s in d.observe()] == [(NB.id, ReplicaState.FAILED)]  # reported to the controller
     assert d.observe() == []  # once
     assert d.stop(NB.id).state is ReplicaState.STOPPED  # and a stop never deletes their Service

@@ -46,5 +46,6 @@ def test_a_cpu_notebook_runs_on_a_real_cluster_and_goes_away() -> None:
         while spec.id in {s.id for s in first.observe()}:
             assert time.monotonic() < deadline, "still there 120 s after stop"
             time.sleep(3)
+        first.release(spec.workload_id)  # the home claim, which outlives the replica
     finally:
         first.close()

@@ -7,6 +7,7 @@ admission chose, labels to adopt by, kata for untrusted tenants."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from typing import Any
@@ -17,7 +18,14 @@ from kube_schemas import validate
 from tensora.admission import WorkloadKind
 from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec
-from tensora.drivers.kubernetes.render import CPU_RUNTIME, GPU_RUNTIME, Context, label_value, replica_objects
+from tensora.drivers.kubernetes.render import (
+    CPU_RUNTIME,
+    GPU_RUNTIME,
+    Context,
+    home_claim_name,
+    label_value,
+    replica_objects,
+)
 
 CATALOG = default_catalog()
 CTX = Context(namespace="tensora-eu-west", owner="alice@example.com")
@@ -61,7 +69,12 @@ def test_rendered_objects_validate_and_say_what_the_placement_means(replica: Rep
         validate(d)
         meta = d["metadata"]
         assert DNS1035.match(meta["name"]) and meta["namespace"] == ctx.namespace
-        assert meta["labels"]["tensora.io/replica"] == "rp_Ab3dE9" and meta["labels"]["tensora.io/class"] == cls.name
+        assert meta["labels"]["tensora.io/workload"] == replica.workload_id
+        if d["kind"] == "PersistentVolumeClaim":  # the home: the workload's, whichever replica mounts it
+            assert "tensora.io/replica" not in meta["labels"] and "tensora.io/class" not in meta["labels"]
+        else:
+            assert meta["labels"]["tensora.io/replica"] == "rp_Ab3dE9"
+            assert meta["labels"]["tensora.io/class"] == cls.name
         assert meta["labels"]["tensora.io/owner"] == "alice-example.com"
         assert meta["annotations"]["tensora.io/owner"] == "alice@example.com"
     gpu = cls.gpu_count > 0
@@ -81,6 +94,21 @@ def test_rendered_objects_validate_and_say_what_the_placement_means(replica: Rep
         if d["kind"] == "VirtualMachine":
             gpus = d["spec"]["template"]["spec"]["domain"]["devices"].get("gpus", [])
             assert [g["deviceName"] for g in gpus] == ([f"nvidia.com/{cls.gpu_model}"] if gpu else [])
+
+
+def test_every_replica_of_a_notebook_mounts_the_workloads_one_home_claim() -> None:
+    first = replica_objects(spec(WorkloadKind.NOTEBOOK, "cpu-2c-8g"), CATALOG["cpu-2c-8g"], CTX)
+    again = dataclasses.replace(spec(WorkloadKind.NOTEBOOK, "l40s-48gb"), id="rp_Later1")  # restart on GPU
+    second = replica_objects(again, CATALOG["l40s-48gb"], CTX)
+    claims = [next(d for d in docs if d["kind"] == "PersistentVolumeClaim") for docs in (first, second)]
+    mounts = [next(d for d in docs if d["kind"] == "Pod")["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+              for docs in (first, second)]
+    assert claims[0] == claims[1]  # the same object, so the second start adopts it as it is
+    assert mounts == [claims[0]["metadata"]["name"]] * 2 == [home_claim_name(again.workload_id)] * 2
+    other = dataclasses.replace(again, workload_id="wl_Other")
+    assert home_claim_name(other.workload_id) != claims[0]["metadata"]["name"]
+    pods = [d["metadata"]["name"] for docs in (first, second) for d in docs if d["kind"] == "Pod"]
+    assert pods[0] != pods[1]  # while the rest is each replica's own
 
 
 def test_with_a_notebook_domain_a_notebook_gets_an_ingress_to_its_service() -> None:

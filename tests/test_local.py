@@ -94,6 +94,31 @@ def test_a_notebook_is_jupyterlab_on_loopback_with_a_token_and_no_gpus(driver: L
     assert not alive(m["pid"])
 
 
+def test_a_notebooks_files_outlive_its_replica_until_the_workload_is_released(driver: LocalDriver) -> None:
+    def contents(rid: str, method: str = "GET", **kw: Any) -> httpx.Response:
+        m = meta(driver, rid)
+        return httpx.request(method, f"http://127.0.0.1:{m['port']}/api/contents/notes.txt",
+                             params={"token": m["token"]}, timeout=10, **kw)
+
+    for rid in ("rp_f1", "rp_f2"):  # the second: the same workload restarted (on GPU, say)
+        driver.start(ReplicaSpec(rid, "wl_files", WorkloadKind.NOTEBOOK, "cpu-1c-4g", "box"))
+        assert wait_for(driver, rid, {ReplicaState.RUNNING, ReplicaState.FAILED}).state is ReplicaState.RUNNING
+        if rid == "rp_f1":
+            made = contents(rid, "PUT", json={"type": "file", "format": "text", "content": "my results"})
+            assert made.status_code == 201, made.text
+        else:
+            assert contents(rid).json()["content"] == "my results"
+        driver.stop(rid)
+        assert wait_for(driver, rid, {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is ReplicaState.STOPPED
+    files = driver.work / "wl_files"
+    assert (files / "notes.txt").read_text() == "my results"
+    driver.release("wl_files")
+    driver.release("wl_files")  # again: nothing there, done
+    assert not files.exists()
+    with pytest.raises(ValueError, match="not a workload id"):
+        driver.release("../replicas")
+
+
 def test_a_vm_boots_its_firmware_reports_running_over_qmp_and_stops(driver: LocalDriver) -> None:
     driver.start(ReplicaSpec("rp_vm1", "wl_vm1", WorkloadKind.VM, "cpu-1c-4g", "box"))
     running = wait_for(driver, "rp_vm1", {ReplicaState.RUNNING, ReplicaState.FAILED}, 30)

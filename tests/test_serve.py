@@ -112,6 +112,8 @@ BAD_SETTINGS = {
     "zero tick from env": Bad(env={"TENSORA_TICK_S": "0"}, source="TENSORA_TICK_S", field="tick_s"),
     "a notebook domain that is a URL": Bad(config="driver: kubernetes\nnotebook_domain: https://nb.example.org\n",
                                            field="notebook_domain", line=2, message="pattern"),
+    "a home size in an unknown unit": Bad(config="driver: kubernetes\nhome_size: 10G\n", field="home_size", line=2,
+                                      message="pattern"),
 }
 
 

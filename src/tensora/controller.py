@@ -58,12 +58,15 @@ class CycleReport:
     transitions: int = 0
     started: list[str] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    """Deleted workloads whose storage the driver gave back this cycle."""
 
 
 @dataclass
 class _Effects:
     start: list[ReplicaSpec] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
 
 
 class Controller:
@@ -72,7 +75,7 @@ class Controller:
     def __init__(self, db: Database, driver: Driver, catalog: Catalog, *, region: str = "local",
                  clock: Clock | None = None, policy: Policy | None = None, holder: str | None = None,
                  lease_ttl_s: float = 15.0, tick_s: float = 2.0, min_gap_s: float = 0.02, drain_s: float = 5.0,
-                 reserves: dict[str, GpuReserve] | None = None) -> None:
+                 reserves: dict[str, GpuReserve] | None = None, release_every: int = 15) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
         self.clock = clock or SystemClock()
         self.policy = policy or Policy()
@@ -88,6 +91,8 @@ class Controller:
         self._known_nodes: list[dict[str, Any]] | None = None
         self._starting = 0
         self._cycles = 0
+        self.release_every = release_every  # cycles between looks for deleted workloads' storage to give back
+        self._released: list[str] = []  # given back by the driver, recorded in the next cycle's write
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -167,10 +172,17 @@ class Controller:
             with self.db.write() as conn:
                 self._fence(conn, now)
                 self._apply(conn, decisions, rows, now, effects, report)
-                # 7. housekeeping: forget idempotency records past their expiry
+                # 7. housekeeping: forget idempotency records past their expiry; give back the
+                #    storage of deleted workloads whose replicas are all gone (a notebook's home
+                #    outlives its replicas, so a restart keeps its files), recorded once the driver
+                #    did it (a crash in between only gives back again: the driver's release is idempotent)
                 self._cycles += 1
                 if self._cycles % 30 == 1:
                     repo.expire_idempotency(conn, now)
+                repo.mark_released(conn, self._released, now)
+                self._released = []
+                if self._cycles % self.release_every == 1 % self.release_every:
+                    effects.release = repo.unreleased(conn, self.region)
         except LostLease:
             return CycleReport(leader=False)
         self._apply_effects(effects, report)
@@ -450,6 +462,14 @@ class Controller:
                 report.stopped.append(replica_id)  # the driver has no such replica: nothing to stop
             except Exception:
                 log.exception("driver could not stop %s; retrying next cycle", replica_id)
+        for workload_id in fx.release:
+            try:
+                self.driver.release(workload_id)
+            except Exception:
+                log.exception("driver could not give back the storage of %s; retrying later", workload_id)
+            else:
+                report.released.append(workload_id)
+                self._released.append(workload_id)
 
 
 def _split(slot_id: str) -> tuple[str, int]:

@@ -71,6 +71,11 @@ class ServeSettings(BaseModel):
                                         "at the ingress controller); default: none, the Service's cluster address")
     ingress_class: str | None = Field(default=None, description="kubernetes driver: the notebooks' IngressClass "
                                       "(default: the cluster's default class)")
+    storage_class: str | None = Field(default=None, pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+                                      description="kubernetes driver: the StorageClass of notebooks' home claims, "
+                                      "one whose volumes attach on any node (default: the cluster's default)")
+    home_size: str = Field(default="10Gi", pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
+                           description="kubernetes driver: the size of each notebook's home claim")
     controller: bool = True
     workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
                          "the supervising process, woken over a unix socket")
@@ -164,7 +169,8 @@ def kubernetes_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
     try:
         return connect(str(settings.kubeconfig) if settings.kubeconfig else None, catalog, settings.region,
                        settings.namespace, notebook_domain=settings.notebook_domain,
-                       ingress_class=settings.ingress_class)
+                       ingress_class=settings.ingress_class, storage_class=settings.storage_class,
+                       home_size=settings.home_size)
     except (KubeConfigError, OSError, ValueError) as exc:
         raise ConfigError(f"cannot configure the Kubernetes client: {exc}", field="kubeconfig") from None
 

@@ -213,7 +213,8 @@ def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[Rest
 
 
 @router.delete("/v1/workloads/{workload_id}", status_code=204, responses=ERRORS, tags=["workloads"],
-               description="Stops the workload if it runs and removes it from listings; its usage stays.")
+               description="Stops the workload if it runs and removes it from listings; once its replicas have "
+                           "stopped, a notebook's files (its home dir) are deleted too. Its usage stays.")
 def delete_workload(workload_id: str, svc: Svc, p: Writer) -> Response:
     with svc.db.write() as conn:
         w = _own(conn, p, workload_id)

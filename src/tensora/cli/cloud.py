@@ -328,7 +328,7 @@ def workloads_restart(ctx: typer.Context, ref: Ref,
 
 @workloads_app.command("delete")
 def workloads_delete(ctx: typer.Context, ref: Ref) -> None:
-    """Stop it and remove it from listings (its usage stays)."""
+    """Stop it and remove it from listings; a notebook's files go with it (its usage stays)."""
     with session(ctx) as c:
         w = c.find_workload(ref)
         c.delete_workload(w.id)

@@ -76,3 +76,8 @@ class Driver(Protocol):
     def observe(self) -> Sequence[ReplicaStatus]:
         """Every replica the driver knows of, with its current state."""
         ...
+
+    def release(self, workload_id: str) -> None:
+        """Give back what outlives a workload's replicas (a notebook's home dir), once the workload is
+        deleted and none of its replicas runs. Idempotent: nothing there is done."""
+        ...

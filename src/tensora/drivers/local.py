@@ -6,8 +6,9 @@ token) and its log. The directory is the driver's whole state: a new driver on t
 data dir adopts the replicas still running and reports the ones that died as failed.
 
 * notebook: JupyterLab on 127.0.0.1 and a free port, with a token; ready when
-  ``/api/status`` answers. GPU placement sets ``CUDA_VISIBLE_DEVICES`` to its GPUs; CPU
-  placement hides them all.
+  ``/api/status`` answers. Its files are in ``DATA_DIR/workdirs/<workload id>/``, kept across
+  the workload's restarts and removed by ``release`` once it is deleted. GPU placement sets
+  ``CUDA_VISIBLE_DEVICES`` to its GPUs; CPU placement hides them all.
 * vm: QEMU with QMP on a unix socket; KVM when ``/dev/kvm`` opens, else TCG; an optional
   disk image; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``,
   then ``quit``, then SIGKILL.
@@ -25,7 +26,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,6 +160,12 @@ class LocalDriver:
             else:
                 self._signal(meta, signal.SIGTERM)
         return self._status(meta)
+
+    def release(self, workload_id: str) -> None:
+        """Remove a deleted notebook's working dir (kept across its restarts until now)."""
+        if not re.fullmatch(r"[A-Za-z0-9_]+", workload_id):  # an id, never a path
+            raise ValueError(f"not a workload id: {workload_id!r}")
+        shutil.rmtree(self.work / workload_id, ignore_errors=True)
 
     def observe(self) -> Sequence[ReplicaStatus]:
         out = []

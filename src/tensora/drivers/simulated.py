@@ -37,6 +37,7 @@ class SimulatedDriver:
         self._clock = clock or FakeClock()
         self._delays = start_delay_s
         self._replicas: dict[str, _Replica] = {}
+        self.released: list[str] = []
 
     def _delay(self, kind: WorkloadKind) -> float:
         if isinstance(self._delays, int | float):
@@ -65,6 +66,11 @@ class SimulatedDriver:
         if replica.state is not ReplicaState.FAILED:
             replica.state = ReplicaState.STOPPED
         return self._status(replica)
+
+    def release(self, workload_id: str) -> None:
+        """The fleet keeps no storage; what was given back is recorded, as a cloud's audit log would."""
+        if workload_id not in self.released:
+            self.released.append(workload_id)
 
     def observe(self) -> Sequence[ReplicaStatus]:
         now = self._clock.now()

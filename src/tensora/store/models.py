@@ -47,6 +47,8 @@ class Workload(Base):
     updated_at: Mapped[float] = mapped_column(Float)
     queued_since: Mapped[float | None] = mapped_column(Float, nullable=True)
     deleted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    released_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """When the driver gave back a deleted workload's storage (a notebook's home dir)."""
 
     __table_args__ = (Index("ix_workloads_region_state", "region", "state"),)
 

@@ -206,6 +206,20 @@ def active_replicas(conn: Connection, region: str) -> list[dict[str, Any]]:
     return [dict(r) for r in conn.execute(q).mappings()]
 
 
+def unreleased(conn: Connection, region: str, limit: int = 50) -> list[str]:
+    """The region's deleted workloads whose storage is not given back yet and that hold no replica."""
+    busy = select(R.c.id).where(R.c.workload_id == W.c.id, R.c.state.in_(ACTIVE_REPLICA)).exists()
+    q = (select(W.c.id).where(W.c.region == region, W.c.deleted_at.is_not(None), W.c.released_at.is_(None), ~busy)
+         .order_by(W.c.id).limit(limit))
+    return list(conn.execute(q).scalars())
+
+
+def mark_released(conn: Connection, workload_ids: Sequence[str], at: float) -> None:
+    if workload_ids:
+        conn.execute(update(W).where(W.c.id.in_(list(workload_ids)), W.c.released_at.is_(None))
+                     .values(released_at=at))
+
+
 def update_replica(conn: Connection, replica_id: str, values: dict[str, Any],
                    expect_state: Sequence[str] | None = None) -> bool:
     q = update(R).where(R.c.id == replica_id)

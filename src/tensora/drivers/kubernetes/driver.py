@@ -11,7 +11,9 @@ made when missing; when already there (409 AlreadyExists: an earlier start, or a
 went away and is being started again), read, and if what Tensora manages in it differs, replaced
 with the resourceVersion that was read; a 409 Conflict (someone wrote it in between) reads again
 and re-merges, so the other writer's change is kept. An object of that name that is not Tensora's
-is never touched: the replica fails, saying so. A ``stop`` that finds nothing (404) is done.
+is never touched: the replica fails, saying so. A ``stop`` that finds nothing (404) is done;
+it leaves a notebook's home claim, which is the workload's (``release`` deletes it once the
+workload is deleted).
 Transient API errors propagate: the controller redoes the work next cycle.
 
 State is always read by listing (``observe``), which is correct whatever was missed; ``watch``
@@ -41,6 +43,7 @@ from tensora.drivers.kubernetes.render import (
     WORKLOAD_LABEL,
     Context,
     NotOurs,
+    home_claim_name,
     label_value,
     notebook_url,
     object_name,
@@ -78,9 +81,11 @@ class KubernetesDriver:
     replicas live in ``namespace``."""
 
     def __init__(self, make_client: Callable[[], Any], catalog: Catalog, region: str, namespace: str, *,
-                 notebook_domain: str | None = None, ingress_class: str | None = None) -> None:
+                 notebook_domain: str | None = None, ingress_class: str | None = None,
+                 storage_class: str | None = None, home_size: str = "10Gi") -> None:
         self.catalog, self.region, self.namespace = catalog, region, namespace
-        self.context = Context(namespace, "", notebook_domain=notebook_domain, ingress_class=ingress_class)
+        self.context = Context(namespace, "", notebook_domain=notebook_domain, ingress_class=ingress_class,
+                               storage_class=storage_class, home_size=home_size)
         self.res = _resources()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kubernetes-driver", daemon=True)
@@ -217,26 +222,32 @@ class KubernetesDriver:
         return ReplicaStatus(replica_id, "", "", "", ReplicaState.STOPPING if deleted else ReplicaState.STOPPED)
 
     async def _delete_replica(self, replica_id: str) -> int:
-        """Delete each object of the replica's names that is Tensora's for this replica (read first:
-        an object of that name that is someone else's stays). How many were deleted."""
+        """Delete each object of the replica's names that is Tensora's for this replica; the
+        workload's home claim stays (``release``). How many were deleted."""
+        name, mine = object_name(replica_id), label_value(replica_id)
+        kinds = ("Ingress", "Service", "Pod", "Secret", "VirtualMachine", "InferenceService")
+        return sum(await asyncio.gather(*(self._delete_if(k, name, mine) for k in kinds)))
+
+    async def _delete_if(self, kind: str, name: str, value: str, label: str = REPLICA_LABEL) -> int:
+        """Delete ``kind``/``name`` if it is Tensora's for ``value`` (read first: an object of that
+        name that is someone else's stays); 1 if it was deleted."""
         from lightkube import ApiError
 
-        name, mine = object_name(replica_id), label_value(replica_id)
-
-        async def delete(kind: str, n: str) -> int:
-            try:
-                if not ours(_dict(await self.client.get(self.res[kind], n, namespace=self.namespace)), mine):
-                    return 0
-                await self.client.delete(self.res[kind], n, namespace=self.namespace)
-                return 1
-            except ApiError as exc:
-                if exc.status.code != 404:  # 404: never made, or already gone
-                    raise
+        try:
+            if not ours(_dict(await self.client.get(self.res[kind], name, namespace=self.namespace)), value, label):
                 return 0
+            await self.client.delete(self.res[kind], name, namespace=self.namespace)
+            return 1
+        except ApiError as exc:
+            if exc.status.code != 404:  # 404: never made, or already gone
+                raise
+            return 0
 
-        targets = [(k, name) for k in ("Ingress", "Service", "Pod", "Secret", "VirtualMachine", "InferenceService")]
-        targets.append(("PersistentVolumeClaim", f"{name}-home"))
-        return sum(await asyncio.gather(*(delete(k, n) for k, n in targets)))
+    def release(self, workload_id: str) -> None:
+        """Delete a deleted notebook's home claim (the volume goes as its storage class's
+        reclaim policy says); one that is not this workload's is left alone."""
+        self._run(self._delete_if("PersistentVolumeClaim", home_claim_name(workload_id),
+                                  label_value(workload_id), WORKLOAD_LABEL))
 
     def observe(self) -> Sequence[ReplicaStatus]:
         kinds = ("Pod", "VirtualMachine", "InferenceService")
@@ -315,11 +326,13 @@ def _node(d: dict[str, Any], kind: str) -> str:
 
 
 def connect(kubeconfig: str | None, catalog: Catalog, region: str, namespace: str, *,
-            notebook_domain: str | None = None, ingress_class: str | None = None) -> KubernetesDriver:
+            notebook_domain: str | None = None, ingress_class: str | None = None,
+            storage_class: str | None = None, home_size: str = "10Gi") -> KubernetesDriver:
     """A driver for the cluster of ``kubeconfig`` (default: in-cluster, then ~/.kube/config)."""
     from lightkube import AsyncClient
     from lightkube.config.kubeconfig import KubeConfig
 
     config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
     return KubernetesDriver(lambda: AsyncClient(config), catalog, region, namespace,
-                            notebook_domain=notebook_domain, ingress_class=ingress_class)
+                            notebook_domain=notebook_domain, ingress_class=ingress_class,
+                            storage_class=storage_class, home_size=home_size)

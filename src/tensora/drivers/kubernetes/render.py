@@ -1,16 +1,19 @@
 """The object graph of one replica on Kubernetes, rendered as plain dicts: pure, so the driver only
 applies what this returns, and the tests validate it offline.
 
-- notebook -> a Secret (its token), a PersistentVolumeClaim (the home dir), a Pod running JupyterLab,
-  a Service, and where a notebook domain is set, an Ingress (``https://<name>.<domain>/``) so its
-  owner can reach it from outside the cluster;
+- notebook -> a Secret (its token), a Pod running JupyterLab, a Service, and where a notebook domain
+  is set, an Ingress (``https://<name>.<domain>/``) so its owner can reach it from outside the
+  cluster; and the workload's PersistentVolumeClaim (the home dir), which is the workload's, not the
+  replica's: each replica mounts the same one, so a restart (on GPU after a CPU fallback, say) keeps
+  the owner's files, and it goes only when the workload is deleted (``home_claim_name``);
 - VM -> a KubeVirt ``VirtualMachine`` (the GPU passed through via ``spec.domain.devices.gpus``, only
   on GPU classes);
 - endpoint -> a KServe ``InferenceService`` on the ClusterServingRuntime ``tensora-vllm`` (GPU
   classes) or ``tensora-vllm-cpu`` (CPU classes), with the model's storage URI.
 
 Every object carries the labels ``tensora.io/workload``, ``tensora.io/replica``, ``tensora.io/class``
-and ``tensora.io/owner`` (the owner, made a valid label value; the exact one is in an annotation),
+and ``tensora.io/owner`` (the owner, made a valid label value; the exact one is in an annotation;
+the home claim only the workload's and the owner's),
 so a restarted controller finds and adopts what it made. The replica is pinned to the node that
 admission chose (required node affinity on ``kubernetes.io/hostname``); GPU resources are asked for
 only on GPU classes, and on a CPU class every GPU is hidden. Untrusted tenants' pods run under
@@ -73,6 +76,11 @@ def object_name(replica_id: str) -> str:
     return f"tensora-{base}"[:52].rstrip("-") + f"-{suffix}"
 
 
+def home_claim_name(workload_id: str) -> str:
+    """The workload's home claim: one name for all its replicas."""
+    return f"{object_name(workload_id)}-home"
+
+
 def _meta(spec: ReplicaSpec, cls: ComputeClass, ctx: Context, name: str) -> dict[str, Any]:
     return {"name": name, "namespace": ctx.namespace,
             "labels": {WORKLOAD_LABEL: label_value(spec.workload_id), REPLICA_LABEL: label_value(spec.id),
@@ -111,8 +119,11 @@ def notebook(spec: ReplicaSpec, cls: ComputeClass, ctx: Context, token: str | No
     token = token or secrets.token_urlsafe(24)
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(spec, cls, ctx, name), "type": "Opaque",
               "stringData": {"token": token}}
-    pvc: dict[str, Any] = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                           "metadata": _meta(spec, cls, ctx, f"{name}-home"),
+    claim = home_claim_name(spec.workload_id)
+    claim_meta = _meta(spec, cls, ctx, claim)
+    for outlived in (REPLICA_LABEL, CLASS_LABEL):  # the claim outlives this replica and its class
+        del claim_meta["labels"][outlived]
+    pvc: dict[str, Any] = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": claim_meta,
                            "spec": {"accessModes": ["ReadWriteOnce"],
                                     "resources": {"requests": {"storage": ctx.home_size}}}}
     if ctx.storage_class:
@@ -133,7 +144,7 @@ def notebook(spec: ReplicaSpec, cls: ComputeClass, ctx: Context, token: str | No
             "readinessProbe": {"httpGet": {"path": "/api/status", "port": "http"}, "periodSeconds": 5},
             "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
             "volumeMounts": [{"name": "home", "mountPath": "/home/jovyan"}]}],
-        "volumes": [{"name": "home", "persistentVolumeClaim": {"claimName": f"{name}-home"}}]}
+        "volumes": [{"name": "home", "persistentVolumeClaim": {"claimName": claim}}]}
     if ctx.untrusted:
         pod_spec["runtimeClassName"] = "kata"
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(spec, cls, ctx, name), "spec": pod_spec}
@@ -196,10 +207,11 @@ SPEC_OWNED = {"InferenceService", "VirtualMachine", "Ingress"}
 """Kinds whose whole spec is Tensora's to keep as rendered (mutable, and nobody else's to change)."""
 
 
-def ours(obj: dict[str, Any], replica_label: str) -> bool:
-    """Whether ``obj`` is one Tensora made for the replica labelled ``replica_label``."""
+def ours(obj: dict[str, Any], value: str, label: str = REPLICA_LABEL) -> bool:
+    """Whether ``obj`` is one Tensora made for the replica (or, with ``label=WORKLOAD_LABEL``, the
+    workload) labelled ``value``."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
-    return labels.get("app.kubernetes.io/managed-by") == "tensora" and labels.get(REPLICA_LABEL) == replica_label
+    return labels.get("app.kubernetes.io/managed-by") == "tensora" and labels.get(label) == value
 
 
 def reconciled(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any] | None:
@@ -209,13 +221,15 @@ def reconciled(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, An
     touched: a Secret's data (the notebook's token, which the owner already has), a claim's spec
     (immutable, and the home dir), a Pod's spec (immutable: a pod that must change is made anew).
     The result carries ``current``'s resourceVersion, so a write in between is a 409 Conflict.
-    Raises NotOurs when ``current`` is not Tensora's object for the same replica."""
+    Raises NotOurs when ``current`` is not Tensora's object for the same replica (for the home
+    claim, which has no replica label: the same workload)."""
     meta, want = current.get("metadata") or {}, desired["metadata"]
     labels = meta.get("labels") or {}
-    if not ours(current, want["labels"][REPLICA_LABEL]):
+    whose = REPLICA_LABEL if REPLICA_LABEL in want["labels"] else WORKLOAD_LABEL
+    if not ours(current, want["labels"][whose], whose):
         raise NotOurs(f"a {desired['kind']} named {want['name']} already exists in namespace "
                       f"{meta.get('namespace') or want.get('namespace')} and Tensora did not make it for this "
-                      "replica; it was left alone")
+                      f"{'replica' if whose == REPLICA_LABEL else 'workload'}; it was left alone")
     out = copy.deepcopy(current)
     out.pop("status", None)
     out["metadata"]["labels"] = {**labels, **want["labels"]}

@@ -175,6 +175,33 @@ def test_an_unknown_workload_is_a_404_page(browser: Any, server: tuple[str, str,
     page.context.close()
 
 
+def test_delete_asks_first_and_says_a_notebooks_files_go(browser: Any, server: tuple[str, str, Path]) -> None:
+    url, key, _ = server
+    with Client(key, url) as sdk:
+        nb = sdk.create_workload("notebook", "scratch", "cpu-1c-4g")
+        page = sign_in(browser, url, key)
+        page.goto(f"{url}/workloads/{nb.id}")
+        asked: list[str] = []
+        answers = iter([False, True])  # cancel the first time, confirm the second
+
+        def answer(dialog: Any) -> None:
+            asked.append(dialog.message)
+            if next(answers):
+                dialog.accept()
+            else:
+                dialog.dismiss()
+
+        page.on("dialog", answer)
+        page.get_by_role("button", name="Delete").click()
+        page.wait_for_timeout(500)  # a cancelled submit navigates nowhere
+        assert page.url.endswith(f"/workloads/{nb.id}") and sdk.get_workload(nb.id).name == "scratch"
+        page.get_by_role("button", name="Delete").click()
+        expect(page.get_by_role("heading", name="Workloads")).to_be_visible(timeout=WAIT_MS)
+        assert asked == ["Delete scratch? Its files go with it."] * 2
+        assert nb.id not in {w.id for w in sdk.iter_workloads()}
+    page.context.close()
+
+
 def test_pages_read_without_javascript(browser: Any, server: tuple[str, str, Path]) -> None:
     url, key, _ = server
     page = sign_in(browser, url, key, java_script_enabled=False)

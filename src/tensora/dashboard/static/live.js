@@ -1,6 +1,7 @@
 // The dashboard's only script, and it is optional: pages read fine without it.
 // 1. [data-live="URL"]: the element's content is refreshed from URL every two seconds.
-// 2. The create form: the CPU warning shows as soon as any chosen class is a CPU one, and only
+// 2. form[data-confirm="TEXT"]: submitted only once TEXT is confirmed (Delete: a notebook's files go).
+// 3. The create form: the CPU warning shows as soon as any chosen class is a CPU one, and only
 //    the fieldsets of the chosen kind show.
 "use strict";
 (function () {
@@ -19,6 +20,10 @@
       } catch (e) { /* the server is away for a moment: try again next time */ }
       finally { busy = false; }
     }, 2000);
+  }
+
+  for (const f of document.querySelectorAll("form[data-confirm]")) {
+    f.addEventListener("submit", function (ev) { if (!window.confirm(f.dataset.confirm)) ev.preventDefault(); });
   }
 
   const form = document.getElementById("create");

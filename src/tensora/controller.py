@@ -93,6 +93,7 @@ class Controller:
         self._cycles = 0
         self.release_every = release_every  # cycles between looks for deleted workloads' storage to give back
         self._released: list[str] = []  # given back by the driver, recorded in the next cycle's write
+        self._untrusted: set[str] | None = None  # owners marked untrusted, read once a cycle when needed
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -140,6 +141,7 @@ class Controller:
         """One cycle. Each numbered step is named for what it does."""
         now = self.clock.now()
         report = CycleReport(leader=False)
+        self._untrusted = None  # read again this cycle, if anything starts
         # 1. lead: take or renew the region's lease, or do nothing this cycle
         if not self._lead(now):
             return report
@@ -181,7 +183,7 @@ class Controller:
                     repo.expire_idempotency(conn, now)
                 repo.mark_released(conn, self._released, now)
                 self._released = []
-                if self._cycles % self.release_every == 1 % self.release_every:
+                if (self._cycles - 1) % self.release_every == 0:
                     effects.release = repo.unreleased(conn, self.region)
         except LostLease:
             return CycleReport(leader=False)
@@ -440,11 +442,11 @@ class Controller:
         repo.open_segment(conn, row, w, now)
         return row
 
-    @staticmethod
-    def _replica_spec(conn: Any, w: dict[str, Any], r: dict[str, Any]) -> ReplicaSpec:
-        owner = repo.get_owner(conn, w["owner"])  # read at each start: a flag set since applies to new replicas
+    def _replica_spec(self, conn: Any, w: dict[str, Any], r: dict[str, Any]) -> ReplicaSpec:
+        if self._untrusted is None:  # one read a cycle, not one a start: a flag set since applies to new replicas
+            self._untrusted = repo.untrusted_owners(conn)
         return ReplicaSpec(r["id"], w["id"], WorkloadKind(w["kind"]), r["cls"], r["node"], w["model"],
-                           (w.get("spec") or {}).get("image"), w["owner"], bool(owner and owner["untrusted"]))
+                           (w.get("spec") or {}).get("image"), w["owner"], w["owner"] in self._untrusted)
 
     def _apply_effects(self, fx: _Effects, report: CycleReport) -> None:
         """Driver calls, after the intents committed. A failure here is redone next cycle."""

@@ -303,6 +303,10 @@ def get_owner(conn: Connection, owner: str) -> dict[str, Any] | None:
     return dict(row) if row else None
 
 
+def untrusted_owners(conn: Connection) -> set[str]:
+    return set(conn.execute(select(O.c.owner).where(O.c.untrusted.is_(True))).scalars())
+
+
 def list_owners(conn: Connection) -> list[dict[str, Any]]:
     """The owners the operator has said something of, by name."""
     return [dict(r) for r in conn.execute(select(O).order_by(O.c.owner)).mappings()]

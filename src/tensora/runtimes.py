@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 import venv
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,26 +104,58 @@ def clean_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}
 
 
-def install(root: Path, name: str, extra_pip_args: Sequence[str] = (), log: object = None) -> Path:
-    """Create the runtime's virtual env and install its packages; idempotent (a finished one is kept)."""
+def lock_file(name: str) -> Path:
+    """The runtime's constraints: every package of its environment pinned (``scripts/lock`` re-resolves them)."""
+    return Path(__file__).parent / "runtime_locks" / f"{name}.txt"
+
+
+def install(root: Path, name: str, extra_pip_args: Sequence[str] = (), log: object = None,
+            progress: Callable[[str], None] | None = None) -> Path:
+    """Create the runtime's virtual env and install its pinned packages; idempotent (a finished one is kept).
+
+    ``progress`` is told each step (the environment, each package pip collects, the install) as it happens:
+    an install takes minutes, and a silent minute reads as a hang.
+    """
     if name not in REGISTRY:
         raise RuntimeNotAvailable(f"unknown runtime {name!r}; known: {', '.join(sorted(REGISTRY))}")
     runtime = REGISTRY[name]
     d = env_dir(root, name)
     if installed(root, name):
         return d
+    tell = progress or (lambda _line: None)
     d.mkdir(parents=True, exist_ok=True)
+    tell(f"creating the environment {d / 'venv'}")
     venv.EnvBuilder(with_pip=True, clear=True).create(d / "venv")
     python = str(d / "venv" / "bin" / "python")
     started = time.time()
-    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *extra_pip_args, *runtime.packages]
-    done = subprocess.run(pip, stdout=sys.stderr if log is None else log, stderr=subprocess.STDOUT,  # type: ignore[arg-type]
-                          env=clean_env(dict(os.environ)))
-    if done.returncode != 0:
-        raise RuntimeNotAvailable(f"{name}: pip install {' '.join(runtime.packages)} failed (exit {done.returncode})")
+    lock = lock_file(name)
+    pinned = [ln for ln in lock.read_text().splitlines() if ln and not ln.startswith("#")] if lock.is_file() else []
+    constraints = ["-c", str(lock)] if pinned else []
+    tell(f"installing {' '.join(runtime.packages)} ({len(pinned)} pinned packages)" if pinned
+         else f"installing {' '.join(runtime.packages)}")
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+           *constraints, *extra_pip_args, *runtime.packages]
+    proc = subprocess.Popen(pip, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=clean_env(dict(os.environ)))
+    assert proc.stdout is not None
+    collected, tail = 0, deque[str](maxlen=40)
+    for line in proc.stdout:
+        tail.append(line)
+        if log is not None:
+            log.write(line)  # type: ignore[attr-defined]
+        if line.startswith("Collecting "):
+            collected += 1
+            tell(f"[{collected}/{len(pinned)}] {line.split()[1]}" if pinned else f"[{collected}] {line.split()[1]}")
+        elif line.startswith("Installing collected packages"):
+            tell(f"unpacking {collected} packages into the environment")
+    if proc.wait() != 0:
+        if log is None:
+            sys.stderr.writelines(tail)
+        raise RuntimeNotAvailable(f"{name}: pip install {' '.join(runtime.packages)} failed (exit {proc.returncode})")
     if runtime.remove_after_install:
         subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *runtime.remove_after_install],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(dict(os.environ)))
     (d / "installed.json").write_text(json.dumps({"name": name, "packages": list(runtime.packages),
+                                                  "constraints": lock.name if pinned else None,
                                                   "seconds": round(time.time() - started, 1)}) + "\n")
     return d

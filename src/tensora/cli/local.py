@@ -253,8 +253,11 @@ def runtime_install(name: Annotated[str, typer.Argument(help="e.g. tensora-trans
     from tensora import runtimes
 
     root = _runtimes_root(runtimes_dir, data_dir)
+    if name in runtimes.REGISTRY and not runtimes.installed(root, name):
+        out.print(f"installing {name} (its own environment; a few minutes)", highlight=False, soft_wrap=True)
     try:
-        where = runtimes.install(root, name)
+        where = runtimes.install(root, name, progress=lambda step: out.print(f"  {step}", highlight=False,
+                                                                             soft_wrap=True))
     except runtimes.RuntimeNotAvailable as exc:
         raise _fail(exc, code=1 if name in runtimes.REGISTRY else 2) from None
     out.print(f"{name} installed in {where}", highlight=False, soft_wrap=True)

@@ -63,7 +63,7 @@ CASES = {
     "cpu picks a smaller class when the matching one has no room": Case(
         [w("a", fallback=("cpu",))], [gpu_node("g1", cpu=8, mem_gi=64), cpu_node("c1", cpu=4, mem_gi=16)],
         {"a": "cpu-4c-16g"},
-        placed=FULL_L40S),
+        placed=FULL_L40S, reasons={"a": "also tried cpu-8c-32g (4 vCPU free, 8 needed) and 2 larger CPU classes"}),
     "endpoint over the CPU limit skips cpu and says why": Case(
         [ep("a", fallback=("cpu",), params=70e9)], [gpu_node("g1"), cpu_node("c1", mem_gi=1024)], {"a": "wait"},
         placed=FULL_L40S, reasons={"a": "model too large: 70.0B params > 8.5B CPU limit"}),
@@ -190,3 +190,65 @@ def test_starving_head_gets_in_once_capacity_frees() -> None:
     # Without the hold (head not yet starving), the small one would have taken c1 in cycle 1.
     unheld = decide(queue, cap(nodes, [Placed("c1", "cpu-4c-16g")]), [], 100)
     assert [type(x).__name__ for x in unheld] == ["Wait", "Place"]
+
+
+@dataclass
+class ReasonCase:
+    queue: list[Queued]
+    nodes: list[Node]
+    now: float
+    want: str  # the whole sentence of workload "a"
+    placed: list[Placed] = field(default_factory=lambda: list(FULL_L40S))
+    policy: Policy = field(default_factory=Policy)
+
+
+SOLD_OUT = gpu_node("g1", cpu=8, mem_gi=64)  # one L40S and just the host share it needs, taken by FULL_L40S
+
+REASONS = {
+    "fallback_after 0, placed a moment after submission -> says the policy, not 1s": ReasonCase(
+        [w("a", fallback=("cpu",))], [SOLD_OUT, cpu_node("c1")], now=0.6,
+        want="placed on cpu-16c-64g: l40s-48gb unavailable (fallback after 0s)"),
+    "fallback_after 0, the cycle came 1.4s later -> still the policy": ReasonCase(
+        [w("a", fallback=("cpu",))], [SOLD_OUT, cpu_node("c1")], now=1.4,
+        want="placed on cpu-16c-64g: l40s-48gb unavailable (fallback after 0s)"),
+    "fallback_after 10m, placed as the timer runs out -> the ADR's sentence": ReasonCase(
+        [w("a", fallback=("cpu",), after=600)], [SOLD_OUT, cpu_node("c1")], now=600,
+        want="placed on cpu-16c-64g: l40s-48gb unavailable for 10m"),
+    "fallback_after 10m, the timer noticed a tick late -> still 10m": ReasonCase(
+        [w("a", fallback=("cpu",), after=600)], [SOLD_OUT, cpu_node("c1")], now=602.7,
+        want="placed on cpu-16c-64g: l40s-48gb unavailable for 10m"),
+    "fallback classes were full too -> the real wait, rounded down": ReasonCase(
+        [w("a", fallback=("cpu",), after=600)], [SOLD_OUT, cpu_node("c1")], now=2460.9,
+        want="placed on cpu-16c-64g: l40s-48gb unavailable for 41m"),
+    "slack from the policy: beyond it the real wait shows": ReasonCase(
+        [w("a", fallback=("cpu",), after=600)], [SOLD_OUT, cpu_node("c1")], now=602.7,
+        policy=Policy(timer_slack_s=1), want="placed on cpu-16c-64g: l40s-48gb unavailable for 10m2s"),
+    "the user's report: the CPU class tried is named, not the word cpu": ReasonCase(
+        [w("a", fallback=("cpu",))], [SOLD_OUT, cpu_node("c1", cpu=1, mem_gi=4)], now=0.6,
+        want="placed on cpu-1c-4g: l40s-48gb unavailable (fallback after 0s); "
+             "also tried cpu-2c-8g (1 vCPU free, 2 needed) and 4 larger CPU classes"),
+    "one CPU class full before the fit -> named alone": ReasonCase(
+        [w("a", "cpu-32c-128g", fallback=("cpu",))], [cpu_node("c1", cpu=12, mem_gi=64)], now=0, placed=[],
+        want="placed on cpu-8c-32g: cpu-32c-128g unavailable (fallback after 0s); "
+             "also tried cpu-16c-64g (12 vCPU free, 16 needed)"),
+    "free vCPUs split over nodes -> the nearest miss says no single node has room": ReasonCase(
+        [w("a", fallback=("cpu",))], [SOLD_OUT, cpu_node("c1", cpu=1, mem_gi=4), cpu_node("c2", cpu=1, mem_gi=4)],
+        now=0, want="placed on cpu-1c-4g: l40s-48gb unavailable (fallback after 0s); also tried cpu-2c-8g "
+                    "(no single node has room; 2 vCPU free, 2 needed) and 4 larger CPU classes"),
+    "a GPU class and CPU classes tried, in list order": ReasonCase(
+        [w("a", fallback=("a100-80gb", "cpu"), after=600)], [SOLD_OUT, cpu_node("c1", cpu=1, mem_gi=4)], now=600,
+        want="placed on cpu-1c-4g: l40s-48gb unavailable for 10m; also tried a100-80gb (0 GPU free, 1 needed), "
+             "cpu-2c-8g (1 vCPU free, 2 needed) and 4 larger CPU classes"),
+    "nothing fits -> the wait names the nearest CPU class too": ReasonCase(
+        [w("a", fallback=("cpu",))], [SOLD_OUT], now=0,
+        want="waiting for l40s-48gb (0 GPU free, 1 needed); fallback tried: cpu-1c-4g (0 vCPU free, 1 needed) "
+             "and 5 larger CPU classes"),
+    "requested class free -> just where": ReasonCase(
+        [w("a", fallback=("cpu",))], [SOLD_OUT], now=0, placed=[], want="placed on l40s-48gb"),
+}
+
+
+@pytest.mark.parametrize("case", REASONS.values(), ids=REASONS.keys())
+def test_reason(case: ReasonCase) -> None:
+    [d] = decide(case.queue, cap(case.nodes, case.placed), [], case.now, case.policy)
+    assert d.reason == case.want

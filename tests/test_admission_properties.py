@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from builders import CATALOG, GI
 from tensora.admission import Place, Promote, Queued, Wait, WorkloadKind, decide
 from tensora.capacity import Capacity, Node
+from tensora.units import parse_duration
 
 CLASSES = ["l40s-48gb", "a100-80gb", "cpu-4c-16g", "cpu-16c-64g", "cpu-32c-128g"]
 ENTRIES = ["a100-80gb", "l40s-48gb", "cpu", "cpu-4c-16g"]
@@ -93,3 +95,22 @@ def test_deterministic_whatever_the_input_order(nodes: list[Node], queue: list[Q
     random.Random(seed).shuffle(shuffled_n)
     second = decide(shuffled_q, Capacity(shuffled_n, [], CATALOG), [], now)
     assert first == second
+
+
+ROOM = re.compile(r"([\w.-]+) \((?:no single node has room; )?[\d.]+ (?:GPU|vCPU) free, [\d.]+ needed\)")
+UNAVAILABLE = re.compile(r"unavailable (?:for ([0-9dhms]+)|\(fallback after 0s\))")
+
+
+@settings(max_examples=150, deadline=None)
+@given(nodes=nodes_st, queue=queue_st(), now=st.integers(0, 2000))
+def test_reasons_read_right(nodes: list[Node], queue: list[Queued], now: int) -> None:
+    """Every "N free, M needed" names a concrete class (never the word cpu), and a fallback
+    placement states a wait no shorter than its policy and no longer than what passed."""
+    for d in decide(queue, Capacity(nodes, [], CATALOG), [], now):
+        for cls in ROOM.findall(d.reason):
+            assert cls in CATALOG, d.reason
+        if isinstance(d, Place) and d.fallback:
+            match = UNAVAILABLE.search(d.reason)
+            assert match, d.reason
+            stated = parse_duration(match.group(1)) if match.group(1) else 0.0
+            assert d.workload.fallback_after_s <= stated <= now - d.workload.queued_since, d.reason

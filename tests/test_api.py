@@ -185,11 +185,14 @@ def test_a_created_workload_shows_its_policy_and_where_it_will_run(api: Api) -> 
     assert nb["access"] == {"url": None, "node": None} and nb.get("replicas") is None
     vm = created(alice, kind="vm", name="box", gpu_class="a100-80gb", fallback=["cpu-8c-32g"],
                  image="/images/debian.qcow2")
-    assert "10-50x slower" in vm["warning"]  # a concrete CPU class counts as CPU too
+    assert vm["warning"] == ("CPU fallback is enabled: GPU drivers in the guest find no device while on CPU; "
+                             "restart it on GPU to get one (the dashboard offers it when one frees)")  # a class too
     assert vm["fallback_after_s"] == 0.0 and vm["access"] == {"url": None, "node": None}
     assert alice.get(f"/v1/workloads/{vm['id']}").json()["image"] == vm["image"] == "/images/debian.qcow2"
     plain = created(alice, kind="notebook", name="plain", gpu_class="cpu-1c-4g")
     assert plain["fallback"] == [] and plain.get("warning") is None
+    on_cpu = created(alice, kind="notebook", name="on-cpu", gpu_class="cpu-2c-8g", fallback=["cpu-1c-4g"])
+    assert on_cpu.get("warning") is None  # asked for CPU: nothing a GPU would have given is lost
 
 
 def test_workloads_placed_on_a_fallback_say_so_in_conditions_reason_and_events(api: Api) -> None:
@@ -254,6 +257,29 @@ def test_an_endpoint_runs_the_replicas_it_asked_for_and_lists_them(api: Api) -> 
     assert alice.get("/v1/usage").json()["total_seconds"] == pytest.approx(200)  # two replicas, 100 s each
 
 
+ON_CPU = {  # kind -> what running on CPU instead of an L40S means for it (ADR-0010's table)
+    "notebook": "JupyterLab runs without a GPU while on CPU; restart on GPU when one frees (the dashboard offers it)",
+    "vm": "GPU drivers in the guest find no device while on CPU; restart it on GPU to get one "
+          "(the dashboard offers it when one frees)",
+    "endpoint": "CPU serving is roughly 10-50x slower than a GPU; it moves back to a GPU by itself when one frees",
+}
+
+
+@pytest.mark.parametrize("kind", ON_CPU, ids=[f"{k} on CPU says what it means for a {k}" for k in ON_CPU])
+def test_each_kind_on_cpu_says_what_cpu_means_for_it(api: Api, kind: str) -> None:
+    occupy(api, "l40s-48gb")
+    alice = api.as_(api.stack.alice)
+    extra = {"model": str(tiny_model(api.tmp)[0])} if kind == "endpoint" else {}
+    w = created(alice, kind=kind, name="w", gpu_class="l40s-48gb", fallback=["cpu"], fallback_after=0, **extra)
+    assert w["warning"] == f"CPU fallback is enabled: {ON_CPU[kind]}"
+    api.cycle()
+    w = settle(api, alice, w["id"], "running")
+    assert w["reason"] == "placed on cpu-16c-64g: l40s-48gb unavailable (fallback after 0s)"
+    assert w["conditions"] == [{"type": "degraded", "reason": "cpu_fallback",
+                                "message": f"placed on cpu-16c-64g instead of l40s-48gb: {ON_CPU[kind]}"}]
+    assert ("10-50x" in w["conditions"][0]["message"]) is (kind == "endpoint")
+
+
 def test_list_filters_by_kind_and_state_and_pages_with_a_cursor_in_creation_order(api: Api) -> None:
     alice = api.as_(api.stack.alice)
     model, _ = tiny_model(api.tmp)
@@ -303,21 +329,24 @@ def test_stop_then_restart_and_stop_is_safe_to_repeat(api: Api) -> None:
     w = settle(api, alice, nb["id"], "running")
     assert w["access"]["node"] == "cpu-1"  # the simulated fleet gives no URL
 
+    assert w["reason"] == "placed on cpu-2c-8g"
     r = alice.post(f"/v1/workloads/{nb['id']}/stop")
-    assert r.status_code == 200 and r.json()["state"] == "stopping"
+    assert r.status_code == 200 and (r.json()["state"], r.json()["reason"]) == ("stopping", "stopped by its owner")
     restart = alice.post(f"/v1/workloads/{nb['id']}/restart")
     assert_error(restart, 409)
     assert restart.headers["Retry-After"].isdigit()
     w = settle(api, alice, nb["id"], "stopped")
     assert w["access"] == {"url": None, "node": None}
+    assert w["reason"] == "stopped by its owner"  # not "placed on ..." any more
     again = alice.post(f"/v1/workloads/{nb['id']}/stop")
-    assert again.status_code == 200 and again.json()["state"] == "stopped"
+    assert again.status_code == 200 and (again.json()["state"], again.json()["reason"]) == ("stopped",
+                                                                                              "stopped by its owner")
 
     r = alice.post(f"/v1/workloads/{nb['id']}/restart")  # no body: the placement policy
     assert r.status_code == 200, r.text
     assert (r.json()["state"], r.json()["placement"]) == ("queued", "policy")
     w = settle(api, alice, nb["id"], "running")
-    assert w["placed_class"] == "cpu-2c-8g"
+    assert (w["placed_class"], w["reason"]) == ("cpu-2c-8g", "placed on cpu-2c-8g")  # the placement is back
     reasons = [e["reason"] for e in alice.get(f"/v1/workloads/{nb['id']}/events").json()["data"]]
     assert any("stop requested" in x for x in reasons)
     assert any("restart requested" in x for x in reasons)
@@ -337,7 +366,7 @@ def test_restart_on_gpu_is_offered_when_the_class_frees_and_takes_the_requested_
 
     admin = api.as_(api.stack.admin)
     assert admin.post(f"/v1/workloads/{holder}/stop").status_code == 200
-    settle(api, admin, holder, "stopped")
+    assert settle(api, admin, holder, "stopped")["reason"] == "stopped by an admin"  # carol's, stopped by admin
     api.cycle()
     w = alice.get(f"/v1/workloads/{nb['id']}").json()
     assert w["restart_available"] is True and "l40s-48gb" in w["restart_reason"]

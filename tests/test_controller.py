@@ -4,6 +4,7 @@ the ADR's example and its event sentences, move back, restart on GPU, failover a
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -216,6 +217,77 @@ def test_notebook_on_cpu_is_offered_restart_on_gpu_and_never_moves_by_itself(db:
     assert (w["state"], w["placed_class"], w["restart_available"]) == ("running", "l40s-48gb", False)
     assert [r["cls"] for r in replicas(db, nb)] == ["l40s-48gb"]
     assert [s["placed_class"] for s in segments(db) if s["workload_id"] == nb] == ["cpu-16c-64g", "l40s-48gb"]
+
+
+@dataclass
+class Sentence:
+    body: dict[str, Any]
+    late_s: float  # how long after the fallback timer the cycle runs
+    want: str
+    tick_s: float = 2.0
+    hold: list[str] = field(default_factory=lambda: ["l40s-48gb"])
+
+
+SENTENCES = {
+    "fallback_after 0, the cycle 0.6s after submission -> says the policy (was: 'for 1s')": Sentence(
+        {"fallback": ["cpu"], "fallback_after": 0}, 0.6,
+        "placed on cpu-16c-64g: l40s-48gb unavailable (fallback after 0s)"),
+    "fallback_after 10m, the timer noticed a tick late -> the ADR's 'for 10m'": Sentence(
+        {"fallback": ["cpu"], "fallback_after": "10m"}, 1.9,
+        "placed on cpu-16c-64g: l40s-48gb unavailable for 10m"),
+    "a slow tick widens the slack: 25s late on a 30s tick is still 10m": Sentence(
+        {"fallback": ["cpu"], "fallback_after": "10m"}, 25, "placed on cpu-16c-64g: l40s-48gb unavailable for 10m",
+        tick_s=30),
+    "the GPU class tried before CPU is named": Sentence(
+        {"fallback": ["a100-80gb", "cpu"], "fallback_after": "90s"}, 0.3,
+        "placed on cpu-16c-64g: l40s-48gb unavailable for 1m30s; also tried a100-80gb (0 GPU free, 1 needed)",
+        hold=["l40s-48gb", "a100-80gb"]),
+}
+
+
+@pytest.mark.parametrize("case", SENTENCES.values(), ids=SENTENCES.keys())
+def test_the_placement_sentence_states_the_policy_not_the_loops_latency(db: Database, case: Sentence) -> None:
+    clock = FakeClock(T0)
+    c = Controller(db, SimulatedDriver(fleet(), clock), CATALOG, clock=clock, holder="a", tick_s=case.tick_s)
+    for i, cls in enumerate(case.hold):
+        submit(db, clock, owner="carol", kind="notebook", name=f"holds-{i}", gpu_class=cls)
+    c.run_once()
+    nb = submit(db, clock, kind="notebook", name="nb", gpu_class="l40s-48gb", **case.body)
+    clock.advance(get(db, nb)["fallback_after_s"] + case.late_s)
+    c.run_once()
+    w = get(db, nb)
+    assert (w["state"], w["reason"]) == ("starting", case.want)
+    assert events(db, nb)[-1] == case.want  # the event says the same sentence
+
+
+def test_a_stopped_workload_says_it_stopped_and_a_restart_brings_the_placement_back(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, _ = make(db, clock)
+    submit(db, clock, owner="carol", kind="notebook", name="holds", gpu_class="l40s-48gb")
+    c.run_once()
+    nb = submit(db, clock, kind="notebook", name="nb", gpu_class="l40s-48gb", fallback=["cpu"], fallback_after=0)
+    c.run_once()
+    c.run_once()
+    placed = "placed on cpu-16c-64g: l40s-48gb unavailable (fallback after 0s)"
+    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("running", placed)
+
+    with db.write() as conn:
+        workloads.stop(conn, get(db, nb), clock.now())
+    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("stopping", "stopped by its owner")
+    c.run_once()
+    c.run_once()
+    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("stopped", "stopped by its owner")
+    assert view(db, nb)["conditions"] == []  # not degraded while stopped
+
+    clock.advance(60)
+    with db.write() as conn:
+        workloads.restart(conn, get(db, nb), clock.now(), "policy")
+    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("queued", "queued for l40s-48gb")
+    c.run_once()
+    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("starting", placed)
+    assert [e for e in events(db, nb) if e.startswith(("stopping", "stopped", "queued:", "placed"))] == [
+        placed, "stopping: stop requested by its owner", "stopped: all replicas stopped",
+        "queued: restart requested with its placement policy", placed]
 
 
 def test_failed_replica_fails_a_notebook_and_requeues_an_endpoint(db: Database) -> None:

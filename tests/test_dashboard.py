@@ -108,7 +108,7 @@ def test_the_fallback_story(browser: Any, server: tuple[str, str, Path]) -> None
         page.get_by_role("button", name="Create").click()
         expect(page.locator("#state")).to_have_text("running", timeout=WAIT_MS)  # live: no reload
         expect(page.locator(".badge-cpu_fallback").first).to_have_text("CPU fallback")
-        expect(page.locator("#reason")).to_contain_text("h100-80gb unavailable for 0s")
+        expect(page.locator("#reason")).to_contain_text("h100-80gb unavailable (fallback after 0s)")
         expect(page.locator("#placed")).to_contain_text("cpu-")
         expect(page.get_by_text("Gateway")).to_be_visible()
         shot(page, "endpoint-on-cpu")

@@ -28,6 +28,7 @@ first (``queued_since``), then id. Without it, plain FIFO by ``queued_since``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -112,13 +113,19 @@ class Attempt:
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """Knobs of admission. ``cpu_param_limit``: endpoints above it never go on CPU."""
+    """Knobs of admission. ``cpu_param_limit``: endpoints above it never go on CPU.
+
+    ``timer_slack_s``: how late a cycle may notice a fallback timer (a tick and the cycle
+    itself). A fallback placement within it of the timer says the policy's wait
+    (``unavailable for 10m``), not the policy plus the seconds the loop took to look.
+    """
 
     cpu_param_limit: float = 8.5e9
     cpu_memory_factor: float = 1.2
     cpu_memory_overhead: int = 2 * GIB
     starvation_after_s: float = 300.0
     owner_fairness: bool = True
+    timer_slack_s: float = 5.0
 
     def cpu_memory_needed(self, model_bytes: int | None) -> int:
         """Host memory an endpoint's model needs on a CPU class (weights, KV cache, runtime)."""
@@ -129,13 +136,14 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class Place:
-    """Start ``workload`` on ``cls`` at ``node``."""
+    """Start ``workload`` on ``cls`` at ``node``. ``slack_s``: the policy's ``timer_slack_s``."""
 
     workload: Queued
     cls: str
     node: str
     attempts: tuple[Attempt, ...]
     now: float
+    slack_s: float = 0.0
 
     @property
     def fallback(self) -> bool:
@@ -254,7 +262,8 @@ def decide(
             waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
         else:
             cls, node = result
-            placed[w.id] = Place(w, cls.name, cap.nodes[node].name, tuple(state.attempts), now)
+            placed[w.id] = Place(w, cls.name, cap.nodes[node].name, tuple(state.attempts), now,
+                                 policy.timer_slack_s)
 
     decisions: list[Decision] = []
     for w in ordered:
@@ -417,12 +426,24 @@ def render_place(p: Place) -> str:
     """``placed on cpu-32c-128g: l40s-48gb unavailable for 10m`` (or just ``placed on X``)."""
     if not p.fallback:
         return f"placed on {p.cls}"
-    waited = format_duration(p.now - p.workload.queued_since)
     tried = _failures(p.attempts[1:])
-    text = f"placed on {p.cls}: {p.workload.gpu_class} unavailable for {waited}"
+    text = f"placed on {p.cls}: {p.workload.gpu_class} {render_unavailable(p)}"
     if tried:
         text += "; also tried " + ", ".join(tried)
     return text
+
+
+def render_unavailable(p: Place) -> str:
+    """How long the requested class was unavailable before ``p`` fell back.
+
+    Placed as its timer ran out (within ``slack_s``): the policy's wait, ``unavailable for 10m``,
+    or ``unavailable (fallback after 0s)`` for a policy of 0. Later (its fallback classes were
+    full too): the real wait, rounded down, never up, so it never claims more than passed.
+    """
+    after = p.workload.fallback_after_s
+    waited = p.now - p.workload.queued_since
+    shown = format_duration(after) if waited <= after + p.slack_s else format_duration(math.floor(waited))
+    return "unavailable (fallback after 0s)" if shown == "0s" else f"unavailable for {shown}"
 
 
 def render_wait(wt: Wait) -> str:
@@ -444,7 +465,8 @@ def render_wait(wt: Wait) -> str:
 
 
 def _failures(attempts: Sequence[Attempt]) -> list[str]:
-    """One phrase per failed attempt; CPU classes tried for the word ``cpu`` with no room are one phrase."""
+    """One phrase per failed attempt. The CPU classes tried for the word ``cpu`` that had no room
+    are one phrase, naming the smallest of them (the nearest miss) and counting the others."""
     out: list[str] = []
     cpu_full = [a for a in attempts if a.entry == CPU_WORD and a.outcome is Outcome.NO_CAPACITY]
     for a in attempts:
@@ -452,11 +474,20 @@ def _failures(attempts: Sequence[Attempt]) -> list[str]:
             continue
         if a in cpu_full:
             if a is cpu_full[0]:
-                smallest = min(x.need for x in cpu_full)
-                out.append(f"cpu ({a.free:g} vCPU free, {smallest:g} needed)")
+                out.append(_cpu_full(cpu_full))
             continue
         out.append(_failure(a))
     return out
+
+
+def _cpu_full(full: Sequence[Attempt]) -> str:
+    """``cpu-2c-8g (1 vCPU free, 2 needed)``, then ``and 4 larger CPU classes`` if more were full."""
+    smallest = min(full, key=lambda a: a.need)
+    others = [a for a in full if a is not smallest]
+    if not others:
+        return _failure(smallest)
+    size = "larger" if all(a.need > smallest.need for a in others) else "other"
+    return f"{_failure(smallest)} and {len(others)} {size} CPU class{'es' if len(others) > 1 else ''}"
 
 
 def render_promote(p: Promote) -> str:

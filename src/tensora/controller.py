@@ -78,7 +78,8 @@ class Controller:
                  reserves: dict[str, GpuReserve] | None = None, release_every: int = 15) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
         self.clock = clock or SystemClock()
-        self.policy = policy or Policy()
+        # a fallback timer is noticed up to a tick (and a cycle) late: the reason says the policy's wait
+        self.policy = policy or Policy(timer_slack_s=max(Policy().timer_slack_s, 2 * tick_s))
         self.holder = holder or f"controller-{uuid.uuid4().hex[:12]}"
         self.lease_name = f"controller/{region}"
         self.lease_ttl_s, self.tick_s, self.min_gap_s = lease_ttl_s, tick_s, min_gap_s

@@ -6,6 +6,7 @@ the rest. Nothing here talks to a driver.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from tensora.admission import WorkloadKind
@@ -15,8 +16,27 @@ from tensora.spec import WorkloadSpec, check_against
 from tensora.store import repo
 from tensora.validator import read_model
 
+ON_CPU: dict[WorkloadKind, str] = {
+    WorkloadKind.NOTEBOOK: "JupyterLab runs without a GPU while on CPU; restart on GPU when one frees "
+                           "(the dashboard offers it)",
+    WorkloadKind.VM: "GPU drivers in the guest find no device while on CPU; restart it on GPU to get one "
+                     "(the dashboard offers it when one frees)",
+    WorkloadKind.ENDPOINT: "CPU serving is roughly 10-50x slower than a GPU; it moves back to a GPU by itself "
+                           "when one frees",
+}
+"""What running on CPU instead of the GPU asked for means, per kind (ADR-0010's table): the
+degraded condition's message and the warning at create both say it."""
+
 CPU_WARNING = ("CPU fallback is enabled: CPU serving is roughly 10-50x slower than a GPU "
                "(notebooks and VMs get no GPU at all while on CPU)")
+"""The create form's warning, shown before the kind is settled; a workload's own is :func:`cpu_warning`."""
+
+
+class StoppedBy(StrEnum):
+    """Who stopped a workload; its reason names them until it is started again."""
+
+    OWNER = "its owner"
+    ADMIN = "an admin"
 
 
 class InvalidState(Exception):
@@ -50,6 +70,17 @@ def uses_cpu(spec_fallback: list[str], catalog: Catalog) -> bool:
     return any(e == CPU_WORD or (e in catalog and catalog[e].is_cpu) for e in spec_fallback)
 
 
+def _is_gpu(cls: str, catalog: Catalog) -> bool:
+    return cls in catalog and not catalog[cls].is_cpu
+
+
+def cpu_warning(kind: WorkloadKind, gpu_class: str, fallback: list[str], catalog: Catalog) -> str | None:
+    """The warning a workload carries while a GPU class is asked for and its fallback list holds CPU."""
+    if not (_is_gpu(gpu_class, catalog) and uses_cpu(fallback, catalog)):
+        return None
+    return f"CPU fallback is enabled: {ON_CPU[kind]}"
+
+
 def create(conn: Any, spec: WorkloadSpec, owner: str, now: float) -> dict[str, Any]:
     """Insert a queued workload and its first event; returns the row."""
     row: dict[str, Any] = {
@@ -71,20 +102,23 @@ def create(conn: Any, spec: WorkloadSpec, owner: str, now: float) -> dict[str, A
     return row
 
 
-def stop(conn: Any, w: dict[str, Any], now: float, why: str = "stop requested") -> dict[str, Any]:
-    if w["state"] in ("stopped", "failed"):
-        return w
-    if w["state"] == "stopping":
+def stop(conn: Any, w: dict[str, Any], now: float, by: StoppedBy = StoppedBy.OWNER, *,
+         deleting: bool = False) -> dict[str, Any]:
+    """Ask the workload's replicas to stop. Its reason reads ``stopped by its owner`` (while
+    ``stopping`` too: the state says how far it got) until a restart queues it again."""
+    if w["state"] in ("stopped", "failed", "stopping"):
         return w
     active = repo.replicas_of(conn, [w["id"]])
     target = "stopping" if active else "stopped"
-    if not repo.update_workload(conn, w["id"], {"state": target, "updated_at": now, "restart_available": False},
-                                expect_state=w["state"]):
+    reason = f"{'deleted' if deleting else 'stopped'} by {by}"
+    values = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
+    if not repo.update_workload(conn, w["id"], values, expect_state=w["state"]):
         raise InvalidState("the workload changed meanwhile; try again")
     for r in active:
         repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
-    repo.add_event(conn, w["id"], now, "transition", f"{target}: {why}", w["state"], target)
-    return {**w, "state": target, "restart_available": False}
+    asked = "deleted" if deleting else "stop requested"
+    repo.add_event(conn, w["id"], now, "transition", f"{target}: {asked} by {by}", w["state"], target)
+    return {**w, **values}
 
 
 def restart(conn: Any, w: dict[str, Any], now: float, placement: str) -> dict[str, Any]:
@@ -104,21 +138,23 @@ def restart(conn: Any, w: dict[str, Any], now: float, placement: str) -> dict[st
     return {**w, **values}
 
 
-def delete(conn: Any, w: dict[str, Any], now: float) -> None:
-    w = stop(conn, w, now, "deleted")
+def delete(conn: Any, w: dict[str, Any], now: float, by: StoppedBy = StoppedBy.OWNER) -> None:
+    w = stop(conn, w, now, by, deleting=True)
     repo.update_workload(conn, w["id"], {"deleted_at": now, "updated_at": now})
 
 
 def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) -> list[dict[str, Any]]:
-    """Visible conditions: ``degraded`` (cpu_fallback / class_fallback) and ``moving``."""
+    """Visible conditions: ``degraded`` (cpu_fallback / class_fallback) and ``moving``.
+
+    A ``cpu_fallback`` message says what CPU means for the kind (:data:`ON_CPU`)."""
     out = []
     placed = w["placed_class"]
     if placed and placed != w["gpu_class"] and w["state"] in ("starting", "running"):
-        # cpu_fallback: a GPU class asked for, a CPU class serving (the 10-50x case); else a class fallback
-        asked_gpu = w["gpu_class"] in catalog and not catalog[w["gpu_class"]].is_cpu
-        on_cpu = asked_gpu and placed in catalog and catalog[placed].is_cpu
-        message = (f"placed on {placed} instead of {w['gpu_class']}"
-                   + (": CPU serving is roughly 10-50x slower" if on_cpu else ""))
+        # cpu_fallback: a GPU class asked for, a CPU class placed; else a class fallback
+        on_cpu = _is_gpu(w["gpu_class"], catalog) and placed in catalog and catalog[placed].is_cpu
+        message = f"placed on {placed} instead of {w['gpu_class']}"
+        if on_cpu:
+            message += f": {ON_CPU[WorkloadKind(w['kind'])]}"
         out.append({"type": "degraded", "reason": "cpu_fallback" if on_cpu else "class_fallback",
                     "message": message})
     movers = [r for r in replicas if r["role"] == "candidate" and r["state"] in repo.ACTIVE_REPLICA]
@@ -140,8 +176,9 @@ def view(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) ->
         "restart_reason": w["restart_reason"] or None, "created_at": w["created_at"],
         "updated_at": w["updated_at"], "queued_since": w["queued_since"], "spec": spec.get("kind_spec") or {},
     }
-    if uses_cpu(w["fallback"], catalog):
-        out["warning"] = CPU_WARNING
+    warning = cpu_warning(WorkloadKind(w["kind"]), w["gpu_class"], w["fallback"], catalog)
+    if warning:
+        out["warning"] = warning
     active = [r for r in replicas if r["state"] in repo.ACTIVE_REPLICA]
     if w["kind"] == WorkloadKind.ENDPOINT:
         out.update(model=w["model"], model_params=w["model_params"], replicas=[

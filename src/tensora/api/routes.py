@@ -103,6 +103,11 @@ def _out(w: dict[str, Any], replicas: list[dict[str, Any]], svc: Services) -> di
     return v
 
 
+def _stopper(p: Principal, w: dict[str, Any]) -> workloads.StoppedBy:
+    """Who the reason of a stopped workload names: its owner, or an admin acting on it."""
+    return workloads.StoppedBy.OWNER if w["owner"] == p.owner else workloads.StoppedBy.ADMIN
+
+
 def _own(conn: Any, p: Principal, workload_id: str) -> dict[str, Any]:
     w = repo.get_workload(conn, workload_id, p.owner_filter())
     if w is None:
@@ -115,8 +120,9 @@ def _own(conn: Any, p: Principal, workload_id: str) -> dict[str, Any]:
 @router.post("/v1/workloads", status_code=201, response_model=WorkloadOut, responses=ERRORS, tags=["workloads"],
              summary="Create a notebook, VM or endpoint",
              description=("Queued for ``gpu_class``; after ``fallback_after`` the ``fallback`` list is tried in "
-                          "order (opt-in: empty means wait). A CPU entry means CPU serving, roughly 10-50x "
-                          "slower than a GPU: the response says so in ``warning``."))
+                          "order (opt-in: empty means wait). A CPU entry means no GPU while on CPU: endpoints "
+                          "serve roughly 10-50x slower, notebooks and VMs run without one; ``warning`` says "
+                          "which for the kind."))
 def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], idem: IdemKey = None) -> Response:
     fields = body.model_fields_set
     if "owner" in fields and body.owner != p.owner and not p.is_admin:
@@ -184,7 +190,7 @@ def stop_workload(workload_id: str, svc: Svc, p: Writer, idem: IdemKey = None,
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
         w = _own(conn, p, workload_id)
         try:
-            w = workloads.stop(conn, w, svc.clock.now())
+            w = workloads.stop(conn, w, svc.clock.now(), _stopper(p, w))
         except workloads.InvalidState as exc:
             raise ApiError(409, str(exc), retry_after=1) from None
         return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
@@ -218,7 +224,7 @@ def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[Rest
 def delete_workload(workload_id: str, svc: Svc, p: Writer) -> Response:
     with svc.db.write() as conn:
         w = _own(conn, p, workload_id)
-        workloads.delete(conn, w, svc.clock.now())
+        workloads.delete(conn, w, svc.clock.now(), _stopper(p, w))
     svc.wake()
     return Response(status_code=204)
 
@@ -242,8 +248,9 @@ def catalog(svc: Svc, _: Reader) -> dict[str, Any]:
                      "gpu": gpu, "capacity": {svc.region: {"free": free.get(cls.name, 0),
                                                            "total": total.get(cls.name, 0)}}})
     return {"region": svc.region, "data": data,
-            "note": "cpu classes serve models roughly 10-50x slower than GPU classes; 'cpu' in a fallback "
-                    "list means the smallest cpu class that fits"}
+            "note": "cpu classes have no GPU: endpoints on them serve roughly 10-50x slower than on a GPU "
+                    "class, notebooks and VMs run without one; 'cpu' in a fallback list means the cpu class "
+                    "nearest the requested size that has room"}
 
 
 @router.get("/v1/usage", response_model=UsageOut, responses=ERRORS, tags=["usage"],

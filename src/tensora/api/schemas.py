@@ -50,16 +50,19 @@ class WorkloadOut(BaseModel):
     fallback_after_s: float
     placement: Literal["policy", "requested"]
     conditions: list[Condition]
-    reason: str = Field(description="the admission reason, e.g. 'placed on cpu-16c-64g: l40s-48gb unavailable "
-                                    "for 10m'")
+    reason: str = Field(description="why it is in its state, e.g. 'placed on cpu-16c-64g: l40s-48gb unavailable "
+                                    "for 10m', 'waiting for l40s-48gb (0 GPU free, 1 needed); ...', "
+                                    "'stopped by its owner'")
     fallback_eligible_at: str | None
     restart_available: bool
     restart_reason: str | None
     created_at: str
     updated_at: str
     queued_since: str | None
-    warning: str | None = Field(default=None, description="set when the fallback list holds a CPU class: "
-                                                          "CPU serving is roughly 10-50x slower")
+    warning: str | None = Field(default=None, description="set when a GPU class is asked for and the fallback "
+                                                          "list holds a CPU class: what CPU means for the kind "
+                                                          "(endpoints: serving roughly 10-50x slower; notebooks "
+                                                          "and VMs: no GPU)")
     replicas: list[ReplicaOut] | None = None
     access: dict[str, Any] | None = None
     spec: dict[str, Any] = Field(default_factory=dict, description="kind-specific settings, as given")

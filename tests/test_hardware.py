@@ -1,16 +1,20 @@
-"""Hardware detection: nvidia-smi rows, GPU names to catalog models, the local node with overrides."""
+"""Hardware detection: nvidia-smi rows, GPU names to catalog models, the local node with overrides, and how
+it shares a small machine (the quick start's endpoint, a notebook and a VM side by side)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tensora.admission import Place, Queued, WorkloadKind, decide
+from tensora.capacity import Capacity, Node, Placed
 from tensora.catalog import default_catalog
-from tensora.hardware import Gpu, Hardware, NodeOverrides, detect, gpu_model_for, local_node, parse_nvidia_smi
+from tensora.hardware import Gpu, Hardware, NodeOverrides, detect, gpu_model_for, local_node, offered, parse_nvidia_smi
 
 GIB = 2**30
 MIB = 2**20
@@ -60,24 +64,113 @@ HW = Hardware(cpu=16, memory=64 * GIB, gpus=(Gpu(0, "NVIDIA L40S", 46068 * MIB, 
                                             Gpu(1, "NVIDIA L40S", 46068 * MIB, "L40S"),
                                             Gpu(2, "Tesla T4", 15360 * MIB, None)))
 
+
+@dataclass(frozen=True)
+class Offer:
+    overrides: NodeOverrides
+    cpu: float  # vCPUs offered
+    cores: float  # the cores they share
+    memory: int
+    gpus: dict[str, int]
+
+
 NODES = {
-    "detected minus the default reserve": (NodeOverrides(name="box"), 15.0, 62 * GIB, {"L40S": 2}),
-    "a bigger reserve": (NodeOverrides(name="box", reserve_cpu=4, reserve_memory="8Gi"), 12.0, 56 * GIB,
-                         {"L40S": 2}),
-    "declared less for development": (NodeOverrides(name="box", cpu=4, memory="8Gi", reserve_cpu=0,
-                                                    reserve_memory=0, gpus={}), 4.0, 8 * GIB, {}),
-    "declared GPUs it lacks": (NodeOverrides(name="box", gpus={"A100-80GB": 1}), 15.0, 62 * GIB,
-                               {"A100-80GB": 1}),
-    "reserve larger than the machine": (NodeOverrides(name="box", reserve_cpu=32, reserve_memory="128Gi"), 0.0, 0,
-                                        {"L40S": 2}),
+    "detected minus the default reserve, overcommitted 4x": Offer(NodeOverrides(name="box"), 60.0, 15.0, 62 * GIB,
+                                                                  {"L40S": 2}),
+    "a bigger reserve": Offer(NodeOverrides(name="box", reserve_cpu=4, reserve_memory="8Gi"), 48.0, 12.0, 56 * GIB,
+                              {"L40S": 2}),
+    "no overcommit": Offer(NodeOverrides(name="box", cpu_overcommit=1), 15.0, 15.0, 62 * GIB, {"L40S": 2}),
+    "declared less for development": Offer(NodeOverrides(name="box", cpu=4, memory="8Gi", reserve_cpu=0,
+                                                         reserve_memory=0, gpus={}), 16.0, 4.0, 8 * GIB, {}),
+    "declared small: no core kept back by default": Offer(NodeOverrides(name="box", cpu=2, memory="24Gi", gpus={}),
+                                                          8.0, 2.0, 22 * GIB, {}),
+    "declared small, reserve set: the operator wins": Offer(NodeOverrides(name="box", cpu=2, reserve_cpu=1,
+                                                                          cpu_overcommit=2), 2.0, 1.0, 62 * GIB,
+                                                            {"L40S": 2}),
+    "declared GPUs it lacks": Offer(NodeOverrides(name="box", gpus={"A100-80GB": 1}), 60.0, 15.0, 62 * GIB,
+                                    {"A100-80GB": 1}),
+    "reserve larger than the machine": Offer(NodeOverrides(name="box", reserve_cpu=32, reserve_memory="128Gi"),
+                                             0.0, 0.0, 0, {"L40S": 2}),
 }
 
 
 @pytest.mark.parametrize("case", NODES.values(), ids=NODES.keys())
-def test_local_node_from_hardware_and_overrides(case: tuple[NodeOverrides, float, int, dict[str, int]]) -> None:
-    overrides, cpu, memory, gpus = case
-    node = local_node(HW, overrides, "local")
-    assert (node.name, node.region, node.cpu, node.memory, dict(node.gpus)) == ("box", "local", cpu, memory, gpus)
+def test_local_node_from_hardware_and_overrides(case: Offer) -> None:
+    node = local_node(HW, case.overrides, "local")
+    assert (node.name, node.region, node.cpu, node.cores, node.memory, dict(node.gpus)) == (
+        "box", "local", case.cpu, case.cores, case.memory, case.gpus)
+
+
+# -- sharing a small machine: the quick start's endpoint, a notebook and a VM -----------------------
+
+TINY = 880_000  # bytes of `tensora dev tiny-model`
+
+
+def quick_start(node: Node) -> list[str | None]:
+    """Where admission puts the quick start's three workloads (each asks for an L40S, CPU fallback at
+    once), created one after the other; None for one left waiting."""
+    workloads = [Queued("wl_ep", WorkloadKind.ENDPOINT, "l40s-48gb", fallback=("cpu",), model_params=205_000,
+                        model_bytes=TINY),
+                 Queued("wl_nb", WorkloadKind.NOTEBOOK, "l40s-48gb", fallback=("cpu",)),
+                 Queued("wl_vm", WorkloadKind.VM, "l40s-48gb", fallback=("cpu",))]
+    placed: list[Placed] = []
+    out: list[str | None] = []
+    for w in workloads:
+        decision = decide([w], Capacity([node], placed, CATALOG), now=0.0)[0]
+        if isinstance(decision, Place):
+            placed.append(Placed(node.name, decision.cls, w.id))
+        out.append(decision.cls if isinstance(decision, Place) else None)
+    return out
+
+
+@dataclass(frozen=True)
+class Machine:
+    cores: int
+    memory_gib: float
+    overrides: NodeOverrides
+    offered: str  # hardware.offered(node)
+    placed: list[str | None]
+
+
+MACHINES = {
+    "1 core, 16 GiB: classes of 1 vCPU, three of them": Machine(
+        1, 16, NodeOverrides(), "1 core offered as 4 vCPU (overcommit 4x: replicas share the cores; CPU classes "
+        "up to 1 vCPU), 14.0 GiB, no GPUs", ["cpu-1c-4g", "cpu-1c-4g", "cpu-1c-4g"]),
+    "2 cores, 24 GiB (the newcomer's machine): all three side by side": Machine(
+        2, 23.5, NodeOverrides(), "2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; CPU classes "
+        "up to 2 vCPU), 21.5 GiB, no GPUs", ["cpu-2c-8g", "cpu-2c-8g", "cpu-1c-4g"]),
+    "2 cores, 16 GiB: memory is never overcommitted, the VM waits": Machine(
+        2, 16, NodeOverrides(), "2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; CPU classes "
+        "up to 2 vCPU), 14.0 GiB, no GPUs", ["cpu-2c-8g", "cpu-1c-4g", None]),
+    "4 cores, 32 GiB": Machine(
+        4, 32, NodeOverrides(), "4 cores offered as 16 vCPU (overcommit 4x: replicas share the cores; CPU classes "
+        "up to 4 vCPU), 30.0 GiB, no GPUs", ["cpu-4c-16g", "cpu-2c-8g", "cpu-1c-4g"]),
+    "16 cores, 64 GiB: one core kept for the host": Machine(
+        16, 64, NodeOverrides(), "15 cores offered as 60 vCPU (overcommit 4x: replicas share the cores; CPU classes "
+        "up to 15 vCPU), 62.0 GiB, no GPUs", ["cpu-8c-32g", "cpu-4c-16g", "cpu-2c-8g"]),
+    "2 cores, 24 GiB, overcommit 1 (the operator's): only the endpoint runs": Machine(
+        2, 23.5, NodeOverrides(cpu_overcommit=1), "2 cores, 21.5 GiB, no GPUs", ["cpu-2c-8g", None, None]),
+    "2 cores, 24 GiB, a core reserved (the operator's)": Machine(
+        2, 23.5, NodeOverrides(reserve_cpu=1), "1 core offered as 4 vCPU (overcommit 4x: replicas share the cores; "
+        "CPU classes up to 1 vCPU), 21.5 GiB, no GPUs", ["cpu-1c-4g", "cpu-1c-4g", "cpu-1c-4g"]),
+}
+
+
+@pytest.mark.parametrize("case", MACHINES.values(), ids=MACHINES.keys())
+def test_the_local_node_shares_a_small_machine(case: Machine) -> None:
+    node = local_node(Hardware(case.cores, int(case.memory_gib * GIB)), case.overrides.model_copy(
+        update={"name": "box"}), "local")
+    assert offered(node) == case.offered
+    assert quick_start(node) == case.placed
+
+
+def test_a_cpu_class_above_the_shared_cores_is_never_offered() -> None:
+    """The catalog's view (from nodes as the store keeps them: the cap travels in a label)."""
+    node = local_node(Hardware(2, 24 * GIB), NodeOverrides(name="box"), "local")
+    stored = Node(node.name, node.region, node.cpu, node.memory, dict(node.gpus), dict(node.labels))
+    fits = {c.cls: c.fits for c in Capacity([stored], [], CATALOG).summary("local")}
+    assert {k: v for k, v in fits.items() if k.startswith("cpu-")} == {
+        "cpu-1c-4g": 5, "cpu-2c-8g": 2, "cpu-4c-16g": 0, "cpu-8c-32g": 0, "cpu-16c-64g": 0, "cpu-32c-128g": 0}
 
 
 def test_tensora_node_shows_detected_and_offered(tmp_path: Path) -> None:
@@ -88,7 +181,17 @@ def test_tensora_node_shows_detected_and_offered(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["detected"]["cpu"] == detect(CATALOG).cpu
-    assert (info["node"]["cpu"], info["node"]["memory"]) == (2.5, 5 * GIB)
+    assert (info["node"]["cpu"], info["node"]["cores"], info["node"]["memory"]) == (10, 2.5, 5 * GIB)
+
+
+def test_tensora_node_says_how_a_small_machine_is_shared(tmp_path: Path) -> None:
+    config = tmp_path / "up.yaml"
+    config.write_text("node: {name: box, cpu: 2, memory: 24Gi, gpus: {}}\n")
+    out = subprocess.run([sys.executable, "-m", "tensora.cli", "node", "--config", str(config)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert ("offered as node box (local): 2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; "
+            "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs (after the host reserve of 0 cores, 2Gi)") in out.stdout
 
 
 def test_tensora_node_names_a_bad_override(tmp_path: Path) -> None:

@@ -24,8 +24,9 @@ import pytest
 
 from services import PgCluster, free_port
 from tensora.apikeys import well_formed
+from tensora.drivers.base import ReplicaState, ReplicaStatus
 from tensora.errors import ConfigError
-from tensora.serve import ADMIN_KEY_FILE, ServeSettings, build, load_settings
+from tensora.serve import ADMIN_KEY_FILE, ServeSettings, build, left_running, load_settings
 
 START_DEADLINE_S = 30.0
 EXIT_DEADLINE_S = 20.0
@@ -438,3 +439,36 @@ def test_an_unreachable_database_exits_1_with_a_clear_error(tmp_path: Path) -> N
     assert stderr.startswith("error: the database is unavailable: ")
     assert "Traceback" not in stderr
     assert not data_dir.exists()
+
+
+# -- what tensora up says as it stops: pure ---------------------------------------------------------
+
+def _replica(rid: str, workload: str, state: ReplicaState) -> ReplicaStatus:
+    return ReplicaStatus(rid, workload, "cpu-1c-4g", "box", state)
+
+
+STOPPED_UP = {
+    "nothing ran": ([], "stopped the API and gateway; no workloads are running"),
+    "only stopped and failed replicas": (
+        [_replica("rp_1", "wl_1", ReplicaState.STOPPED), _replica("rp_2", "wl_2", ReplicaState.FAILED)],
+        "stopped the API and gateway; no workloads are running"),
+    "one notebook": (
+        [_replica("rp_1", "wl_1", ReplicaState.RUNNING)],
+        "stopped the API and gateway; 1 workload keeps running (1 replica): the next `tensora up` adopts them; "
+        "to stop them, start it and run `tensora workloads stop NAME`"),
+    "an endpoint moving back has two replicas; one still starting counts": (
+        [_replica("rp_1", "wl_ep", ReplicaState.RUNNING), _replica("rp_2", "wl_ep", ReplicaState.STARTING),
+         _replica("rp_3", "wl_nb", ReplicaState.RUNNING), _replica("rp_4", "wl_old", ReplicaState.STOPPED)],
+        "stopped the API and gateway; 2 workloads keep running (3 replicas): the next `tensora up` adopts them; "
+        "to stop them, start it and run `tensora workloads stop NAME`"),
+    "a replica still stopping is said apart": (
+        [_replica("rp_1", "wl_1", ReplicaState.STOPPING)],
+        "stopped the API and gateway; no workloads are running (1 replica still stopping: the next `tensora up` "
+        "sees it through)"),
+}
+
+
+@pytest.mark.parametrize("case", STOPPED_UP.values(), ids=STOPPED_UP.keys())
+def test_what_tensora_up_says_keeps_running(case: tuple[list[ReplicaStatus], str]) -> None:
+    replicas, want = case
+    assert left_running(replicas) == want

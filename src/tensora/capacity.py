@@ -6,6 +6,10 @@ model is. CPU classes fit on CPU nodes and on the idle CPU of GPU nodes, but nev
 in the vCPUs and memory held back for that node's free GPUs (the *GPU reserve*, per
 GPU model), so that a free GPU always stays usable.
 
+A node whose vCPUs are overcommitted (``tensora up`` on a small machine) says how many
+cores they share (:attr:`Node.cores`): a CPU class with more vCPUs than that never runs
+there, since no share of those cores gives it what the class promises.
+
 :class:`Capacity` is the working set admission consumes during one decision cycle:
 it only ever shrinks (``take``), which is what lets ``find`` keep a monotone
 first-fit cursor per (region, class) and stay linear over a whole cycle.
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from tensora.catalog import Catalog, ComputeClass
 
 GIB = 2**30
+CORES_LABEL = "tensora.io/cores"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,19 @@ class Node:
     @property
     def has_gpus(self) -> bool:
         return any(count > 0 for count in self.gpus.values())
+
+    @property
+    def cores(self) -> float | None:
+        """The cores its ``cpu`` vCPUs share, where the node says (label ``tensora.io/cores``: the local
+        node); None: no limit but ``cpu``.
+
+        A label rather than a field: labels go wherever a node goes (the store's nodes table, and so
+        the API's catalog), so every reader of the node applies the same limit without a migration."""
+        raw = self.labels.get(CORES_LABEL)
+        try:
+            return float(raw) if raw is not None else None
+        except ValueError:
+            return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +176,12 @@ class Capacity:
 
     def fits(self, i: int, cls: ComputeClass) -> int:
         """How many instances of ``cls`` fit on node ``i`` now (0 if unschedulable)."""
-        if not self.nodes[i].schedulable:
+        node = self.nodes[i]
+        if not node.schedulable:
             return 0
         if cls.gpu_model is None:
+            if node.cores is not None and cls.cpu > node.cores:
+                return 0
             cpu = self.free_cpu[i] - self.reserved_cpu[i]
             mem = self.free_mem[i] - self.reserved_mem[i]
             counts = [cpu // cls.cpu, mem // cls.memory]
@@ -173,6 +194,9 @@ class Capacity:
         if not node.schedulable:
             return False
         if cls.gpu_model is None:
+            cores = node.cores
+            if cores is not None and cls.cpu > cores:
+                return False
             reserve_cpu = sum(c * self.reserves[m].cpu for m, c in node.gpus.items() if m in self.reserves)
             reserve_mem = sum(c * self.reserves[m].memory for m, c in node.gpus.items() if m in self.reserves)
             return node.cpu - reserve_cpu >= cls.cpu and node.memory - reserve_mem >= cls.memory

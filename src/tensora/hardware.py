@@ -5,6 +5,21 @@ Silicon's Metal GPU from the platform. Each GPU is mapped to a catalog GPU model
 memory ("NVIDIA A100-SXM4-80GB" -> ``A100-80GB``); one that maps to none is listed as seen
 but offers no class. Operators override any of it (``node:`` in the config): reserve cores
 and memory for the host, or declare less or more for development.
+
+**How the local node shares a machine.** ``tensora up`` runs on the machine someone works
+on, often a small one (2 cores, 24 GiB), where the quick start's endpoint, a notebook and a
+VM should all run at once. Most of the time they idle: a notebook waits for its user, a
+model server for a request. So the local node *overcommits CPU*: it offers ``cores x
+cpu_overcommit`` vCPUs (default 4; 1 = none) and its replicas share the cores, each sized
+to its class (threads, QEMU's vCPUs; a cgroup CPU quota per replica is to come). A CPU
+class never gets more vCPUs than the cores its node shares (label ``tensora.io/cores``,
+applied by ``capacity``): a cpu-4c-16g on 2 cores could not get its 4 cores even alone,
+and a fallback to ``cpu`` (the classes nearest the requested GPU class first) would
+otherwise take 16 GiB of the 21.5 and leave too little for the next workload. Memory is
+never overcommitted: a replica that runs out of memory is killed, one that runs short of
+CPU only runs slower. A machine of 4 cores or fewer keeps no core back for the host (it
+keeps 2 GiB of memory): a whole core is half of such a machine, and Tensora's own
+processes share the cores as the replicas do. Explicit settings win.
 """
 
 from __future__ import annotations
@@ -19,12 +34,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tensora.capacity import Node
+from tensora.capacity import CORES_LABEL, Node
 from tensora.catalog import Catalog
 from tensora.units import parse_memory
 
 MIB = 2**20
 GIB = 2**30
+SMALL_MACHINE_CORES = 4  # at most this many cores: no core is kept back for the host by default
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +68,12 @@ class NodeOverrides(BaseModel):
 
     name: str | None = Field(default=None, pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
     cpu: float | None = Field(default=None, gt=0, description="declare this many cores instead")
+    cpu_overcommit: float = Field(default=4.0, ge=1, le=64, description="vCPUs offered per core: replicas share "
+                                  "the cores (1 = no overcommit)")
     memory: str | int | None = Field(default=None, description="declare this much memory instead, e.g. 16Gi")
-    reserve_cpu: float = Field(default=1.0, ge=0, description="cores kept for the host and Tensora itself")
+    reserve_cpu: float | None = Field(default=None, ge=0, description="cores kept for the host and Tensora "
+                                      f"itself (default: 0 on a machine of {SMALL_MACHINE_CORES} cores or fewer, "
+                                      "else 1)")
     reserve_memory: str | int = Field(default="2Gi", description="memory kept for the host")
     gpus: dict[str, int] | None = Field(default=None, description="declare GPUs by catalog model, e.g. {L40S: 1}")
     vfio: dict[int, str] = Field(default_factory=dict, description="VM GPU passthrough: GPU index -> the PCI "
@@ -148,9 +168,18 @@ def detect(catalog: Catalog) -> Hardware:
     return Hardware(cpu, memory, tuple(gpus), source or "none", tuple(notes))
 
 
+def reserve_cpu(cores: float, overrides: NodeOverrides) -> float:
+    """The cores kept for the host: the operator's figure, else none on a small machine, else 1."""
+    if overrides.reserve_cpu is not None:
+        return overrides.reserve_cpu
+    return 0.0 if cores <= SMALL_MACHINE_CORES else 1.0
+
+
 def local_node(hw: Hardware, overrides: NodeOverrides, region: str) -> Node:
-    """The node the local driver offers: detected (or declared) minus the host's reserve."""
-    cpu = overrides.cpu if overrides.cpu is not None else float(hw.cpu)
+    """The node the local driver offers: detected (or declared) minus the host's reserve, its cores
+    overcommitted (see the module docstring)."""
+    cores = overrides.cpu if overrides.cpu is not None else float(hw.cpu)
+    shared = max(cores - reserve_cpu(cores, overrides), 0.0)
     memory = parse_memory(overrides.memory) if overrides.memory is not None else hw.memory
     reserve_mem = parse_memory(overrides.reserve_memory)
     gpus: dict[str, int] = {}
@@ -161,8 +190,8 @@ def local_node(hw: Hardware, overrides: NodeOverrides, region: str) -> Node:
             if g.model:
                 gpus[g.model] = gpus.get(g.model, 0) + 1
     name = overrides.name or _hostname()
-    return Node(name, region, max(cpu - overrides.reserve_cpu, 0.0), max(memory - reserve_mem, 0), gpus,
-                {"tensora.io/profile": "local"})
+    return Node(name, region, shared * overrides.cpu_overcommit, max(memory - reserve_mem, 0), gpus,
+                {"tensora.io/profile": "local", CORES_LABEL: f"{shared:g}"})
 
 
 def _hostname() -> str:
@@ -171,12 +200,29 @@ def _hostname() -> str:
     return cleaned or "local"
 
 
+def offered(node: Node) -> str:
+    """The node in one phrase, as ``tensora up`` and ``tensora node`` say it:
+    ``2 cores offered as 8 vCPU (overcommit 4x: ...), 21.5 GiB, no GPUs``."""
+    gpus = ", ".join(f"{n}x {m}" for m, n in node.gpus.items()) or "no GPUs"
+    cores = node.cores
+    if cores is None or cores <= 0 or node.cpu <= cores:
+        cpu = _cores(node.cpu)
+    else:
+        cpu = (f"{_cores(cores)} offered as {node.cpu:g} vCPU (overcommit {node.cpu / cores:g}x: replicas share "
+               f"the cores; CPU classes up to {cores:g} vCPU)")
+    return f"{cpu}, {node.memory / GIB:.1f} GiB, {gpus}"
+
+
+def _cores(n: float) -> str:
+    return f"{n:g} core" if n == 1 else f"{n:g} cores"
+
+
 def describe(hw: Hardware, node: Node) -> dict[str, Any]:
-    """What ``tensora node`` shows: detected and offered."""
+    """What ``tensora node`` shows: detected and offered (``cores``: the cores its vCPUs share)."""
     return {
         "detected": {"cpu": hw.cpu, "memory": hw.memory, "source": hw.source,
                      "gpus": [{"index": g.index, "name": g.name, "memory": g.memory, "model": g.model}
                               for g in hw.gpus], "notes": list(hw.notes)},
-        "node": {"name": node.name, "region": node.region, "cpu": node.cpu, "memory": node.memory,
-                 "gpus": dict(node.gpus)},
+        "node": {"name": node.name, "region": node.region, "cpu": node.cpu, "cores": node.cores,
+                 "memory": node.memory, "gpus": dict(node.gpus)},
     }

@@ -5,14 +5,25 @@ environment variables ``TENSORA_<SETTING>`` (e.g. ``TENSORA_DATABASE_URL``), and
 The database defaults to ``DATA_DIR/tensora.db`` (SQLite, WAL); a ``postgresql://`` URL
 selects PostgreSQL. On first start an admin key is created and written to
 ``DATA_DIR/admin-key`` (mode 0600); the secret is never printed or logged.
+
+``tensora up`` (``profile="up"``) is one per data dir: it holds an flock on ``DATA_DIR/up.pid``
+(which says its pid and addresses) while it runs, so a crashed one never blocks the next. A
+second one, or one whose port is taken, stops before it prints or writes anything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
 import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,13 +35,19 @@ from tensora.apikeys import digest, well_formed
 from tensora.catalog import Catalog, load_catalog
 from tensora.clock import Clock, SystemClock
 from tensora.controller import Controller
-from tensora.drivers.base import Driver
-from tensora.errors import ConfigError
-from tensora.hardware import NodeOverrides
+from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
+from tensora.errors import ConfigError, TensoraError
+from tensora.hardware import NodeOverrides, offered
 from tensora.store import repo
 from tensora.store.db import Database
 
 ADMIN_KEY_FILE = "admin-key"
+UP_LOCK_FILE = "up.pid"
+
+
+class Occupied(TensoraError):
+    """``tensora up`` cannot start: a Tensora already runs on this data dir or port, or another
+    program holds the port. The message says which, and what to do."""
 
 
 def default_data_dir() -> Path:
@@ -234,6 +251,33 @@ def _exit_clean(signum: int, frame: Any) -> None:
 
 WORKER_SETTINGS_ENV = "TENSORA_SERVE_WORKER_SETTINGS"
 CONTROLLER_HOLDER_ENV = "TENSORA_SERVE_CONTROLLER_HOLDER"
+SUPERVISOR_PID_ENV = "TENSORA_SERVE_SUPERVISOR_PID"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Have this process sent SIGTERM when its parent dies, so that the HTTP workers and the gateway
+    of a crashed (SIGKILLed) server do not keep its ports; exit now if ``parent`` is already gone."""
+    ask = _parent_death_signal()
+    if ask is not None:
+        ask()
+    if parent is not None and os.getppid() != parent:
+        os._exit(0)
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """Linux: a call (safe between fork and exec: it imports nothing) that asks for SIGTERM on the
+    parent's death. Elsewhere None: a crash there leaves the children to be stopped by hand."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    term = int(signal.SIGTERM)
+    return lambda: prctl(PR_SET_PDEATHSIG, term, 0, 0, 0)
 
 
 def worker_app() -> Any:
@@ -241,6 +285,7 @@ def worker_app() -> Any:
     from tensora.api.app import create_app
     from tensora.wake import WakeSender, socket_path
 
+    die_with_parent(int(os.environ.get(SUPERVISOR_PID_ENV, "0")) or None)
     settings = ServeSettings.model_validate_json(os.environ[WORKER_SETTINGS_ENV])
     services = build(settings.model_copy(update={"controller": False}))
     if settings.controller:
@@ -267,6 +312,7 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
         listener = WakeListener(socket_path(settings.data_dir, settings.region), services.controller.wake).start()
         services.controller.start()
     os.environ[WORKER_SETTINGS_ENV] = settings.model_dump_json()
+    os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
     if services.controller is not None:
         os.environ[CONTROLLER_HOLDER_ENV] = services.controller.holder
     config = Config("tensora.serve:worker_app", factory=True, workers=settings.workers, host=settings.host,
@@ -298,12 +344,12 @@ def gateway_settings_for(server: ServeSettings, flags: dict[str, Any] | None = N
 
 def _start_gateway(gw: Any) -> Any:
     """tensora up: the gateway in a process of its own (its own core, its own event loop), reading
-    routes from this server. It stops with ``tensora up``; the workloads do not."""
+    routes from this server. It stops with ``tensora up``, even a crashed one; the workloads do not."""
     import subprocess
-    import sys
 
     env = dict(os.environ, **{GATEWAY_SETTINGS_ENV: gw.model_dump_json()})
-    return subprocess.Popen([sys.executable, "-m", "tensora.gateway"], env=env)
+    return subprocess.Popen([sys.executable, "-m", "tensora.gateway"], env=env,
+                            preexec_fn=_parent_death_signal())
 
 
 def _stop_gateway(proc: Any) -> None:
@@ -319,37 +365,41 @@ def _stop_gateway(proc: Any) -> None:
 
 
 def run(settings: ServeSettings, profile: str = "serve") -> None:
-    """Serve until interrupted. ``profile="up"``: one machine, and say so."""
+    """Serve until interrupted. ``profile="up"``: one machine, once per data dir, and say so."""
     import uvicorn
 
     from tensora.api.app import create_app
 
+    gw = gateway_settings_for(settings, {"port": settings.gateway_port}) if profile == "up" else None
+    lock = claim_up(settings, gw.port) if gw is not None else None  # before anything is printed or written
     services = build(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     key_file = ensure_admin_key(services.db, settings.data_dir, services.clock.now())
     where = "PostgreSQL" if not services.db.is_sqlite else f"SQLite at {settings.db_url}"
     print(f"tensora control API on http://{settings.host}:{settings.port}  (docs: /docs)", flush=True)
+    print(f"dashboard on http://{settings.host}:{settings.port}/  (sign in with an API key)", flush=True)
     print(f"region {settings.region}, driver {settings.driver}, store {where}", flush=True)
     print(f"admin key in {key_file}", flush=True)
     if profile == "up" and services.controller is not None:
         node = services.controller.driver.nodes()[0]
-        gpus = ", ".join(f"{n}x {m}" for m, n in node.gpus.items()) or "no GPUs"
-        print(f"this machine as node {node.name}: {node.cpu:g} cores, {node.memory / 2**30:.1f} GiB, {gpus}",
-              flush=True)
+        print(f"this machine as node {node.name}: {offered(node)}", flush=True)
         print(f"replicas and their logs in {settings.data_dir / 'replicas'}; Ctrl-C stops the servers, "
               "not the workloads (the next `tensora up` adopts them)", flush=True)
     gateway = None
-    if profile == "up":
-        gw = gateway_settings_for(settings, {"port": settings.gateway_port})
+    if gw is not None:
         print(f"OpenAI-compatible gateway on http://{gw.host}:{gw.port}/v1  (the same keys)", flush=True)
         gateway = _start_gateway(gw)
-    try:
-        if services.controller is not None or settings.workers > 1:
+    if services.controller is not None or settings.workers > 1:
+        try:
             _run_workers(settings, services)
-            return
-    finally:
-        if gateway is not None:
-            _stop_gateway(gateway)
+        finally:
+            if gateway is not None:
+                _stop_gateway(gateway)
+        if profile == "up" and services.controller is not None:
+            print(left_running(services.controller.driver.observe()), flush=True)
+        if lock is not None:
+            lock.close()
+        return
     app = create_app(services, max_in_flight=settings.max_in_flight, max_body_bytes=settings.max_body_bytes)
     # uvicorn drains on SIGTERM/SIGINT, then raises the signal again under the handler found here:
     # that shutdown was clean, so end with exit code 0 rather than die by the signal (143).
@@ -357,3 +407,146 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
         signal.signal(sig, _exit_clean)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False, timeout_graceful_shutdown=10)
+
+
+def left_running(replicas: Sequence[ReplicaStatus]) -> str:
+    """What ``tensora up`` says as it stops: the workloads whose replicas keep running without it."""
+    alive = [r for r in replicas if r.state in (ReplicaState.STARTING, ReplicaState.RUNNING)]
+    stopping = sum(1 for r in replicas if r.state is ReplicaState.STOPPING)
+    workloads = len({r.workload_id for r in alive})
+    if not alive:
+        text = "stopped the API and gateway; no workloads are running"
+    else:
+        text = (f"stopped the API and gateway; {_count(workloads, 'workload')} "
+                f"{'keeps' if workloads == 1 else 'keep'} running ({_count(len(alive), 'replica')}): "
+                "the next `tensora up` adopts them; to stop them, start it and run "
+                "`tensora workloads stop NAME`")
+    if stopping:
+        text += f" ({_count(stopping, 'replica')} still stopping: the next `tensora up` sees it through)"
+    return text
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+# -- one tensora up per data dir, and free ports ----------------------------------------------
+
+def claim_up(settings: ServeSettings, gateway_port: int) -> IO[str]:
+    """Check that nothing holds this data dir or the ports, then hold the data dir's lock for as long
+    as the returned file stays open (the process's life; the OS drops it however that ends).
+
+    Occupied when another ``tensora up`` holds the lock, or a port is in use (by a Tensora, or
+    by another program, naming the flag that chooses another); nothing is written until then."""
+    import fcntl
+
+    path = settings.data_dir / UP_LOCK_FILE
+    # 1. another tensora up on this data dir
+    holder = _lock_holder(path)
+    if holder is not None:
+        raise Occupied(_already_running(holder.get("api"), holder.get("pid")))
+    # 2. the ports: free, or held by a Tensora (another data dir), or by another program
+    for port, flag in ((settings.port, "--port"), (gateway_port, "--gateway-port")):
+        _check_port(settings.host, port, flag)
+    # 3. take the lock and say who holds it
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    f = path.open("a+")  # not inherited by children (close-on-exec): replicas never hold it
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        holder = _lock_holder(path) or {}
+        raise Occupied(_already_running(holder.get("api"), holder.get("pid"))) from None
+    f.truncate(0)
+    f.write(json.dumps({"pid": os.getpid(), "api": f"{_client_host(settings.host)}:{settings.port}",
+                        "gateway": f"{_client_host(settings.host)}:{gateway_port}"}) + "\n")
+    f.flush()
+    return f
+
+
+def _already_running(api: str | None, pid: int | None) -> str:
+    return f"Tensora is already running on {api or 'this data dir'}" + (f" (pid {pid})" if pid else "")
+
+
+def _lock_holder(path: Path) -> dict[str, Any] | None:
+    """What ``up.pid`` says when a live process holds its lock, else None (absent, or left by a
+    process that is gone)."""
+    import fcntl
+
+    try:
+        f = path.open("r")
+    except FileNotFoundError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            pass
+        else:
+            return None  # nobody holds it: a stale file
+        for _ in range(20):  # its holder writes it just after taking the lock
+            f.seek(0)
+            with contextlib.suppress(ValueError):
+                data = json.loads(f.read())
+                if isinstance(data, dict):
+                    return data
+            time.sleep(0.05)
+        return {}
+
+
+def _check_port(host: str, port: int, flag: str) -> None:
+    """Occupied unless this process could listen on ``host:port``."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise Occupied(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no owner
+        try:
+            s.bind(address)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise Occupied(f"cannot listen on {host}:{port} ({exc.strerror}): choose another with {flag}") \
+                    from None
+    if _is_tensora(_client_host(host), port):
+        raise Occupied(_already_running(f"{_client_host(host)}:{port}", _listener_pid(port)))
+    raise Occupied(f"port {port} is in use by another program (not Tensora): choose another with {flag}")
+
+
+def _is_tensora(host: str, port: int) -> bool:
+    """Whether a Tensora control API or gateway answers there (their /readyz bodies say so)."""
+    import httpx
+
+    try:
+        body = httpx.get(f"http://{host}:{port}/readyz", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return isinstance(body, dict) and ("controller" in body or "routes" in body)
+
+
+def _listener_pid(port: int) -> int | None:
+    """Linux: the process listening on TCP ``port`` (the eldest, where workers share its socket)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{f[9]}]")
+    pids: set[int] = set()
+    for proc in Path("/proc").iterdir() if inodes else ():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                pids.add(int(proc.name))
+    for pid in sorted(pids):  # the one whose parent does not share the socket: the server, not a worker
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid not in pids:
+                return pid
+    return min(pids) if pids else None

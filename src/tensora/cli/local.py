@@ -101,7 +101,8 @@ def serve_command(
 
 
 def _serve(config: Path | None, flags: dict[str, Any], profile: str) -> None:
-    """Settings, then serve until interrupted; a bad setting exits 2, an unreachable database 1."""
+    """Settings, then serve until interrupted; a bad setting exits 2, an unreachable database 1, and so
+    does ``tensora up`` where one already runs or its port is taken."""
     from tensora import serve
 
     try:
@@ -111,6 +112,8 @@ def _serve(config: Path | None, flags: dict[str, Any], profile: str) -> None:
         raise _fail(exc) from None
     except StoreUnavailable as exc:
         raise _fail(ValueError(f"the database is unavailable: {exc}"), code=1) from None
+    except serve.Occupied as exc:
+        raise _fail(exc, code=1) from None
 
 
 @app.command("gateway", rich_help_panel="Run Tensora")
@@ -149,8 +152,8 @@ def up_command(
     config: Annotated[Path | None, typer.Option(help="YAML file of settings, e.g. node: {reserve_cpu: 2}")] = None,
 ) -> None:
     """Tensora on this machine: the control API, the controller with the local driver (real notebooks,
-    VMs and model servers as child processes) and the inference gateway. Ctrl-C stops the servers, not
-    the workloads."""
+    VMs and model servers as child processes) and the inference gateway; one per data dir. Ctrl-C stops
+    the servers, not the workloads."""
     _serve(config, {"data_dir": data_dir, "driver": "local", "host": host, "port": port, "catalog": catalog,
                     "gateway_port": gateway_port}, "up")
 
@@ -182,10 +185,10 @@ def node_command(
         out.print(f"  GPU {g.index}: {g.name}, {format_memory(g.memory)} -> {g.model or 'no catalog class'}")
     for note in hw.notes:
         out.print(f"  note: {note}")
-    gpus = ", ".join(f"{n}x {m}" for m, n in node.gpus.items()) or "no GPUs"
-    out.print(f"offered as node {node.name} ({node.region}): {node.cpu:g} cores, {format_memory(node.memory)}, "
-              f"{gpus} (after the host reserve of {settings.node.reserve_cpu:g} cores, "
-              f"{settings.node.reserve_memory})", highlight=False, soft_wrap=True)
+    cores = settings.node.cpu if settings.node.cpu is not None else float(hw.cpu)
+    out.print(f"offered as node {node.name} ({node.region}): {hardware.offered(node)} (after the host reserve "
+              f"of {hardware.reserve_cpu(cores, settings.node):g} cores, {settings.node.reserve_memory})",
+              highlight=False, soft_wrap=True)
 
 
 dev_app = typer.Typer(help="Tools for development and demos.", no_args_is_help=True)

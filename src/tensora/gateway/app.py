@@ -49,6 +49,9 @@ class GatewaySettings(BaseModel):
     port: int = Field(default=8701, ge=0, le=65535)
     region: str = "local"
     poll_s: float = Field(default=1.0, gt=0)
+    startup_grace_s: float = Field(default=15.0, ge=0, description="no warning that the control API is "
+                                   "unreachable until this long after start (it may be starting beside the "
+                                   "gateway, as under tensora up); once it has answered, an outage warns at once")
     ttft_s: float = Field(default=30.0, gt=0, description="per attempt: time to the first token")
     deadline_s: float = Field(default=120.0, gt=0, description="per request, all attempts together")
     connect_timeout_s: float = Field(default=2.0, gt=0)
@@ -79,11 +82,14 @@ class GatewaySettings(BaseModel):
 
 
 class RouteSource:
-    """The latest route table: polled from the control API, cached on disk."""
+    """The latest route table: polled from the control API, cached on disk.
 
-    def __init__(self, control_url: str, key: str, cache: Path, poll_s: float) -> None:
+    An unreachable control API is warned about once per outage; not while it may still be
+    starting (``grace_s`` from the first poll, until it first answers)."""
+
+    def __init__(self, control_url: str, key: str, cache: Path, poll_s: float, grace_s: float = 0.0) -> None:
         self.url = control_url.rstrip("/") + "/v1/gateway/routes"
-        self.key, self.cache, self.poll_s = key, cache, poll_s
+        self.key, self.cache, self.poll_s, self.grace_s = key, cache, poll_s, grace_s
         self.table = RouteTable()
         self.etag: str | None = None
         self.fresh_at: float | None = None
@@ -116,19 +122,21 @@ class RouteSource:
         return True
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        quiet_until = loop.time() + self.grace_s  # 0 once the control API has answered
         async with httpx.AsyncClient(timeout=5.0) as client:
-            down = False
+            warned = False
             while True:
                 try:
                     await self.poll_once(client)
-                    if down:
+                    if warned:
                         log.warning("control API back: routes %s", self.table.version)
-                    down = False
+                    warned, quiet_until = False, 0.0
                 except Exception as exc:
-                    if not down:
+                    if not warned and loop.time() >= quiet_until:
                         log.warning("control API unreachable (%s): serving routes %s from memory",
                                     type(exc).__name__, self.table.version or "(none yet)")
-                    down = True
+                        warned = True
                 await asyncio.sleep(self.poll_s)
 
 
@@ -149,7 +157,8 @@ def read_key(settings: GatewaySettings) -> str:
 def build(settings: GatewaySettings) -> Gateway:
     key = read_key(settings)
     settings.dir.mkdir(parents=True, exist_ok=True)
-    source = RouteSource(settings.control_url, key, settings.dir / "routes.json", settings.poll_s)
+    source = RouteSource(settings.control_url, key, settings.dir / "routes.json", settings.poll_s,
+                         settings.startup_grace_s)
     usage_url = settings.control_url.rstrip("/") + "/v1/gateway/usage"
     client: dict[str, httpx.AsyncClient] = {}
 

@@ -1,13 +1,21 @@
 """The ``tensora`` command as people and scripts run it: the real entry point in a child process,
 against a real ``tensora serve`` (simulated fleet with no GPU free, so fallbacks happen), through
-the SDK. Exit codes, ``-o json``, ``--wait`` following state and reason, keys, login."""
+the SDK. Exit codes, ``-o json``, ``--wait`` following state and reason, keys, login (and its finding
+the local admin key), errors naming flags, output that copies whole (piped, and on an 80-column
+terminal), and ``tensora chat`` through a real gateway saying what answered."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import pty
+import re
 import stat
+import struct
 import subprocess
+import termios
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +24,13 @@ from typing import Any
 
 import pytest
 
+from gateway_harness import Backends, make_table, replica, serving
 from services import free_port
+from tensora.gateway.breaker import Policy
+from tensora.gateway.limits import MemoryLimiter
+from tensora.gateway.proxy import Gateway, Options
+from tensora.gateway.routes import RouteTable
+from tensora.tinymodel import write_tiny_model
 from test_serve import FAST, _command, served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -38,7 +52,8 @@ class Cli:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORA_")}
         env.update(FAST)
         env.update({"TENSORA_API_URL": self.url, "TENSORA_API_KEY": self.admin,
-                    "TENSORA_CONFIG": str(self.tmp / "profiles.json"), "COLUMNS": "200"})
+                    "TENSORA_CONFIG": str(self.tmp / "profiles.json"), "COLUMNS": "200",
+                    "TENSORA_DATA_DIR": str(self.tmp / "no-data")})  # login finds no admin key unless told
         env.update(extra)
         return {k: v for k, v in env.items() if v != ""}
 
@@ -55,6 +70,25 @@ class Cli:
         return subprocess.Popen([*_command(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=self.env(), cwd=self.tmp)
 
+    def on_terminal(self, *args: str, columns: int = 80) -> str:
+        """stdout of ``tensora ARGS`` on a pseudo-terminal ``columns`` wide, styles taken out."""
+        parent, child = pty.openpty()
+        fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+        proc = subprocess.Popen([*_command(), *args], stdin=subprocess.DEVNULL, stdout=child,
+                                stderr=subprocess.PIPE, env=self.env(COLUMNS=str(columns), TERM="xterm"), cwd=self.tmp)
+        os.close(child)
+        data = b""
+        with contextlib.suppress(OSError):  # EIO once the child has exited and closed its end
+            while chunk := os.read(parent, 65536):
+                data += chunk
+        os.close(parent)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"tensora {' '.join(args)} -> {proc.returncode}\n{err.decode()}"
+        return ANSI.sub("", data.decode()).replace("\r\n", "\n")
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
@@ -67,7 +101,7 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
 def test_create_with_cpu_fallback_waits_shows_why_and_lands_on_cpu(cli: Cli) -> None:
     r = cli("notebook", "create", "nb", "--gpu-class", "l40s-48gb", "--fallback", "cpu", "--fallback-after", "4s",
             "--wait", "--timeout", "60s")
-    assert "10-50x slower" in r.stderr  # CPU fallback enabled: the warning
+    assert "warning: CPU fallback is enabled" in r.stderr
     lines = r.stderr.splitlines()
     assert any(line.startswith("nb: queued: waiting for l40s-48gb") and "fallback to cpu" in line for line in lines)
     placed = [line for line in lines if ": placed on cpu-" in line and "l40s-48gb unavailable for 4s" in line]
@@ -135,7 +169,7 @@ def test_exit_codes(cli: Cli) -> None:
     r = cli("workloads", "get", "wl_nothere", code=1)
     assert "404" in r.stderr and "no workload" in r.stderr
     r = cli("notebook", "create", "x", "--gpu-class", "no-such-class", code=1)
-    assert "422" in r.stderr and "gpu_class" in r.stderr
+    assert "422 --gpu-class: unknown class 'no-such-class'" in r.stderr and "(API field gpu_class)" in r.stderr
     cli("notebook", "create", "x", code=2)  # --gpu-class missing
     cli("workloads", "list", "-o", "yaml", code=2)
     r = cli("workloads", "list", code=4, TENSORA_API_URL=f"http://127.0.0.1:{free_port()}")
@@ -184,3 +218,135 @@ def test_login_saves_a_private_profile_that_later_commands_use(cli: Cli) -> None
     assert "refused" in r.stderr and cfg.read_text() == before  # nothing written
     r = cli("--profile", "nope", "workloads", "list", code=2, TENSORA_API_KEY="")
     assert "no profile 'nope'" in r.stderr
+
+
+def test_login_on_this_machine_finds_the_admin_key_of_tensora_up(cli: Cli) -> None:
+    data, cfg = cli.tmp / "data", cli.tmp / "profiles-local.json"
+    r = cli("login", "--profile", "here", TENSORA_API_KEY="", TENSORA_DATA_DIR=str(data), TENSORA_CONFIG=str(cfg),
+            stdin="tsk_never-read\n")
+    assert f"with the admin key in {data / 'admin-key'}" in r.stdout and cli.admin not in r.stdout + r.stderr
+    assert json.loads(cfg.read_text())["profiles"]["here"]["api_key"] == cli.admin
+    # a data dir without one: the prompt (stdin here), as before
+    r = cli("login", code=2, TENSORA_API_KEY="", TENSORA_CONFIG=str(cfg), stdin="\n")
+    assert "no API key given" in r.stderr
+    # an API elsewhere (not a loopback address): the local key is not offered to it
+    r = cli("--api-url", "http://192.0.2.1:8700", "login", code=2, TENSORA_API_KEY="", TENSORA_DATA_DIR=str(data),
+            TENSORA_CONFIG=str(cfg), stdin="\n")
+    assert "no API key given" in r.stderr
+    # a key file that is not this server's: refused, and the message says which file
+    other = cli.tmp / "other-data"
+    other.mkdir(exist_ok=True)
+    (other / "admin-key").write_text("tsk_5KEdT7TvpN2hwH4SSDKEfcA1m0C6KhFj3IpWR9\n")
+    r = cli("login", code=1, TENSORA_API_KEY="", TENSORA_DATA_DIR=str(other), TENSORA_CONFIG=str(cfg))
+    assert f"the API refused the key in {other / 'admin-key'}" in r.stderr and "401" in r.stderr
+
+
+ERRORS = {  # args -> what the error must say: the flag typed, and the API's field
+    "a duration that is not one": (["notebook", "create", "x", "--gpu-class", "l40s-48gb", "--fallback-after",
+                                    "banana"], "--fallback-after:", "fallback_after_s"),
+    "an unknown class in the fallback list": (["vm", "create", "x", "--gpu-class", "l40s-48gb", "--fallback",
+                                               "a100-80gb,bogus"], "--fallback:", "fallback[1]"),
+    "an unknown class": (["notebook", "create", "x", "--gpu-class", "nope"], "--gpu-class:", "gpu_class"),
+    "a model that is not there": (["endpoint", "create", "x", "--gpu-class", "cpu-2c-8g", "--model", "missing"],
+                                  "--model:", "model"),
+    "a bad name": (["notebook", "create", "Bad Name", "--gpu-class", "l40s-48gb"], "NAME:", "name"),
+    "another region": (["notebook", "create", "x", "--gpu-class", "l40s-48gb", "--region", "mars"], "--region:",
+                       "region"),
+    "an unknown scope": (["keys", "create", "--scope", "everything"], "--scope:", "scopes[0]"),
+    "a rate of zero": (["keys", "create", "--rpm", "0"], "--rpm:", "requests_per_minute"),
+    "an unknown grouping": (["usage", "--group-by", "colour"], "--group-by:", "group_by"),
+    "an unknown state": (["workloads", "list", "--state", "sleeping"], "--state:", "state"),
+}
+
+
+@pytest.mark.parametrize(("args", "flag", "api_field"), ERRORS.values(), ids=ERRORS.keys())
+def test_api_errors_name_the_flag_typed(cli: Cli, args: list[str], flag: str, api_field: str) -> None:
+    r = cli(*args, code=1)
+    assert f"error: 422 {flag} " in r.stderr and f"(API field {api_field})" in r.stderr, r.stderr
+
+
+def _whole(text: str, ids: list[str]) -> None:
+    """Every id on a line of its own making (never split across two), and no line ending in a space."""
+    lines = text.splitlines()
+    assert lines and [line for line in lines if line != line.rstrip()] == [], text
+    for i in ids:
+        assert any(i in line for line in lines), f"{i} not whole in:\n{text}"
+
+
+def test_output_copies_whole_piped_and_on_an_80_column_terminal(cli: Cli) -> None:
+    long = cli.json("vm", "create", "a-rather-long-virtual-machine-name-for-the-table", "--gpu-class", "a100-80gb",
+                    "--fallback", "h100-80gb", "--fallback-after", "1h")
+    nb = cli.json("notebook", "create", "copyme", "--gpu-class", "l40s-48gb", "--fallback", "cpu",
+                  "--fallback-after", "0", "--wait", "--timeout", "60s")
+    key = cli.json("keys", "create", "--name", "a-key-with-a-long-name-for-the-table", "--scope", "workloads:read",
+                   "--scope", "usage:read", "--scope", "inference")
+    wids = [long["id"], nb["id"], nb["placed_class"], long["name"]]
+    try:
+        for args, ids in [(["workloads", "list"], wids),
+                          (["workloads", "get", nb["id"]], [nb["id"], nb["placed_class"]]),
+                          (["workloads", "events", nb["id"]], [nb["placed_class"]]),
+                          (["keys", "list"], [key["id"], key["name"]]), (["catalog"], ["cpu-32c-128g"]),
+                          (["usage", "--group-by", "placed_class,kind"], [nb["placed_class"]])]:
+            piped = cli(*args, COLUMNS="80").stdout
+            _whole(piped, ids)
+            on_80 = cli.on_terminal(*args)
+            _whole(on_80, ids)
+        # piped: one line per row, whatever COLUMNS says
+        rows = cli("workloads", "list", COLUMNS="80").stdout.splitlines()
+        assert len(rows) == 1 + len(cli.json("workloads", "list")["data"])
+        # on the terminal, a table that fits when its reasons wrap is drawn within the 80 columns
+        events = cli.on_terminal("workloads", "events", nb["id"]).splitlines()
+        assert max(len(line) for line in events) <= 80 and len(events) > 4, "\n".join(events)
+    finally:
+        for w in (long, nb):
+            cli("workloads", "delete", w["id"])
+        cli("keys", "revoke", key["id"])
+
+
+def _gateway(tables: list[RouteTable]) -> Gateway:
+    """A gateway that routes by ``tables[0]`` (swapped by the test)."""
+    o = Options(region="local", ttft_s=5.0, deadline_s=20.0, retry_after_s=1, breaker=Policy(consecutive=1000))
+    return Gateway(o, lambda: tables[0], MemoryLimiter(), None)
+
+
+def test_chat_tells_placed_on_cpu_apart_from_failed_over(cli: Cli) -> None:
+    write_tiny_model(cli.tmp / "tiny")
+    ep = cli.json("endpoint", "create", "talk", "--gpu-class", "l40s-48gb", "--fallback", "cpu", "--fallback-after",
+                  "0", "--model", str(cli.tmp / "tiny"), "--wait", "--timeout", "60s")
+    (rid, cls), = [(r["id"], r["class"]) for r in ep["replicas"] if r["role"] == "primary"]
+    assert cls.startswith("cpu-")
+    backends = Backends(["cpu", "gpu"])  # the simulated fleet runs no model server: fakes answer for it
+
+    def table(*replicas: dict[str, Any]) -> RouteTable:  # what the control API's routes would say
+        return make_table([{"id": ep["id"], "name": "talk", "owner": ep["owner"], "cpu_fallback": True,
+                            "replicas": list(replicas)}], {cli.admin: (ep["owner"], ["admin"])})
+
+    tables = [table(replica(rid, backends.url("cpu"), cpu=True))]
+    placed = f"served by the endpoint's own replica {rid} (placed on {cls}, a CPU fallback: no l40s-48gb was free)"
+    try:
+        with serving(_gateway(tables)) as url:
+            gateway = url.removesuffix("/v1")
+            r = cli("chat", "talk", "-m", "hi", "--max-tokens", "4", TENSORA_GATEWAY_URL=gateway)
+            assert r.stdout.strip() and "served by cpu, fallback true, region local" in r.stderr
+            assert placed in r.stderr and "another backend" not in r.stderr, r.stderr
+
+            # no control API to ask (or no right to): the headers alone, still no failover
+            r = cli("chat", "talk", "-m", "hi", "--max-tokens", "4", TENSORA_GATEWAY_URL=gateway,
+                    TENSORA_API_URL=f"http://127.0.0.1:{free_port()}")
+            assert (f"served by the endpoint's own replica {rid} (placed on a CPU class, a CPU fallback"
+                    in r.stderr), r.stderr
+
+            # a GPU replica of its own in front that fails: the CPU replica answers after it
+            backends.mode("gpu", "http_500")
+            tables[0] = table(replica("rp_gpu", backends.url("gpu")), replica(rid, backends.url("cpu"), cpu=True))
+            r = cli("chat", "talk", "-m", "hi", "--max-tokens", "4", TENSORA_GATEWAY_URL=gateway)
+            assert (f"another backend answered: the endpoint's own replica {rid} (placed on {cls}, a CPU fallback: "
+                    "no l40s-48gb was free), after talk/rp_gpu failed (HTTP 500)") in r.stderr, r.stderr
+
+            # every backend failing: the error says what was tried
+            backends.mode("cpu", "http_503")
+            r = cli("chat", "talk", "-m", "hi", TENSORA_GATEWAY_URL=gateway, code=1)
+            assert "503" in r.stderr and "talk/rp_gpu failed (HTTP 500)" in r.stderr, r.stderr
+    finally:
+        backends.close()
+        cli("workloads", "delete", ep["id"])

@@ -6,14 +6,15 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.text import Text
 
 from tensora.cli import profile
 from tensora.cli.common import (
@@ -22,12 +23,17 @@ from tensora.cli.common import (
     TIMEOUT,
     UNREACHABLE,
     USAGE,
+    Col,
     Output,
+    api_error_text,
     app,
     check_output,
+    emit,
     err,
     fail,
+    fields,
     out,
+    table,
 )
 from tensora.errors import ConfigError
 from tensora.sdk import (
@@ -69,9 +75,15 @@ def target(ctx: typer.Context) -> profile.Target:
         raise fail(exc) from None
 
 
+def api_failure(exc: APIError, flags: Mapping[str, str]) -> typer.Exit:
+    """An API's answer as an error; a field the API names is said as the command's flag (``flags``)."""
+    return fail(api_error_text(exc.status, exc.message, exc.field, exc.request_id, flags), API_ERROR)
+
+
 @contextlib.contextmanager
-def session(ctx: typer.Context) -> Iterator[Client]:
-    """A client for the resolved target; SDK errors become messages and exit codes."""
+def session(ctx: typer.Context, flags: Mapping[str, str] | None = None) -> Iterator[Client]:
+    """A client for the resolved target; SDK errors become messages and exit codes, and an API
+    field named in an error becomes the flag of ``flags`` (API field -> flag) that set it."""
     t = target(ctx)
     if not t.api_key:
         raise fail("no API key: set TENSORA_API_KEY, pass --api-key, or run tensora login "
@@ -84,7 +96,7 @@ def session(ctx: typer.Context) -> Iterator[Client]:
     except APIConnectionError as exc:
         raise fail(f"{exc} (is tensora up or tensora serve running?)", UNREACHABLE) from None
     except APIError as exc:
-        raise fail(exc, API_ERROR) from None
+        raise api_failure(exc, flags or {}) from None
     except ValueError as exc:  # e.g. a name that several workloads share
         raise fail(exc) from None
 
@@ -103,23 +115,21 @@ def local_time(iso: str | None) -> str:
     return dt.datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone().strftime("%Y-%m-%d %H:%M:%S")
 
 
-def placed(w: Workload) -> str:
+def placed(w: Workload) -> Text:
     if w.placed_class is None:
-        return "-"
+        return Text("-")
     if w.placed_class != w.requested_class:
-        return f"[yellow]{w.placed_class}[/yellow] (fallback)"
-    return w.placed_class
+        return Text.assemble((w.placed_class, "yellow"), " (fallback)")
+    return Text(w.placed_class)
 
 
 def show(w: Workload) -> None:
     """One workload, as a list of fields."""
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column(overflow="fold")
     fallback = ", ".join(w.fallback) or "none (waits for its class)"
-    rows = [("id", w.id), ("name", f"{w.name} ({w.kind})"), ("state", w.state), ("requested", w.requested_class),
-            ("placed", placed(w)), ("fallback", f"{fallback}, after {w.fallback_after_s:g}s" if w.fallback else
-                                    fallback), ("reason", w.reason), ("region", w.region)]
+    rows: list[tuple[str, str | Text]] = [
+        ("id", w.id), ("name", f"{w.name} ({w.kind})"), ("state", w.state), ("requested", w.requested_class),
+        ("placed", placed(w)), ("fallback", f"{fallback}, after {w.fallback_after_s:g}s" if w.fallback else fallback),
+        ("reason", w.reason), ("region", w.region)]
     rows += [(c.type, f"{c.reason}: {c.message}") for c in w.conditions]
     if w.restart_available:
         rows.append(("restart", f"available: {w.restart_reason} (tensora workloads restart {w.id} --on-requested)"))
@@ -129,20 +139,18 @@ def show(w: Workload) -> None:
         rows.append(("replica", f"{r.id} {r.class_} {r.state} {r.role} {r.url or ''}".rstrip()))
     if w.model:
         rows.append(("model", w.model))
-    for k, v in rows:
-        grid.add_row(k, v)
-    out.print(grid)
+    emit(fields(rows))
 
 
 def warn(w: Workload) -> None:
     if w.warning:
-        err.print(f"[yellow]warning:[/yellow] {w.warning}")
+        err.print(Text.assemble(("warning:", "yellow"), f" {w.warning}"))
 
 
 def wait_running(c: Client, w: Workload, timeout_s: float) -> Workload:
     """Follow the workload until it runs: a spinner on a terminal, a line per change otherwise."""
-    def line(x: Workload) -> str:
-        return f"{x.name}: {x.state}: {x.reason}"
+    def line(x: Workload) -> Text:  # a Text: a reason is shown as is, never read as markup
+        return Text(f"{x.name}: {x.state}: {x.reason}")
 
     try:
         if err.is_terminal:
@@ -169,6 +177,21 @@ Wait = Annotated[bool, typer.Option("--wait", help="follow it until it runs (or 
 Timeout = Annotated[str, typer.Option(help="how long --wait waits: 15m, 90s")]
 IdemKey = Annotated[str | None, typer.Option(help="your own Idempotency-Key (default: a fresh one per command)")]
 
+# API field -> the flag (or argument) that sets it, per command: an API error names what was typed
+CREATE_FLAGS = {"name": "NAME", "gpu_class": "--gpu-class", "fallback": "--fallback",
+                "fallback_after": "--fallback-after", "fallback_after_s": "--fallback-after", "region": "--region",
+                "spec": "--spec", "Idempotency-Key": "--idempotency-key"}
+NOTEBOOK_FLAGS = CREATE_FLAGS
+VM_FLAGS = {**CREATE_FLAGS, "image": "--image"}
+ENDPOINT_FLAGS = {**CREATE_FLAGS, "model": "--model", "model_params": "--model", "model_bytes": "--model",
+                  "replicas": "--replicas", "fallback_models": "--fallback-model",
+                  "allow_cross_region": "--allow-cross-region"}
+LIST_FLAGS = {"kind": "--kind", "state": "--state"}
+USAGE_FLAGS = {"group_by": "--group-by", "since": "--since", "until": "--since", "owner": "--owner"}
+KEY_FLAGS = {"name": "--name", "scopes": "--scope", "owner": "--owner", "requests_per_minute": "--rpm",
+             "tokens_per_minute": "--tpm", "Idempotency-Key": "--idempotency-key"}
+OWNER_FLAGS = {"owner": "OWNER", "untrusted": "--untrusted/--trusted"}
+
 
 def _spec(items: Sequence[str] | None) -> dict[str, Any] | None:
     if not items:
@@ -186,14 +209,14 @@ def _spec(items: Sequence[str] | None) -> dict[str, Any] | None:
 
 
 def _create(ctx: typer.Context, kind: str, name: str, gpu_class: str, fallback: str, fallback_after: str | None,
-            wait: bool, timeout: str, output: str, **more: Any) -> None:
+            wait: bool, timeout: str, output: str, flags: Mapping[str, str], **more: Any) -> None:
     check_output(output)
     try:
         timeout_s = parse_duration(timeout)
     except ValueError as exc:
         raise fail(f"--timeout: {exc}") from None
     chain = [c.strip() for c in fallback.split(",") if c.strip()]
-    with session(ctx) as c:
+    with session(ctx, flags) as c:
         w = c.create_workload(kind, name, gpu_class, fallback=chain, fallback_after=fallback_after, **more)
         warn(w)
         if wait:
@@ -218,8 +241,8 @@ def notebook_create(ctx: typer.Context, name: str, gpu_class: GpuClass, fallback
                     wait: Wait = False, timeout: Timeout = "15m", idempotency_key: IdemKey = None,
                     output: Output = "table") -> None:
     """Create a notebook; its URL (with token) shows once it runs."""
-    _create(ctx, "notebook", name, gpu_class, fallback, fallback_after, wait, timeout, output, region=region,
-            spec=_spec(spec), idempotency_key=idempotency_key)
+    _create(ctx, "notebook", name, gpu_class, fallback, fallback_after, wait, timeout, output, NOTEBOOK_FLAGS,
+            region=region, spec=_spec(spec), idempotency_key=idempotency_key)
 
 
 @vm_app.command("create")
@@ -229,7 +252,7 @@ def vm_create(ctx: typer.Context, name: str, gpu_class: GpuClass, fallback: Fall
               spec: Spec = None, wait: Wait = False, timeout: Timeout = "15m", idempotency_key: IdemKey = None,
               output: Output = "table") -> None:
     """Create a VM (on a GPU class: that GPU passed through, where the host allows)."""
-    _create(ctx, "vm", name, gpu_class, fallback, fallback_after, wait, timeout, output, region=region,
+    _create(ctx, "vm", name, gpu_class, fallback, fallback_after, wait, timeout, output, VM_FLAGS, region=region,
             image=str(Path(image).resolve()) if image else None, spec=_spec(spec), idempotency_key=idempotency_key)
 
 
@@ -246,8 +269,8 @@ def endpoint_create(ctx: typer.Context, name: str, gpu_class: GpuClass,
                     spec: Spec = None, wait: Wait = False, timeout: Timeout = "15m", idempotency_key: IdemKey = None,
                     output: Output = "table") -> None:
     """Create an endpoint; call it through the gateway with model=NAME (tensora chat NAME)."""
-    _create(ctx, "endpoint", name, gpu_class, fallback, fallback_after, wait, timeout, output, region=region,
-            model=str(Path(model).resolve()), replicas=replicas, fallback_models=fallback_model,
+    _create(ctx, "endpoint", name, gpu_class, fallback, fallback_after, wait, timeout, output, ENDPOINT_FLAGS,
+            region=region, model=str(Path(model).resolve()), replicas=replicas, fallback_models=fallback_model,
             allow_cross_region=allow_cross_region or None, spec=_spec(spec), idempotency_key=idempotency_key)
 
 
@@ -265,17 +288,13 @@ def workloads_list(ctx: typer.Context, kind: Annotated[str | None, typer.Option(
                    output: Output = "table") -> None:
     """Your workloads, oldest first: where each asked to run, where it runs, and why."""
     check_output(output)
-    with session(ctx) as c:
+    with session(ctx, LIST_FLAGS) as c:
         rows = sorted(c.iter_workloads(kind, state), key=lambda w: w.created_at)
     if output == "json":
         dump(rows)
         return
-    table = Table()
-    for column in ("id", "name", "kind", "state", "requested", "placed", "reason"):
-        table.add_column(column, overflow="fold")
-    for w in rows:
-        table.add_row(w.id, w.name, w.kind, w.state, w.requested_class, placed(w), w.reason)
-    out.print(table)
+    emit(table(["id", "name", "kind", "state", "requested", "placed", Col("reason", wrap=True)],
+               [(w.id, w.name, w.kind, w.state, w.requested_class, placed(w), w.reason) for w in rows]))
 
 
 @workloads_app.command("get")
@@ -296,13 +315,9 @@ def workloads_events(ctx: typer.Context, ref: Ref, output: Output = "table") -> 
     if output == "json":
         dump(events)
         return
-    table = Table()
-    for column in ("at", "type", "change", "reason"):
-        table.add_column(column, overflow="fold")
-    for e in events:
-        change = f"{e.from_state or '-'} -> {e.to_state}" if e.to_state else ""
-        table.add_row(local_time(e.at), e.type, change, e.reason)
-    out.print(table)
+    emit(table(["at", "type", "change", Col("reason", wrap=True)],
+               [(local_time(e.at), e.type, f"{e.from_state or '-'} -> {e.to_state}" if e.to_state else "", e.reason)
+                for e in events]))
 
 
 @workloads_app.command("stop")
@@ -332,7 +347,7 @@ def workloads_delete(ctx: typer.Context, ref: Ref) -> None:
     with session(ctx) as c:
         w = c.find_workload(ref)
         c.delete_workload(w.id)
-    out.print(f"deleted {w.name} ({w.id})")
+    out.print(f"deleted {w.name} ({w.id})", markup=False)
 
 
 # -- catalog, usage ---------------------------------------------------------------------------
@@ -364,17 +379,15 @@ def catalog_command(ctx: typer.Context, output: Output = "table",
     if output == "json":
         dump({"region": region, "data": rows, "note": note})
         return
-    table = Table()
-    for column in ("name", "kind", "gpu", "vCPU", "memory", "free/total"):
-        table.add_column(column)
+    lines = []
     for c in rows:
         gpu = f"{c['gpu']['count']}x {c['gpu']['model']} {c['gpu']['memory']}" if c["gpu"] else "-"
         cap = c["capacity"].get(region or "", {})
-        table.add_row(c["name"], c["kind"], gpu, f"{c['cpu']:g}", c["memory"],
-                      f"{cap['free']}/{cap['total']}" if cap else "-")
-    out.print(table)
+        lines.append((c["name"], c["kind"], gpu, f"{c['cpu']:g}", c["memory"],
+                      f"{cap['free']}/{cap['total']}" if cap else "-"))
+    emit(table(["name", "kind", "gpu", "vCPU", "memory", "free/total"], lines))
     if note:
-        out.print(note)
+        out.print(note, markup=False)
 
 
 def _since(value: str | None) -> float | None:
@@ -404,7 +417,7 @@ def usage_command(ctx: typer.Context,
     """Accounted time by the class that really ran it (no prices: Tensora is free), or tokens."""
     check_output(output)
     start = _since(since)
-    with session(ctx) as c:
+    with session(ctx, USAGE_FLAGS) as c:
         if tokens:
             t = c.token_usage(since=start)
         else:
@@ -422,12 +435,7 @@ def usage_command(ctx: typer.Context,
         columns = [*u.group_by, "hours", "seconds"]
         rows = [[str(getattr(r, k) or "-") for k in u.group_by] + [f"{r.hours:.3f}", f"{r.seconds:.0f}"]
                 for r in u.data]
-    table = Table()
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*row)
-    out.print(table)
+    emit(table(columns, rows))
     if not tokens:
         first = "the start" if u.since.startswith("1970-01-01T00:00:00") else local_time(u.since)
         out.print(f"total {u.total_seconds / 3600:.3f} h from {first} to {local_time(u.until)}")
@@ -450,13 +458,13 @@ def keys_create(ctx: typer.Context, name: Annotated[str, typer.Option(help="a la
                 output: Output = "table") -> None:
     """Create a key; its secret is in this output only (only its digest is stored)."""
     check_output(output)
-    with session(ctx) as c:
+    with session(ctx, KEY_FLAGS) as c:
         k = c.create_key(name, scopes=scope, owner=owner, requests_per_minute=rpm, tokens_per_minute=tpm)
     if output == "json":
         dump(k)
         return
-    out.print(f"{k.id} ({k.name}, owner {k.owner}): {', '.join(k.scopes)}")
-    out.print(k.key or "")
+    out.print(f"{k.id} ({k.name}, owner {k.owner}): {', '.join(k.scopes)}", markup=False)
+    out.print(k.key or "", markup=False)
     err.print("[yellow]the key is shown once: keep it now[/yellow]")
 
 
@@ -469,13 +477,9 @@ def keys_list(ctx: typer.Context, output: Output = "table") -> None:
     if output == "json":
         dump(keys)
         return
-    table = Table()
-    for column in ("id", "name", "owner", "scopes", "hint", "created", "rpm", "tpm"):
-        table.add_column(column, overflow="fold")
-    for k in keys:
-        table.add_row(k.id, k.name, k.owner, ", ".join(k.scopes), k.hint, local_time(k.created_at),
-                      str(k.requests_per_minute or "-"), str(k.tokens_per_minute or "-"))
-    out.print(table)
+    emit(table(["id", "name", "owner", Col("scopes", wrap=True), "hint", "created", "rpm", "tpm"],
+               [(k.id, k.name, k.owner, ", ".join(k.scopes), k.hint, local_time(k.created_at),
+                 str(k.requests_per_minute or "-"), str(k.tokens_per_minute or "-")) for k in keys]))
 
 
 @keys_app.command("revoke")
@@ -497,12 +501,9 @@ def _print_owners(owners: list[Any], output: str, *, one: bool = True) -> None:
     if output == "json":
         dump(owners[0] if one else owners)
         return
-    table = Table()
-    for column in ("owner", "untrusted", "updated"):
-        table.add_column(column, overflow="fold")
-    for o in owners:
-        table.add_row(o.owner, "yes" if o.untrusted else "no", local_time(o.updated_at) if o.updated_at else "-")
-    out.print(table)
+    emit(table(["owner", "untrusted", "updated"],
+               [(o.owner, "yes" if o.untrusted else "no", local_time(o.updated_at) if o.updated_at else "-")
+                for o in owners]))
 
 
 @owners_app.command("list")
@@ -519,7 +520,7 @@ def owners_get(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="th
                output: Output = "table") -> None:
     """One owner's flags (your own, or anyone's with an admin key)."""
     check_output(output)
-    with session(ctx) as c:
+    with session(ctx, OWNER_FLAGS) as c:
         _print_owners([c.get_owner(owner)], output)
 
 
@@ -530,7 +531,7 @@ def owners_set(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="th
                output: Output = "table") -> None:
     """Mark an owner untrusted (or trusted again). Applies to replicas started from now on."""
     check_output(output)
-    with session(ctx) as c:
+    with session(ctx, OWNER_FLAGS) as c:
         _print_owners([c.set_owner(owner, untrusted=untrusted)], output)
 
 
@@ -543,9 +544,15 @@ def login_command(ctx: typer.Context,
                   profile_name: Annotated[str, typer.Option("--profile", help="save under this name")] = "default",
                   ) -> None:
     """Check a key against the API and save URL and key as a profile (file mode 0600). The key comes
-    from --api-key / TENSORA_API_KEY, --key-file, or a prompt (stdin when not a terminal)."""
+    from --api-key / TENSORA_API_KEY, --key-file, else (with the API on this machine) the admin key
+    tensora up wrote in its data dir (TENSORA_DATA_DIR, else the default), else a prompt (stdin
+    when not a terminal)."""
     o = ctx.find_root().obj or {}
+    api_url = o.get("api_url") or DEFAULT_API_URL
     key = o.get("api_key")
+    source = None  # the file the key came from, said back (the key never is)
+    if key_file is None and not key:
+        key_file = source = profile.local_admin_key(api_url, os.environ)
     if key_file is not None:
         try:
             key = key_file.read_text().strip()
@@ -555,17 +562,19 @@ def login_command(ctx: typer.Context,
         key = (typer.prompt("API key", hide_input=True) if sys.stdin.isatty() else sys.stdin.readline()).strip()
     if not key:
         raise fail("no API key given")
-    t = profile.Target(o.get("api_url") or DEFAULT_API_URL, key,
-                       o.get("gateway_url") or DEFAULT_GATEWAY_URL, profile_name)
+    t = profile.Target(api_url, key, o.get("gateway_url") or DEFAULT_GATEWAY_URL, profile_name)
     try:
         with Client(key, t.api_url) as c:
             c.list_workloads(limit=1)
     except APIConnectionError as exc:
         raise fail(exc, UNREACHABLE) from None
     except APIError as exc:
-        raise fail(f"the API refused the key: {exc}", API_ERROR) from None
+        whose = f"the key in {source} (pass --key-file or --api-key for another)" if source else "the key"
+        raise fail(f"the API refused {whose}: {exc}", API_ERROR) from None
     try:
         path = profile.save(profile_name, t.api_url, key, t.gateway_url)
     except (ConfigError, OSError) as exc:
         raise fail(exc, USAGE) from None
-    out.print(f"logged in to {t.api_url} (key ...{key[-4:]}); profile {profile_name!r} saved in {path}")
+    used = f"the admin key in {source}" if source else "the key"
+    out.print(f"logged in to {t.api_url} with {used} (...{key[-4:]}); profile {profile_name!r} saved in {path}",
+              markup=False)

@@ -1,5 +1,6 @@
 """Where the CLI finds its API, gateway and key: flags, then TENSORA_* env, then the profile file
-``tensora login`` writes, then the one-machine defaults.
+``tensora login`` writes, then the one-machine defaults. ``tensora login`` against an API on this
+machine (a loopback address) finds the admin key ``tensora up`` wrote in its data dir by itself.
 
 The file (``$TENSORA_CONFIG``, default ``~/.config/tensora/profiles.json``) holds named
 profiles; it is written whole to a temp file of mode 0600 and renamed, so it is never
@@ -8,12 +9,15 @@ half-written nor readable by others, and a key in it is never printed back.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import platformdirs
 
@@ -79,3 +83,32 @@ def save(name: str, api_url: str, api_key: str, gateway_url: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def is_loopback(url: str) -> bool:
+    """Whether ``url``'s host is this machine: ``localhost``, 127.0.0.0/8 or ``::1``."""
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return False
+    if host is None:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def local_admin_key(api_url: str, env: Mapping[str, str]) -> Path | None:
+    """The admin key file of ``tensora up`` on this machine, when ``api_url`` is on a loopback address
+    and the data dir (``TENSORA_DATA_DIR``, else the user's data dir: as ``tensora up`` resolves it)
+    holds a readable one; else None."""
+    if not is_loopback(api_url):
+        return None
+    from tensora.serve import ADMIN_KEY_FILE, default_data_dir
+
+    data_dir = Path(env["TENSORA_DATA_DIR"]) if env.get("TENSORA_DATA_DIR") else default_data_dir()
+    path = data_dir / ADMIN_KEY_FILE
+    return path if path.is_file() and os.access(path, os.R_OK) else None

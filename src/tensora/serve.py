@@ -17,6 +17,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tensora import yamlsource
 from tensora.api.auth import KeyChecker, create_key
@@ -38,8 +39,10 @@ from tensora.controller import Controller
 from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
 from tensora.errors import ConfigError, TensoraError
 from tensora.hardware import NodeOverrides, offered
+from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database
+from tensora.units import parse_memory
 
 ADMIN_KEY_FILE = "admin-key"
 UP_LOCK_FILE = "up.pid"
@@ -101,6 +104,21 @@ class ServeSettings(BaseModel):
                                     "and tensora up read them here), e.g. {port: 8701, redis_url: ...}")
     gateway_port: int | None = Field(default=None, ge=0, le=65535, description="tensora up: the gateway's port "
                                      "(default 8701); the gateway runs beside the API in its own process")
+    storage_quota: str = Field(default="20Gi", pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
+                               description="the most bytes each owner's files (tensora files) may take")
+    shared_models: dict[str, Path] = Field(default_factory=dict, description="read-only roots every owner may name "
+                                           "as shared/<name>/<path> in model and image, e.g. {pool: /srv/models}")
+    sandbox_uids: str = Field(default="100000-165535", pattern=r"^[1-9][0-9]*-[1-9][0-9]*$",
+                              description="the uids (each also the gid) owners' sandboxes run as: one per owner, "
+                              "allocated on first use; never 0 or Tensora's own")
+
+    @field_validator("shared_models")
+    @classmethod
+    def _shared_names(cls, roots: dict[str, Path]) -> dict[str, Path]:
+        for name, path in roots.items():
+            if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", name) or not path.is_absolute():
+                raise ValueError(f"shared_models.{name}: a name of a-z, 0-9, '.', '_', '-' and an absolute path")
+        return roots
 
     @property
     def db_url(self) -> str:
@@ -241,8 +259,10 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
                                 drain_s=settings.drain_s)
         if settings.driver == "kubernetes" and hasattr(driver, "watch"):  # react to objects at once
             driver.watch(controller.wake)
+    storage = Storage(settings.data_dir / "files", quota=parse_memory(settings.storage_quota),
+                      shared=dict(settings.shared_models))
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
-                    idempotency=Idempotency(db, clock), controller=controller)
+                    idempotency=Idempotency(db, clock), controller=controller, storage=storage)
 
 
 def _exit_clean(signum: int, frame: Any) -> None:

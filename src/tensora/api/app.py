@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tensora import __version__, dashboard
-from tensora.api import errors
+from tensora.api import errors, files
 from tensora.api.limits import Guard
 from tensora.api.routes import router
 from tensora.api.services import Services
@@ -27,7 +27,8 @@ fallbacks that are **opt-in, explicit and visible**.
 * A workload asks for `gpu_class` and may list `fallback` classes (or `cpu`) to accept after
   `fallback_after`. It records `requested_class` and `placed_class`; a workload on a fallback
   class carries the condition `degraded` (`cpu_fallback` or `class_fallback`).
-* **CPU serving is roughly 10-50x slower than a GPU.** Responses say so when a fallback list holds CPU.
+* **CPU means no GPU.** An endpoint on CPU serves roughly 10-50x slower than a GPU; a notebook or VM
+  runs without one. Responses say which (`warning`) when a fallback list holds CPU.
 * Every POST takes `Idempotency-Key`: the same key and body replay the first response for 24 hours
   (`Idempotent-Replayed: true`); another body is 422; while the first runs, 409 with `Retry-After`.
 * Every 503 carries `Retry-After`. Errors are `{"error": {"type", "message", "field"}}`.
@@ -54,6 +55,7 @@ def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: 
     app.state.services = services
     errors.install(app)
     app.include_router(router)
+    app.include_router(files.router)
     dashboard.install(app)
     guard = Guard(app, max_in_flight=max_in_flight, max_body_bytes=max_body_bytes)
     guard.fastapi = app  # type: ignore[attr-defined]

@@ -16,6 +16,9 @@ from tensora.api.errors import error_body
 Scope = dict[str, Any]
 
 _EXEMPT = ("/healthz",)
+_STREAMED = ("/v1/files/",)
+"""PUT routes that read their body as a stream and bound it themselves: an upload's limit is the
+owner's remaining storage quota, not ``max_body_bytes`` (which is for JSON bodies)."""
 
 
 class Guard:
@@ -44,11 +47,12 @@ class Guard:
                 await _reply(send, 503, "service_unavailable", "too many requests in flight; retry", extra, 1)
                 return
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+        streamed = scope.get("method") == "PUT" and path.startswith(_STREAMED)  # neither limited nor buffered here
+        if not streamed and length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _reply(send, 413, "payload_too_large",
                          f"the body is larger than {self.max_body_bytes} bytes", extra)
             return
-        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+        if not streamed and length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
             # A body without Content-Length (chunked): read it here, up to the limit, then replay it.
             chunks, size, more = [], 0, True
             while more:

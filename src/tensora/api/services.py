@@ -13,6 +13,7 @@ from tensora.capacity import GpuReserve
 from tensora.catalog import Catalog
 from tensora.clock import Clock
 from tensora.controller import Controller
+from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database
 
@@ -30,6 +31,8 @@ class Services:
     waker: Callable[[], None] | None = None
     """Wakes a controller in another process (``serve --workers``), when there is none here."""
     extra: dict[str, Any] = field(default_factory=dict)
+    storage: Storage | None = None
+    """Owners' files (``/v1/files``) and the shared models; None: this server keeps none (503)."""
 
     def wake(self) -> None:
         if self.controller is not None:

@@ -1,7 +1,7 @@
 """The ``tensora`` command: ``common`` (the app, exit codes), ``local`` (this machine and offline
 tools), ``cloud`` (the control API through the SDK), ``chat`` (an endpoint through the gateway)."""
 
-from tensora.cli import chat, cloud, local
+from tensora.cli import chat, cloud, files, local
 from tensora.cli.common import app
 
 
@@ -9,4 +9,4 @@ def main() -> None:
     app()
 
 
-__all__ = ["app", "chat", "cloud", "local", "main"]
+__all__ = ["app", "chat", "cloud", "files", "local", "main"]

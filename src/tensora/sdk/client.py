@@ -19,8 +19,10 @@ import random
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 
@@ -38,6 +40,7 @@ from tensora.sdk.errors import (
     for_status,
 )
 from tensora.sdk.retry import RetryBudget, RetryPolicy, Stop, decide
+from tensora.storage import FileList, FileOut
 
 T = TypeVar("T")
 
@@ -287,6 +290,92 @@ class Client(_Base):
         import openai
 
         return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.api_key, **kwargs)
+
+    # -- files ------------------------------------------------------------------------
+
+    def upload_file(self, local_path: str | os.PathLike[str], name: str, *,
+                    on_progress: Callable[[int], Any] | None = None) -> FileOut:
+        """Upload one file to your storage as ``name`` (e.g. ``tiny/model.safetensors``), streamed from
+        disk; ``on_progress(sent)`` hears how many of its bytes are sent so far. Retried as any call
+        (a PUT of the same bytes to the same name is idempotent), reading the file again from its start."""
+        path = Path(local_path)
+        call: Call[FileOut] = Call("PUT", self._file_path(name), FileOut.model_validate)
+        rid = "req_" + secrets.token_hex(8)
+        retries = 0
+        while True:
+            try:
+                with path.open("rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    headers = {**self._headers(retries + 1, None, rid), "Content-Length": str(size),
+                               "Content-Type": "application/octet-stream"}
+                    response = self._http.request("PUT", call.path, content=self._file_chunks(f, on_progress),
+                                                  headers=headers)
+                return self._read(call, response, retries)
+            except (httpx.HTTPError, APIError) as exc:
+                error = self._transport_error(exc, rid) if isinstance(exc, httpx.HTTPError) else exc
+            delay = self._delay(retries, error)
+            if delay is None:
+                raise error
+            self._sleep(delay)
+            retries += 1
+
+    def upload_dir(self, local_dir: str | os.PathLike[str], name: str, *,
+                   on_progress: Callable[[int], Any] | None = None) -> list[FileOut]:
+        """Upload every file under ``local_dir`` as ``name/<its relative path>`` (a model directory);
+        see ``local_files`` for which. ``on_progress(sent)`` hears the bytes of all of them sent so far."""
+        done, out = 0, []
+        for path, rel in self.local_files(local_dir):
+            def progress(sent: int, base: int = done) -> None:
+                if on_progress is not None:
+                    on_progress(base + sent)
+
+            out.append(self.upload_file(path, f"{name.rstrip('/')}/{rel}", on_progress=progress))
+            done += out[-1].size
+        return out
+
+    @staticmethod
+    def local_files(local_dir: str | os.PathLike[str]) -> list[tuple[Path, str]]:
+        """The files ``upload_dir`` sends, as (path, relative POSIX name), by name: regular files and
+        links to them; hidden files and directories (``.git``, ``.cache``) are left out, as are links
+        to directories."""
+        top = Path(local_dir)
+        if not top.is_dir():
+            raise ValueError(f"{top} is not a directory")
+        found = []
+        for here, dirs, files in os.walk(top):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for f in files:
+                path = Path(here) / f
+                if not f.startswith(".") and path.is_file():
+                    found.append((path, path.relative_to(top).as_posix()))
+        return sorted(found, key=lambda pr: pr[1])
+
+    @staticmethod
+    def _file_path(name: str) -> str:
+        """``/v1/files/<name>``, each segment percent-encoded, dots of ``.``/``..`` segments too: the
+        server refuses those (422 naming them), and unencoded they would be resolved away in the URL."""
+        segments = name.split("/")
+        return "/v1/files/" + "/".join(seg.replace(".", "%2E") if seg in (".", "..") else quote(seg, safe="")
+                                       for seg in segments)
+
+    @staticmethod
+    def _file_chunks(f: IO[bytes], on_progress: Callable[[int], Any] | None,
+                     size: int = 1 << 20) -> Iterator[bytes]:
+        sent = 0
+        while chunk := f.read(size):
+            yield chunk
+            sent += len(chunk)
+            if on_progress is not None:
+                on_progress(sent)
+
+    def list_files(self, prefix: str | None = None) -> FileList:
+        """Your files (those under ``prefix`` if given), with the bytes they take and your quota."""
+        params = {"prefix": prefix} if prefix is not None else {}
+        return self.run(Call("GET", "/v1/files", FileList.model_validate, params=params))
+
+    def delete_file(self, name: str) -> FileList:
+        """Delete the file ``name``, or every file under ``name/`` (a model directory); returns what went."""
+        return self.run(Call("DELETE", self._file_path(name), FileList.model_validate))
 
 
 async def _asleep(seconds: float) -> None:

@@ -200,3 +200,27 @@ class Lease(Base):
     holder: Mapped[str] = mapped_column(String(128))
     expires_at: Mapped[float] = mapped_column(Float)
     acquired_at: Mapped[float] = mapped_column(Float)
+
+
+class StoredFile(Base):
+    """One file of an owner's storage (``storage.py``): the bytes are on disk under the owner's
+    directory at ``path``; this row is the truth for listings and the quota."""
+
+    __tablename__ = "files"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    path: Mapped[str] = mapped_column(String(512), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class OwnerUid(Base):
+    """The unprivileged uid (and gid, the same number) an owner's sandboxes run as: allocated once,
+    never reused for another owner."""
+
+    __tablename__ = "owner_uids"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    uid: Mapped[int] = mapped_column(Integer, unique=True)
+    created_at: Mapped[float] = mapped_column(Float)

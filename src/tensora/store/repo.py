@@ -4,17 +4,21 @@ inside a transaction from ``Database.write()``/``read()``. No business rules her
 
 from __future__ import annotations
 
+import hashlib
+import os
 import secrets
 import string
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from sqlalchemy import Connection, Table, and_, bindparam, case, delete, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from tensora.errors import Conflict, TensoraError
 from tensora.store.models import (
     ApiKey,
     Event,
@@ -22,7 +26,9 @@ from tensora.store.models import (
     Lease,
     Node,
     Owner,
+    OwnerUid,
     Replica,
+    StoredFile,
     TokenUsage,
     UsageSegment,
     Workload,
@@ -38,6 +44,8 @@ I = cast(Table, IdempotencyRecord.__table__)  # noqa: E741
 L = cast(Table, Lease.__table__)
 T = cast(Table, TokenUsage.__table__)
 O = cast(Table, Owner.__table__)  # noqa: E741
+F = cast(Table, StoredFile.__table__)
+UID = cast(Table, OwnerUid.__table__)
 
 # Hot-path statements are built once with bound parameters and executed with a dict of
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
@@ -422,3 +430,115 @@ def lease_holder(conn: Connection, name: str, now: float) -> str | None:
 
 def release_lease(conn: Connection, name: str, holder: str) -> None:
     conn.execute(delete(L).where(L.c.name == name, L.c.holder == holder))
+
+
+# -- owner storage --------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class FileRow:
+    owner: str
+    path: str
+    size: int
+    sha256: str
+    created_at: float
+
+
+def _file(row: Any) -> FileRow:
+    return FileRow(row.owner, row.path, int(row.size), row.sha256, row.created_at)
+
+
+def lock_owner_files(conn: Connection, owner: str) -> None:
+    """Until the transaction ends, this owner's file writes wait for this one: the quota check and
+    the write it allows are then one step. PostgreSQL: a transaction-scoped advisory lock on a key
+    derived from the owner; SQLite: nothing to do, its write transactions already take turns."""
+    if conn.dialect.name == "postgresql":
+        key = int.from_bytes(hashlib.sha256(b"tensora-files:" + owner.encode()).digest()[:8], "big", signed=True)
+        conn.execute(select(func.pg_advisory_xact_lock(key)))
+
+
+def storage_used(conn: Connection, owner: str) -> int:
+    return int(conn.execute(select(func.coalesce(func.sum(F.c.size), 0)).where(F.c.owner == owner)).scalar_one())
+
+
+def get_file(conn: Connection, owner: str, path: str) -> FileRow | None:
+    row = conn.execute(select(F).where(F.c.owner == owner, F.c.path == path)).first()
+    return _file(row) if row else None
+
+
+def list_files(conn: Connection, owner: str, prefix: str | None = None) -> list[FileRow]:
+    """The owner's files by path; with ``prefix``, the file named so and those under ``prefix/``."""
+    q = select(F).where(F.c.owner == owner)
+    if prefix is not None:
+        q = q.where(or_(F.c.path == prefix, F.c.path.startswith(prefix + "/", autoescape=True)))
+    return sorted((_file(r) for r in conn.execute(q)), key=lambda f: f.path)
+
+
+def blocking_file(conn: Connection, owner: str, path: str, parents: Sequence[str]) -> str | None:
+    """What keeps a file from being written at ``path``: a file at one of its ``parents`` (``tiny`` for
+    ``tiny/config.json``), or files under ``path/`` (it is a directory). None when nothing does."""
+    under = F.c.path.startswith(path + "/", autoescape=True)
+    where = or_(F.c.path.in_(list(parents)), under) if parents else under
+    return conn.execute(select(F.c.path).where(F.c.owner == owner, where).limit(1)).scalar()
+
+
+def put_file(conn: Connection, row: FileRow) -> bool:
+    """Insert or replace the owner's file at ``row.path``; True if it replaced one."""
+    replaced = conn.execute(update(F).where(F.c.owner == row.owner, F.c.path == row.path)
+                            .values(size=row.size, sha256=row.sha256, created_at=row.created_at)).rowcount == 1
+    if not replaced:
+        conn.execute(insert(F).values(owner=row.owner, path=row.path, size=row.size, sha256=row.sha256,
+                                      created_at=row.created_at))
+    return replaced
+
+
+def delete_files(conn: Connection, owner: str, paths: Sequence[str]) -> None:
+    if paths:
+        conn.execute(delete(F).where(F.c.owner == owner, F.c.path.in_(list(paths))))
+
+
+# -- sandbox uids ---------------------------------------------------------------------
+
+UID_FIRST, UID_LAST = 100_000, 165_535
+"""The default range of sandbox uids (a block above the usual 65536 host ids)."""
+
+
+class UidsExhausted(TensoraError):
+    """Every uid of the configured range is held by an owner."""
+
+
+def owner_uid(conn: Connection, owner: str, now: float, *, first: int = UID_FIRST, last: int = UID_LAST,
+              avoid: Iterable[int] = ()) -> int:
+    """The owner's sandbox uid (its gid is the same number), allocated on first call in a write
+    transaction and recorded; the same owner always gets the same one.
+
+    Never 0, never this process's uid or gid, nor any in ``avoid``. Allocation is the next free
+    number above the highest taken in ``first..last``, inserted with ON CONFLICT DO NOTHING (SQLite
+    and PostgreSQL both have it) and read back: a concurrent first call for the same owner waits
+    on the other's row and reads its uid; one for another owner that took the same number sends
+    this one round again to the next. UidsExhausted when the range is full.
+    """
+    held = _UID_OF.where(UID.c.owner == owner)
+    got = conn.execute(held).scalar()
+    if got is not None:
+        return int(got)
+    if not 1 <= first <= last:
+        raise ValueError(f"the sandbox uid range {first}..{last} must be within 1.. and not empty")
+    never = {0, os.getuid(), os.getgid(), *avoid}
+    upsert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    for _ in range(100):
+        top = conn.execute(select(func.max(UID.c.uid)).where(UID.c.uid.between(first, last))).scalar()
+        uid = first if top is None else int(top) + 1
+        while uid in never:
+            uid += 1
+        if uid > last:
+            count = conn.execute(select(func.count()).select_from(UID).where(UID.c.uid.between(first, last)))
+            raise UidsExhausted(f"no free sandbox uid for owner {owner!r}: {count.scalar_one()} owners hold the "
+                                f"range {first}..{last}; widen it (setting sandbox_uids)")
+        conn.execute(upsert(UID).values(owner=owner, uid=uid, created_at=now).on_conflict_do_nothing())
+        got = conn.execute(held).scalar()
+        if got is not None:
+            return int(got)
+    raise Conflict(f"could not allocate a sandbox uid for owner {owner!r}: too many owners at once; retry")
+
+
+_UID_OF = select(UID.c.uid)

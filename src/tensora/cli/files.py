@@ -1,0 +1,106 @@
+"""``tensora files``: your storage, through the SDK. ``upload`` (a directory is a model: every
+file under it, with one progress bar over all their bytes), ``list`` and ``rm``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from tensora.cli.cloud import dump, local_time, session
+from tensora.cli.common import Output, app, check_output, err, fail, out
+from tensora.sdk import Client
+from tensora.storage import FileList, FileOut, format_bytes
+
+files_app = typer.Typer(help="Your files: models (a directory of safetensors files) and disk images, named "
+                        "in --model and --image.", no_args_is_help=True)
+app.add_typer(files_app, name="files", rich_help_panel="Use Tensora")
+
+
+@files_app.command("upload")
+def upload(ctx: typer.Context,
+           local: Annotated[Path, typer.Argument(help="a file, or a directory (a model: every file under it)")],
+           name: Annotated[str | None, typer.Argument(help="its name in your storage (default: LOCAL's own "
+                                                      "name), e.g. tiny or images/debian.qcow2")] = None,
+           output: Output = "table") -> None:
+    """Upload a file or a model directory, with a progress bar; re-uploading a name replaces it."""
+    check_output(output)
+    if not local.exists():
+        raise fail(f"{local}: no such file or directory")
+    name = name or local.resolve().name
+    if local.is_dir():
+        parts = [(p, f"{name.rstrip('/')}/{rel}") for p, rel in Client.local_files(local)]
+        if not parts:
+            raise fail(f"{local}: no files to upload (hidden files are left out)")
+    else:
+        parts = [(local, name)]
+    total = sum(p.stat().st_size for p, _ in parts)
+    done: list[FileOut] = []
+    with session(ctx) as c, Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                     TransferSpeedColumn(), TimeRemainingColumn(), console=err,
+                                     transient=True) as bar:
+        task = bar.add_task(f"uploading {name}", total=total)
+        for path, target in parts:
+            base = sum(f.size for f in done)
+            bar.update(task, description=target)
+
+            def progress(sent: int, base: int = base) -> None:
+                bar.update(task, completed=base + sent)
+
+            done.append(c.upload_file(path, target, on_progress=progress))
+    if output == "json":
+        dump(done)
+        return
+    _table(done)
+    err.print(f"uploaded {len(done)} file{'s' if len(done) != 1 else ''}, {format_bytes(total)}, as {name}")
+
+
+@files_app.command("list")
+def list_files(ctx: typer.Context,
+               prefix: Annotated[str | None, typer.Argument(help="only this file or directory")] = None,
+               output: Output = "table") -> None:
+    """Your files, the room they take and your quota."""
+    check_output(output)
+    with session(ctx) as c:
+        page = c.list_files(prefix)
+    if output == "json":
+        dump(page)
+        return
+    _table(page.data)
+    _room(page)
+
+
+@files_app.command("rm")
+def remove(ctx: typer.Context, name: Annotated[str, typer.Argument(help="a file, or a directory: all its files")],
+           output: Output = "table") -> None:
+    """Delete a file, or every file of a directory (a model)."""
+    check_output(output)
+    with session(ctx) as c:
+        page = c.delete_file(name)
+    if output == "json":
+        dump(page)
+        return
+    gone = sum(f.size for f in page.data)
+    out.print(f"removed {len(page.data)} file{'s' if len(page.data) != 1 else ''} ({format_bytes(gone)}) "
+              f"of {name}")
+    _room(page)
+
+
+def _table(files: list[FileOut]) -> None:
+    """Paths whole on one line, however narrow the terminal (they are what you type next); the
+    sha256 shortened to 12 hex digits (``-o json`` has it all)."""
+    table = Table()
+    table.add_column("path", no_wrap=True, min_width=max((len(f.path) for f in files), default=4))
+    table.add_column("size", justify="right", no_wrap=True, min_width=8)
+    table.add_column("sha256", no_wrap=True, min_width=12)
+    table.add_column("uploaded", no_wrap=True)
+    for f in files:
+        table.add_row(f.path, format_bytes(f.size), f.sha256[:12], local_time(f.created_at))
+    out.print(table)
+
+
+def _room(page: FileList) -> None:
+    err.print(f"{format_bytes(page.used)} of {format_bytes(page.quota)} used")

@@ -9,6 +9,11 @@ once, where they arise, into these; the rest of the code never catches a foreign
     │   ├── FleetError         a nodes.yaml / workloads.yaml of the simulated fleet
     │   └── SpecError          a workload's create body (field named)
     ├── ModelFileError         a model file or directory that is not valid safetensors
+    ├── SandboxError           a replica's OCI sandbox could not be made, started or removed (sandbox.runc)
+    ├── NetworkError           a sandbox's network namespace or its pasta (sandbox.network)
+    ├── StorageError           owners' files (storage): BadName, NotFound (one message), OverQuota, NameTaken
+    ├── UidsExhausted          no sandbox uid left in the sandbox_uids range (store.repo)
+    ├── Occupied               tensora up: already running, or its port taken by another program (serve)
     └── StoreError             the database
         ├── StoreUnavailable   unreachable, locked, timed out: retry later (the API answers 503)
         └── Conflict           a write lost a race with another (unique key, changed row)

@@ -11,6 +11,8 @@ once, where they arise, into these; the rest of the code never catches a foreign
     ├── ModelFileError         a model file or directory that is not valid safetensors
     ├── SandboxError           a replica's OCI sandbox could not be made, started or removed (sandbox.runc)
     ├── NetworkError           a sandbox's network namespace or its pasta (sandbox.network)
+    ├── ImageRefused           a VM's disk image: not raw or qcow2, a backing or data file outside the owner's
+    │                          files, or qemu-img could not read it (drivers.vmdisk)
     ├── StorageError           owners' files (storage): BadName, NotFound (one message), OverQuota, NameTaken
     ├── UidsExhausted          no sandbox uid left in the sandbox_uids range (store.repo)
     ├── Occupied               tensora up: already running, or its port taken by another program (serve)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tensora.admission import Queued, Running, WorkloadKind
-from tensora.capacity import Capacity, Node, Placed
+from tensora.capacity import CORES_LABEL, Capacity, Node, Placed
 from tensora.catalog import Catalog, default_catalog
 
 GI = 2**30
@@ -18,6 +18,11 @@ def gpu_node(name: str, model: str = "L40S", count: int = 1, cpu: float = 32, me
 
 def cpu_node(name: str, cpu: float = 64, mem_gi: int = 256) -> Node:
     return Node(name, "local", cpu, mem_gi * GI)
+
+
+def cores_node(name: str, cpu: float, cores: float, mem_gi: int) -> Node:
+    """A node whose ``cpu`` vCPUs share fewer ``cores`` (the local profile's overcommit)."""
+    return Node(name, "local", cpu, mem_gi * GI, labels={CORES_LABEL: f"{cores:g}"})
 
 
 def cap(nodes: Iterable[Node], placed: Iterable[Placed] = (), catalog: Catalog = CATALOG) -> Capacity:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from builders import cap, cpu_node, ep, gpu_node, running, w
+from builders import cap, cores_node, cpu_node, ep, gpu_node, running, w
 from tensora.admission import (
     Outcome,
     Place,
@@ -61,9 +61,15 @@ CASES = {
         [w("a", fallback=("cpu-4c-16g",))], [gpu_node("g1"), cpu_node("c1")], {"a": "cpu-4c-16g"},
         placed=FULL_L40S),
     "cpu picks a smaller class when the matching one has no room": Case(
+        [w("a", fallback=("cpu",))], [gpu_node("g1", cpu=16, mem_gi=128), cpu_node("c1", cpu=4, mem_gi=16)],
+        {"a": "cpu-4c-16g"},
+        placed=[*FULL_L40S, Placed("g1", "cpu-8c-32g")],
+        reasons={"a": "placed on cpu-4c-16g: l40s-48gb unavailable (fallback after 0s); "
+                      "also tried cpu-8c-32g (4 vCPU free, 8 needed)"}),
+    "cpu skips the classes no node can ever host (the GPU node's host share is kept)": Case(
         [w("a", fallback=("cpu",))], [gpu_node("g1", cpu=8, mem_gi=64), cpu_node("c1", cpu=4, mem_gi=16)],
         {"a": "cpu-4c-16g"},
-        placed=FULL_L40S, reasons={"a": "also tried cpu-8c-32g (4 vCPU free, 8 needed) and 2 larger CPU classes"}),
+        placed=FULL_L40S, reasons={"a": "placed on cpu-4c-16g: l40s-48gb unavailable (fallback after 0s)"}),
     "endpoint over the CPU limit skips cpu and says why": Case(
         [ep("a", fallback=("cpu",), params=70e9)], [gpu_node("g1"), cpu_node("c1", mem_gi=1024)], {"a": "wait"},
         placed=FULL_L40S, reasons={"a": "model too large: 70.0B params > 8.5B CPU limit"}),
@@ -223,26 +229,49 @@ REASONS = {
     "slack from the policy: beyond it the real wait shows": ReasonCase(
         [w("a", fallback=("cpu",), after=600)], [SOLD_OUT, cpu_node("c1")], now=602.7,
         policy=Policy(timer_slack_s=1), want="placed on cpu-16c-64g: l40s-48gb unavailable for 10m2s"),
-    "the user's report: the CPU class tried is named, not the word cpu": ReasonCase(
+    "the user's report (a 1-core node): only the CPU class it can ever host is tried": ReasonCase(
         [w("a", fallback=("cpu",))], [SOLD_OUT, cpu_node("c1", cpu=1, mem_gi=4)], now=0.6,
-        want="placed on cpu-1c-4g: l40s-48gb unavailable (fallback after 0s); "
-             "also tried cpu-2c-8g (1 vCPU free, 2 needed) and 4 larger CPU classes"),
+        want="placed on cpu-1c-4g: l40s-48gb unavailable (fallback after 0s)"),
+    "CPU classes full, not too big -> the concrete class named and the others counted": ReasonCase(
+        [w("a", fallback=("cpu",))], [SOLD_OUT, cpu_node("c1", cpu=64, mem_gi=256)], now=0.6,
+        placed=[*FULL_L40S, *(Placed("c1", c) for c in ("cpu-32c-128g", "cpu-16c-64g", "cpu-8c-32g", "cpu-4c-16g",
+                                                          "cpu-2c-8g"))],
+        want="placed on cpu-2c-8g: l40s-48gb unavailable (fallback after 0s); "
+             "also tried cpu-4c-16g (2 vCPU free, 4 needed) and 3 larger CPU classes"),
     "one CPU class full before the fit -> named alone": ReasonCase(
-        [w("a", "cpu-32c-128g", fallback=("cpu",))], [cpu_node("c1", cpu=12, mem_gi=64)], now=0, placed=[],
+        [w("a", "cpu-32c-128g", fallback=("cpu",))], [cpu_node("c1", cpu=32, mem_gi=128)], now=0,
+        placed=[Placed("c1", "cpu-16c-64g"), Placed("c1", "cpu-4c-16g")],
         want="placed on cpu-8c-32g: cpu-32c-128g unavailable (fallback after 0s); "
              "also tried cpu-16c-64g (12 vCPU free, 16 needed)"),
     "free vCPUs split over nodes -> the nearest miss says no single node has room": ReasonCase(
-        [w("a", fallback=("cpu",))], [SOLD_OUT, cpu_node("c1", cpu=1, mem_gi=4), cpu_node("c2", cpu=1, mem_gi=4)],
+        [w("a", fallback=("cpu",))], [SOLD_OUT, cpu_node("c1", cpu=2, mem_gi=8), cpu_node("c2", cpu=2, mem_gi=8)],
+        placed=[*FULL_L40S, Placed("c1", "cpu-1c-4g"), Placed("c2", "cpu-1c-4g")],
         now=0, want="placed on cpu-1c-4g: l40s-48gb unavailable (fallback after 0s); also tried cpu-2c-8g "
-                    "(no single node has room; 2 vCPU free, 2 needed) and 4 larger CPU classes"),
+                    "(no single node has room; 2 vCPU free, 2 needed)"),
     "a GPU class and CPU classes tried, in list order": ReasonCase(
-        [w("a", fallback=("a100-80gb", "cpu"), after=600)], [SOLD_OUT, cpu_node("c1", cpu=1, mem_gi=4)], now=600,
+        [w("a", fallback=("a100-80gb", "cpu"), after=600)], [SOLD_OUT, cpu_node("c1", cpu=2, mem_gi=8)], now=600,
+        placed=[*FULL_L40S, Placed("c1", "cpu-1c-4g")],
         want="placed on cpu-1c-4g: l40s-48gb unavailable for 10m; also tried a100-80gb (0 GPU free, 1 needed), "
-             "cpu-2c-8g (1 vCPU free, 2 needed) and 4 larger CPU classes"),
-    "nothing fits -> the wait names the nearest CPU class too": ReasonCase(
+             "cpu-2c-8g (1 vCPU free, 2 needed)"),
+    "nothing fits, no node can host a CPU class -> the wait says so in one phrase": ReasonCase(
         [w("a", fallback=("cpu",))], [SOLD_OUT], now=0,
+        want="waiting for l40s-48gb (0 GPU free, 1 needed); fallback tried: cpu (no node here is big enough for it)"),
+    "nothing fits, CPU classes full -> the wait names the nearest CPU class": ReasonCase(
+        [w("a", fallback=("cpu",))], [SOLD_OUT, cpu_node("c1", cpu=64, mem_gi=256)], now=0,
+        placed=[*FULL_L40S, Placed("c1", "cpu-32c-128g"), Placed("c1", "cpu-32c-128g")],
         want="waiting for l40s-48gb (0 GPU free, 1 needed); fallback tried: cpu-1c-4g (0 vCPU free, 1 needed) "
              "and 5 larger CPU classes"),
+    "a 2-core node: cpu means the classes it can ever host, not the 4-core ones it never will": ReasonCase(
+        [w("a", fallback=("cpu",))], [cores_node("c1", cpu=8, cores=2, mem_gi=20)], now=0, placed=[],
+        want="placed on cpu-2c-8g: l40s-48gb unavailable (fallback after 0s)"),
+    "an explicit class no node can ever host -> said so, not 'no single node has room'": ReasonCase(
+        [w("a", fallback=("cpu-4c-16g", "cpu-1c-4g"))], [cores_node("c1", cpu=8, cores=2, mem_gi=20)],
+        now=0, placed=[], want="placed on cpu-1c-4g: l40s-48gb unavailable (fallback after 0s); "
+                    "also tried cpu-4c-16g (no node here is big enough for it)"),
+    "asking for a class no node can ever host -> the wait says a bigger node must join": ReasonCase(
+        [w("a", "cpu-4c-16g")], [cores_node("c1", cpu=8, cores=2, mem_gi=20)], now=0, placed=[],
+        want="waiting for cpu-4c-16g: no node here is big enough for it (a bigger node must join); "
+             "no fallback accepted"),
     "requested class free -> just where": ReasonCase(
         [w("a", fallback=("cpu",))], [SOLD_OUT], now=0, placed=[], want="placed on l40s-48gb"),
 }

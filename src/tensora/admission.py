@@ -91,6 +91,7 @@ class Outcome(StrEnum):
     TOO_SMALL = "too small for the model"
     HELD_FOR_REQUESTERS = "held for its requesters"
     UNKNOWN_CLASS = "unknown class"
+    NO_NODE = "no node is big enough"
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +240,10 @@ def decide(
             placed[w.id] = Place(w, cls.name, cap.nodes[node].name, (attempt,), now)
             continue
         free = cap.free(w.region, cls)
-        state.attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit))
+        if cap.unhostable(w.region, cls):
+            state.attempts.append(Attempt(cls.name, Outcome.NO_NODE))
+        else:
+            state.attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit))
         key = (w.region, cls.name)
         if not waiting_for.get(key) and now - w.queued_since >= policy.starvation_after_s:
             cap.hold(w.region, cls)
@@ -327,6 +331,12 @@ def _expand(entry: str, w: Queued, cap: Capacity, policy: Policy) -> list[Comput
     # "cpu": the CPU classes big enough for the workload, nearest to what it asked for first.
     need_mem = policy.cpu_memory_needed(w.model_bytes) if w.kind == WorkloadKind.ENDPOINT else 0
     fitting = [c for c in catalog.cpu_classes if c.memory >= need_mem]
+    # only the classes some node here could ever host (a 2-core machine runs none of 4 cores); a region with
+    # no node at all keeps them all (unhostable is False there), so its wait still names what it needs
+    hostable = [c for c in fitting if not cap.unhostable(w.region, c)]
+    if fitting and not hostable:
+        return Attempt(CPU_WORD, Outcome.NO_NODE, entry=entry)
+    fitting = hostable
     requested = catalog.get(w.gpu_class)
     if requested is None or not fitting:
         return fitting
@@ -368,6 +378,9 @@ def _try_list(
             outcome = _eligible(cls, w, entry, waiting_for, policy)
             if outcome is not None:
                 attempts.append(outcome)
+                continue
+            if cap.unhostable(w.region, cls):
+                attempts.append(Attempt(cls.name, Outcome.NO_NODE, entry=entry))
                 continue
             node = cap.find(w.region, cls)
             free = cap.free(w.region, cls)
@@ -414,6 +427,8 @@ def _free_text(a: Attempt) -> str:
 
 
 def _failure(a: Attempt) -> str:
+    if a.outcome is Outcome.NO_NODE:
+        return f"{a.cls} (no node here is big enough for it)"
     if a.outcome is Outcome.NO_CAPACITY:
         if a.free >= a.need:
             return f"{a.cls} (no single node has room; {_free_text(a)})"
@@ -451,6 +466,8 @@ def render_wait(wt: Wait) -> str:
     head, rest = wt.attempts[0], wt.attempts[1:]
     if head.outcome is Outcome.UNKNOWN_CLASS:
         text = f"waiting: {head.cls} is not in the catalog"
+    elif head.outcome is Outcome.NO_NODE:
+        text = f"waiting for {head.cls}: no node here is big enough for it (a bigger node must join)"
     else:
         text = f"waiting for {head.cls} ({_free_text(head)})"
         if head.free >= head.need:

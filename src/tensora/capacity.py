@@ -204,6 +204,11 @@ class Capacity:
             node.gpus.get(cls.gpu_model, 0) >= cls.gpu_count and node.cpu >= cls.cpu and node.memory >= cls.memory
         )
 
+    def unhostable(self, region: str, cls: ComputeClass) -> bool:
+        """A CPU class that no node of a non-empty ``region`` could ever host (more vCPUs than a node's
+        cores or allocatable, or more memory): waiting cannot help, and the word ``cpu`` skips it."""
+        return cls.gpu_model is None and bool(self._by_region.get(region)) and not self.candidates(region, cls)
+
     def candidates(self, region: str, cls: ComputeClass) -> list[int]:
         """Nodes of ``region`` that could ever host ``cls``, in the order they are filled.
 

@@ -11,11 +11,14 @@ modified"); a replace keeps the stored ``status``, and a Pod's spec cannot be ch
 Invalid, as pod updates may not change the spec). ``race_next`` plays another writer: right after
 the next read of an object, it changes that object, so the reader's replace conflicts.
 ``fail_next`` injects a failure (e.g. a 500) for one matching call.
-``set_status`` plays the kubelet / KServe / KubeVirt. Watches (``?watch=true``) stream the events
-after ``resourceVersion`` (or, without one, ADDED for every current object first), each stream
-ending after ``timeoutSeconds`` (at most a second here, so the client re-watches from its last
-resourceVersion); ``compact()`` forgets the history, after which a watch from an older
-resourceVersion gets an ERROR event with 410 Gone, as after etcd compaction. Not implemented:
+``set_status`` plays the kubelet / KServe / KubeVirt. Pod Security admission: a Pod created in a
+namespace (seeded as a ``Namespace`` object) labelled ``pod-security.kubernetes.io/enforce: restricted``
+is checked against the "restricted" profile (``RESTRICTED``, each check by the name the Pod Security
+Standards give it) and refused with 403 Forbidden naming what it violates, as the API server does.
+Watches (``?watch=true``) stream the events after ``resourceVersion`` (or, without one, ADDED for every
+current object first), each stream ending after ``timeoutSeconds`` (at most a second here, so the client
+re-watches from its last resourceVersion); ``compact()`` forgets the history, after which a watch from an
+older resourceVersion gets an ERROR event with 410 Gone, as after etcd compaction. Not implemented:
 server-side apply and PATCH (the driver uses neither), field selectors, and set-based selectors.
 """
 
@@ -28,12 +31,106 @@ import datetime as dt
 import itertools
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
 
 Key = tuple[str, str, str]  # (api prefix + plural, namespace, name)
+NAMESPACES = "api/v1/namespaces"
+ENFORCE = "pod-security.kubernetes.io/enforce"
+
+
+# -- Pod Security Standards, "restricted" (which includes "baseline"), for a pod spec ------------------
+
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                "net.ipv4.tcp_keepalive_probes"}
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+SELINUX_TYPES = {None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+
+
+def _containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for k in ("initContainers", "containers", "ephemeralContainers") for c in spec.get(k) or []]
+
+
+def _contexts(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod's security context, then each container's (empty where unset)."""
+    return [spec.get("securityContext") or {}, *(c.get("securityContext") or {} for c in _containers(spec))]
+
+
+def _container_contexts(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c.get("securityContext") or {} for c in _containers(spec)]
+
+
+def _pod_or_every_container(spec: dict[str, Any], key: str, ok: Callable[[Any], bool]) -> bool:
+    """``key`` passes ``ok`` in the pod's security context, or else in every container's."""
+    return ok((spec.get("securityContext") or {}).get(key)) or all(
+        ok(sc.get(key)) for sc in _container_contexts(spec))
+
+
+def _non_root(spec: dict[str, Any]) -> bool:
+    return _pod_or_every_container(spec, "runAsNonRoot", lambda v: v is True) and not any(
+        sc.get("runAsNonRoot") is False for sc in _container_contexts(spec))
+
+
+def _seccomp(spec: dict[str, Any]) -> bool:
+    def confined(profile: Any) -> bool:
+        return (profile or {}).get("type") in ("RuntimeDefault", "Localhost")
+
+    return _pod_or_every_container(spec, "seccompProfile", confined) and not any(
+        (sc.get("seccompProfile") or {}).get("type") == "Unconfined" for sc in _contexts(spec))
+
+
+def _capabilities(spec: dict[str, Any]) -> bool:
+    caps = [sc.get("capabilities") or {} for sc in _container_contexts(spec)]
+    return all("ALL" in (c.get("drop") or []) and set(c.get("add") or []) <= {"NET_BIND_SERVICE"} for c in caps)
+
+
+def _selinux(spec: dict[str, Any]) -> bool:
+    options = [sc.get("seLinuxOptions") or {} for sc in _contexts(spec)]
+    return all(o.get("type") in SELINUX_TYPES and not {"user", "role"} & set(o) for o in options)
+
+
+def _apparmor(spec: dict[str, Any]) -> bool:
+    return all((sc.get("appArmorProfile") or {}).get("type") in (None, "RuntimeDefault", "Localhost")
+               for sc in _contexts(spec))
+
+
+def _sysctls(spec: dict[str, Any]) -> bool:
+    return {x["name"] for x in (spec.get("securityContext") or {}).get("sysctls") or []} <= SAFE_SYSCTLS
+
+
+RESTRICTED: dict[str, Callable[[dict[str, Any]], bool]] = {
+    # baseline
+    "HostProcess": lambda s: not any((sc.get("windowsOptions") or {}).get("hostProcess") for sc in _contexts(s)),
+    "Host Namespaces": lambda s: not any(s.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")),
+    "Privileged Containers": lambda s: not any(sc.get("privileged") for sc in _container_contexts(s)),
+    "HostPath Volumes": lambda s: not any("hostPath" in v for v in s.get("volumes") or []),
+    "Host Ports": lambda s: not any(p.get("hostPort") for c in _containers(s) for p in c.get("ports") or []),
+    "AppArmor": _apparmor,
+    "SELinux": _selinux,
+    "/proc Mount Type": lambda s: all(sc.get("procMount") in (None, "Default") for sc in _container_contexts(s)),
+    "Sysctls": _sysctls,
+    # restricted
+    "Volume Types": lambda s: all(set(v) - {"name"} <= RESTRICTED_VOLUMES for v in s.get("volumes") or []),
+    "Privilege Escalation": lambda s: all(sc.get("allowPrivilegeEscalation") is False
+                                          for sc in _container_contexts(s)),
+    "Running as Non-root": _non_root,
+    "Running as Non-root user": lambda s: all(sc.get("runAsUser") != 0 for sc in _contexts(s)),
+    "Seccomp": _seccomp,
+    "Capabilities": _capabilities,
+}
+"""The checks of the Pod Security Standards' "restricted" profile (v1.32), each by the name the standard
+gives it: True when a pod spec passes. (The AppArmor annotations of older clusters are not read.)"""
+
+
+def violations(spec: dict[str, Any]) -> list[str]:
+    """The "restricted" checks a pod spec fails, by name; [] when it may run in a restricted namespace."""
+    return [name for name, passes in RESTRICTED.items() if not passes(spec)]
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -170,6 +267,8 @@ class ApiServerDouble:
                 key = (collection, namespace, obj["metadata"]["name"])
                 if key in self.objects:
                     return 409, _status(409, "AlreadyExists", f"{key[2]} already exists")
+                if refused := self._admit(collection, namespace, obj):
+                    return 403, _status(403, "Forbidden", refused)
                 return 201, self._put(key, obj)
             key = (collection, namespace, name or "")
             if key not in self.objects:
@@ -192,6 +291,18 @@ class ApiServerDouble:
                 self._event("DELETED", key[0], gone)
                 return 200, gone
         return 405, _status(405, "MethodNotAllowed", f"{method} is not supported by this double")
+
+    def _admit(self, collection: str, namespace: str, obj: dict[str, Any]) -> str | None:
+        """Pod Security admission: why a Pod is refused in its namespace, or None when it may run."""
+        ns = self.objects.get((NAMESPACES, "", namespace))
+        level = ((ns or {}).get("metadata", {}).get("labels") or {}).get(ENFORCE)
+        if collection != "api/v1/pods" or level != "restricted":
+            return None
+        failed = violations(obj.get("spec") or {})
+        if not failed:
+            return None
+        return f'pods "{obj["metadata"]["name"]}" is forbidden: violates PodSecurity "restricted:latest": ' + ", ".join(
+            failed)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

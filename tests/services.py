@@ -169,3 +169,15 @@ def redis_server() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def sweep(data: Path) -> None:
+    """Delete every sandbox of a data dir (processes, network, cgroups), whatever a test left running:
+    replicas outlive `tensora up` by design, and a killed pid alone leaves its sandbox's pasta and state."""
+    from tensora.sandbox.runc import Runc
+
+    runner = Runc(data / "sandboxes" / "runc", data / "sandboxes" / "bundles")
+    if runner.root.exists():
+        for sandbox_id in runner.list():
+            runner.delete(sandbox_id)
+

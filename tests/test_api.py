@@ -26,6 +26,7 @@ from sqlalchemy import text
 import services
 from stack import T0, Stack, stack
 from tensora import apikeys
+from tensora.storage import NOT_FOUND
 
 WRITTEN_TABLES = ("workloads", "events", "replicas", "usage_segments", "idempotency_records")
 ROUTES = ["/v1/workloads", "/v1/workloads/{workload_id}", "/v1/workloads/{workload_id}/events",
@@ -84,11 +85,12 @@ def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     tmp = tmp_path_factory.mktemp("shared")
     url = str(tmp / "tensora.db") if request.param == "sqlite" else request.getfixturevalue("pg").new_database()
     s = stack(url, tmp, run_controller=False)
-    tiny_model(tmp)
-    (tmp / "notes.safetensors").write_text("these are notes, not tensors\n")
-    (tmp / "empty").mkdir()
     with services.serving(s.app) as live:
         a = Api(s, live.url, tmp)
+        alice = a.as_(s.alice)  # alice's files: what the rejection tables name
+        own_model(a, alice)
+        assert alice.put("/v1/files/notes.safetensors", content=b"these are notes, not tensors\n").status_code == 201
+        assert alice.put("/v1/files/empty/readme.txt", content=b"no tensors here").status_code == 201
         try:
             yield a
         finally:
@@ -102,6 +104,15 @@ def tiny_model(where: Path, name: str = "tiny.safetensors") -> tuple[Path, int]:
     path = where / name
     save_file(tensors, str(path))
     return path, sum(int(t.size) for t in tensors.values())
+
+
+def own_model(api: Api, client: httpx.Client, name: str = "tiny.safetensors") -> tuple[str, int]:
+    """A real safetensors file uploaded to the client's files as ``name``: returns the name (what
+    ``model`` takes) and its parameter count."""
+    path, params = tiny_model(api.tmp, "upload-" + name.replace("/", "-"))
+    r = client.put(f"/v1/files/{name}", content=path.read_bytes())
+    assert r.status_code in (200, 201), r.text
+    return name, params
 
 
 def iso(ts: float) -> str:
@@ -155,9 +166,9 @@ def occupy(api: Api, *classes: str) -> list[str]:
 
 def test_a_created_workload_shows_its_policy_and_where_it_will_run(api: Api) -> None:
     alice = api.as_(api.stack.alice)
-    model, params = tiny_model(api.tmp)
+    model, params = own_model(api, alice)
     ep = created(alice, kind="endpoint", name="chat", gpu_class="l40s-48gb", fallback=["a100-80gb", "cpu"],
-                 fallback_after="10m", model=str(model), replicas=2, spec={"max_model_len": 4096})
+                 fallback_after="10m", model=model, replicas=2, spec={"max_model_len": 4096})
     assert ep["id"].startswith("wl_")
     assert (ep["state"], ep["kind"], ep["owner"], ep["region"]) == ("queued", "endpoint", "alice", "local")
     assert ep["gpu_class"] == ep["requested_class"] == "l40s-48gb"
@@ -168,7 +179,7 @@ def test_a_created_workload_shows_its_policy_and_where_it_will_run(api: Api) -> 
     assert ep["created_at"] == iso(T0)
     assert ep["replicas"] == [] and ep.get("access") is None
     assert ep["model_params"] == params  # read from the safetensors header by the server
-    assert (ep["model"], ep["spec"]) == (str(model), {"max_model_len": 4096})
+    assert (ep["model"], ep["spec"]) == ("tiny.safetensors", {"max_model_len": 4096})  # the name, not a host path
     assert "10-50x slower" in ep["warning"]
 
     # what GET returns agrees with what POST returned
@@ -183,12 +194,13 @@ def test_a_created_workload_shows_its_policy_and_where_it_will_run(api: Api) -> 
     assert nb["fallback_after_s"] == 90.0
     assert nb.get("warning") is None  # no CPU in the list: no CPU warning
     assert nb["access"] == {"url": None, "node": None} and nb.get("replicas") is None
+    assert alice.put("/v1/files/images/debian.qcow2", content=b"QFI\xfb" + bytes(60)).status_code == 201
     vm = created(alice, kind="vm", name="box", gpu_class="a100-80gb", fallback=["cpu-8c-32g"],
-                 image="/images/debian.qcow2")
+                 image="images/debian.qcow2")
     assert vm["warning"] == ("CPU fallback is enabled: GPU drivers in the guest find no device while on CPU; "
                              "restart it on GPU to get one (the dashboard offers it when one frees)")  # a class too
     assert vm["fallback_after_s"] == 0.0 and vm["access"] == {"url": None, "node": None}
-    assert alice.get(f"/v1/workloads/{vm['id']}").json()["image"] == vm["image"] == "/images/debian.qcow2"
+    assert alice.get(f"/v1/workloads/{vm['id']}").json()["image"] == vm["image"] == "images/debian.qcow2"
     plain = created(alice, kind="notebook", name="plain", gpu_class="cpu-1c-4g")
     assert plain["fallback"] == [] and plain.get("warning") is None
     on_cpu = created(alice, kind="notebook", name="on-cpu", gpu_class="cpu-2c-8g", fallback=["cpu-1c-4g"])
@@ -207,9 +219,9 @@ def test_workloads_placed_on_a_fallback_say_so_in_conditions_reason_and_events(a
     assert w["access"]["node"] == "gpu-a100-1"
 
     # now both GPUs are taken: an endpoint that accepts cpu after 10m waits 10m, then runs on CPU
-    model, _ = tiny_model(api.tmp)
+    model, _ = own_model(api, alice)
     ep = created(alice, kind="endpoint", name="chat", gpu_class="l40s-48gb", fallback=["a100-80gb", "cpu"],
-                 fallback_after="10m", model=str(model))
+                 fallback_after="10m", model=model)
     api.cycle()
     w = alice.get(f"/v1/workloads/{ep['id']}").json()
     assert (w["state"], w["placed_class"]) == ("queued", None)
@@ -243,8 +255,8 @@ def test_workloads_placed_on_a_fallback_say_so_in_conditions_reason_and_events(a
 
 def test_an_endpoint_runs_the_replicas_it_asked_for_and_lists_them(api: Api) -> None:
     alice = api.as_(api.stack.alice)
-    model, params = tiny_model(api.tmp)
-    ep = created(alice, kind="endpoint", name="pair", gpu_class="cpu-2c-8g", model=str(model), replicas=2)
+    model, params = own_model(api, alice)
+    ep = created(alice, kind="endpoint", name="pair", gpu_class="cpu-2c-8g", model=model, replicas=2)
     assert ep["replicas"] == [] and ep["model_params"] == params
     api.cycle()
     w = settle(api, alice, ep["id"], "running")
@@ -269,7 +281,7 @@ ON_CPU = {  # kind -> what running on CPU instead of an L40S means for it (ADR-0
 def test_each_kind_on_cpu_says_what_cpu_means_for_it(api: Api, kind: str) -> None:
     occupy(api, "l40s-48gb")
     alice = api.as_(api.stack.alice)
-    extra = {"model": str(tiny_model(api.tmp)[0])} if kind == "endpoint" else {}
+    extra = {"model": own_model(api, alice)[0]} if kind == "endpoint" else {}
     w = created(alice, kind=kind, name="w", gpu_class="l40s-48gb", fallback=["cpu"], fallback_after=0, **extra)
     assert w["warning"] == f"CPU fallback is enabled: {ON_CPU[kind]}"
     api.cycle()
@@ -282,10 +294,10 @@ def test_each_kind_on_cpu_says_what_cpu_means_for_it(api: Api, kind: str) -> Non
 
 def test_list_filters_by_kind_and_state_and_pages_with_a_cursor_in_creation_order(api: Api) -> None:
     alice = api.as_(api.stack.alice)
-    model, _ = tiny_model(api.tmp)
+    model, _ = own_model(api, alice)
     made = [created(alice, kind="notebook", name=f"nb{i}", gpu_class="cpu-1c-4g")["id"] for i in range(2)]
     made += [created(alice, kind="vm", name=f"vm{i}", gpu_class="cpu-1c-4g")["id"] for i in range(2)]
-    made += [created(alice, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model=str(model))["id"]]
+    made += [created(alice, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model=model)["id"]]
     made += [created(alice, kind="notebook", name="nb2", gpu_class="cpu-1c-4g")["id"]]
     ids, vms, eps = {made[0], made[1], made[5]}, set(made[2:4]), {made[4]}
     stopped = made[2]
@@ -539,28 +551,30 @@ def test_keys_show_their_secret_once_store_only_a_digest_and_revoke_at_once(api:
     assert api.as_(carol.json()["key"]).get("/v1/workloads").json()["data"] == []
 
 
-def test_an_admin_marks_an_owner_untrusted_and_its_new_replicas_carry_the_flag(api: Api) -> None:
+def test_every_owner_is_untrusted_until_an_admin_marks_it_trusted(api: Api) -> None:
     alice, bob, admin = api.as_(api.stack.alice), api.as_(api.stack.bob), api.as_(api.stack.admin)
-    assert alice.get("/v1/owners/alice").json() == {"owner": "alice", "untrusted": False, "updated_at": None}
-    assert_error(alice.put("/v1/owners/alice", json={"untrusted": False}), 403)  # only admins set flags
+    assert alice.get("/v1/owners/alice").json() == {"owner": "alice", "trusted": False, "updated_at": None}
+    assert_error(alice.put("/v1/owners/alice", json={"trusted": True}), 403)  # only admins set flags
     assert_error(alice.get("/v1/owners/bob"), 404)  # anyone else's: as if it did not exist
     assert_error(alice.get("/v1/owners"), 403)
-    assert_error(admin.put("/v1/owners/alice", json={"untrusted": "maybe"}), 422, "untrusted")
-    assert_error(admin.put("/v1/owners/alice", json={"untrusted": True, "vip": True}), 422, "vip")
-    assert_error(admin.put("/v1/owners/not%20a%20name", json={"untrusted": True}), 422, "owner")
+    assert_error(admin.put("/v1/owners/alice", json={"trusted": "maybe"}), 422, "trusted")
+    assert_error(admin.put("/v1/owners/alice", json={"trusted": True, "vip": True}), 422, "vip")
+    assert_error(admin.put("/v1/owners/alice", json={"trusted": False, "untrusted": False}), 422,
+                 "untrusted")  # the old flag is gone
+    assert_error(admin.put("/v1/owners/not%20a%20name", json={"trusted": True}), 422, "owner")
     assert admin.get("/v1/owners").json() == {"data": []}  # nothing half-written by those
 
-    r = admin.put("/v1/owners/alice", json={"untrusted": True})
-    assert r.status_code == 200 and r.json() == {"owner": "alice", "untrusted": True, "updated_at": iso(T0)}
-    assert admin.put("/v1/owners/alice", json={"untrusted": True}).json() == r.json()  # a PUT twice: one state
-    assert alice.get("/v1/owners/alice").json()["untrusted"] is True
+    r = admin.put("/v1/owners/alice", json={"trusted": True})
+    assert r.status_code == 200 and r.json() == {"owner": "alice", "trusted": True, "updated_at": iso(T0)}
+    assert admin.put("/v1/owners/alice", json={"trusted": True}).json() == r.json()  # a PUT twice: one state
+    assert alice.get("/v1/owners/alice").json()["trusted"] is True
     assert [o["owner"] for o in admin.get("/v1/owners").json()["data"]] == ["alice"]
 
     nb_alice = created(alice, kind="notebook", name="nb", gpu_class="cpu-2c-8g")
     nb_bob = created(bob, kind="notebook", name="nb", gpu_class="cpu-2c-8g")
     api.cycle()
     started = {s.workload_id: s for s in api.stack.controller.driver.specs()}  # what the driver was told
-    assert started[nb_alice["id"]].untrusted is True and started[nb_bob["id"]].untrusted is False
+    assert started[nb_alice["id"]].trusted is True and started[nb_bob["id"]].trusted is False  # bob: no row
 
 
 def test_a_key_revoked_by_another_process_stops_working_within_the_cache_ttl(api: Api) -> None:
@@ -686,7 +700,7 @@ def test_owners_see_and_touch_only_their_own_workloads(api: Api) -> None:
 # -- errors: one shape, nothing written -------------------------------------------------
 
 NB = {"kind": "notebook", "name": "nb", "gpu_class": "l40s-48gb"}
-EP = {"kind": "endpoint", "name": "ep", "gpu_class": "l40s-48gb", "model": "{dir}/tiny.safetensors"}
+EP = {"kind": "endpoint", "name": "ep", "gpu_class": "l40s-48gb", "model": "tiny.safetensors"}  # in alice's files
 
 
 @dataclass(frozen=True)
@@ -714,9 +728,12 @@ BAD_CREATES = {
     "unknown gpu_class": Bad({**NB, "gpu_class": "tpu-v5"}, "gpu_class", "tpu-v5"),
     "fallback entry not in the catalog": Bad({**NB, "fallback": ["cpu", "tpu-v5"]}, "fallback[1]", "tpu-v5"),
     "endpoint without a model": Bad({**EP, "model": None}, "model", "model"),
-    "model path missing": Bad({**EP, "model": "{dir}/nope.safetensors"}, "model", "no such file"),
-    "model not safetensors": Bad({**EP, "model": "{dir}/notes.safetensors"}, "model", "notes.safetensors"),
-    "model directory without safetensors": Bad({**EP, "model": "{dir}/empty"}, "model", "no .safetensors"),
+    "model not in your files": Bad({**EP, "model": "nope.safetensors"}, "model", NOT_FOUND),
+    "model a host path": Bad({**EP, "model": "{dir}/tensora.db"}, "model", NOT_FOUND),
+    "model not safetensors": Bad({**EP, "model": "notes.safetensors"}, "model", "notes.safetensors: header length"),
+    "model directory without safetensors": Bad({**EP, "model": "empty"}, "model", "empty: no .safetensors"),
+    "image not in your files": Bad({**NB, "kind": "vm", "image": "nope.qcow2"}, "image", NOT_FOUND),
+    "image on a notebook": Bad({**NB, "image": "tiny.safetensors"}, "image", "vms only"),
     "replicas 0": Bad({**EP, "replicas": 0}, "replicas", "1"),
     "replicas 17": Bad({**EP, "replicas": 17}, "replicas", "16"),
     "replicas on a notebook": Bad({**NB, "replicas": 2}, "replicas", "endpoints only"),
@@ -747,7 +764,7 @@ def test_bad_creates_are_rejected_naming_the_field_and_write_nothing(shared: Api
         else:
             r = alice.post("/v1/workloads", json=_format(case.body, shared.tmp), headers=headers)
         err = assert_error(r, case.status, case.field_name)
-        assert case.says in err["message"]
+        assert case.says in err["message"] and str(shared.tmp) not in err["message"]  # never a host path
         assert err["type"] == ("payload_too_large" if case.status == 413 else "invalid_request")
         assert "Idempotent-Replayed" not in r.headers
         answers.append(err)

@@ -193,14 +193,15 @@ def test_keys_scopes_and_revocation(cli: Cli) -> None:
     cli("workloads", "list", code=1, TENSORA_API_KEY=k["key"])
 
 
-def test_an_admin_marks_an_owner_untrusted_and_back(cli: Cli) -> None:
-    assert cli.json("owners", "set", "mallory", "--untrusted") == {
-        "owner": "mallory", "untrusted": True, "updated_at": cli.json("owners", "get", "mallory")["updated_at"]}
-    assert "mallory" in cli("owners", "list").stdout
-    assert cli.json("owners", "set", "mallory", "--trusted")["untrusted"] is False
-    assert [o["owner"] for o in cli.json("owners", "list")["data"]] == ["mallory"]
-    cli("owners", "set", "mallory", code=2)  # --untrusted or --trusted: one must be said
-    r = cli("owners", "set", "bad name", "--untrusted", code=1)
+def test_an_admin_marks_an_owner_trusted_and_back(cli: Cli) -> None:
+    assert cli.json("owners", "get", "tom") == {"owner": "tom", "trusted": False, "updated_at": None}  # the default
+    assert cli.json("owners", "set", "tom", "--trusted") == {
+        "owner": "tom", "trusted": True, "updated_at": cli.json("owners", "get", "tom")["updated_at"]}
+    assert "tom" in cli("owners", "list").stdout
+    assert cli.json("owners", "set", "tom", "--untrusted")["trusted"] is False
+    assert [o["owner"] for o in cli.json("owners", "list")["data"]] == ["tom"]
+    cli("owners", "set", "tom", code=2)  # --trusted or --untrusted: one must be said
+    r = cli("owners", "set", "bad name", "--trusted", code=1)
     assert "422" in r.stderr and "owner" in r.stderr
 
 
@@ -265,6 +266,26 @@ def test_api_errors_name_the_flag_typed(cli: Cli, args: list[str], flag: str, ap
     assert f"error: 422 {flag} " in r.stderr and f"(API field {api_field})" in r.stderr, r.stderr
 
 
+def test_a_model_or_image_only_on_this_machine_says_to_upload_it(cli: Cli) -> None:
+    """The server reads only uploaded files: a name that is a local path here gets the command that uploads it."""
+    write_tiny_model(cli.tmp / "here-only")
+    (cli.tmp / "disk.qcow2").write_bytes(b"QFI\xfb" + bytes(60))
+    cases = [(["endpoint", "create", "x", "--gpu-class", "cpu-2c-8g", "--model", "here-only"],
+              "here-only is a directory on this machine; the server reads only your uploaded files: "
+              "tensora files upload here-only, then --model here-only"),
+             (["endpoint", "create", "x", "--gpu-class", "cpu-2c-8g", "--model", str(cli.tmp / "here-only")],
+              f"tensora files upload {cli.tmp / 'here-only'}, then --model here-only"),
+             (["vm", "create", "x", "--gpu-class", "cpu-2c-8g", "--image", "./disk.qcow2"],
+              "./disk.qcow2 is a file on this machine; the server reads only your uploaded files: "
+              "tensora files upload ./disk.qcow2, then --image disk.qcow2")]
+    for args, hint in cases:
+        r = cli(*args, code=1)
+        assert "error: 422 --" in r.stderr and "not found in your files or the shared models" in r.stderr, r.stderr
+        assert hint in r.stderr, r.stderr
+    r = cli("endpoint", "create", "x", "--gpu-class", "cpu-2c-8g", "--model", "nowhere", code=1)
+    assert "tensora files upload" not in r.stderr  # nothing here by that name: no hint
+
+
 def _whole(text: str, ids: list[str]) -> None:
     """Every id on a line of its own making (never split across two), and no line ending in a space."""
     lines = text.splitlines()
@@ -311,8 +332,10 @@ def _gateway(tables: list[RouteTable]) -> Gateway:
 
 def test_chat_tells_placed_on_cpu_apart_from_failed_over(cli: Cli) -> None:
     write_tiny_model(cli.tmp / "tiny")
+    cli("files", "upload", "tiny")  # as the quick start does: then --model names it
     ep = cli.json("endpoint", "create", "talk", "--gpu-class", "l40s-48gb", "--fallback", "cpu", "--fallback-after",
-                  "0", "--model", str(cli.tmp / "tiny"), "--wait", "--timeout", "60s")
+                  "0", "--model", "tiny", "--wait", "--timeout", "60s")
+    assert ep["model"] == "tiny"
     (rid, cls), = [(r["id"], r["class"]) for r in ep["replicas"] if r["role"] == "primary"]
     assert cls.startswith("cpu-")
     backends = Backends(["cpu", "gpu"])  # the simulated fleet runs no model server: fakes answer for it

@@ -66,7 +66,8 @@ def make(db: Database, clock: FakeClock, driver: Any = None, holder: str = "a", 
 
 def submit(db: Database, clock: FakeClock, owner: str = "alice", **body: Any) -> str:
     with db.write() as conn:
-        return str(workloads.create(conn, workloads.validate(parse_spec(body), CATALOG), owner, clock.now())["id"])
+        checked = workloads.validate(parse_spec(body), CATALOG, owner, None)  # sized by model_params: no storage
+        return str(workloads.create(conn, checked, clock.now())["id"])
 
 
 def get(db: Database, wid: str) -> dict[str, Any]:

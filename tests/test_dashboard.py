@@ -90,6 +90,7 @@ def test_the_fallback_story(browser: Any, server: tuple[str, str, Path]) -> None
     assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
 
     with Client(key, url) as sdk:  # the L40S is sold out
+        sdk.upload_dir(tmp / "tiny", "tiny")  # a model is named by its name in the owner's files
         holder = sdk.create_workload("notebook", "holder", "l40s-48gb")
         sdk.wait_until(holder.id, timeout=30, poll_s=0.2)
 
@@ -103,7 +104,7 @@ def test_the_fallback_story(browser: Any, server: tuple[str, str, Path]) -> None
         expect(page.locator("#cpu-warning")).to_be_visible()
         expect(page.locator("#cpu-warning")).to_contain_text("10-50x slower")
         page.get_by_label("Fallback after").fill("0")
-        page.get_by_label("Model (a safetensors file or directory on the server)").fill(str(tmp / "tiny"))
+        page.get_by_label("Model (from your files)").fill("tiny")
         shot(page, "create-cpu-warning")
         page.get_by_role("button", name="Create").click()
         expect(page.locator("#state")).to_have_text("running", timeout=WAIT_MS)  # live: no reload
@@ -119,6 +120,15 @@ def test_the_fallback_story(browser: Any, server: tuple[str, str, Path]) -> None
         page.get_by_role("button", name="Create").click()
         expect(page.locator("#name-error")).to_be_visible()
         shot(page, "create-validation-error")
+
+        # a path on the server is no name in the owner's files: the one message, next to the field
+        page.goto(url + "/new")
+        page.get_by_label("Kind").select_option("endpoint")
+        page.get_by_label("Name").fill("by-path")
+        page.get_by_label("Class").select_option("cpu-2c-8g")
+        page.get_by_label("Model (from your files)").fill(str(tmp / "tiny"))
+        page.get_by_role("button", name="Create").click()
+        expect(page.locator("#model-error")).to_have_text("not found in your files or the shared models")
 
         # a notebook that accepts CPU at once while the L40S is taken
         page.goto(url + "/new")

@@ -1,5 +1,6 @@
 """The gateway as users run it: ``tensora serve --driver local`` with a real model server (the tiny
-model on transformers serve), ``tensora gateway`` in its own process, the unmodified openai client.
+model, uploaded to the owner's files, on transformers serve), ``tensora gateway`` in its own process,
+the unmodified openai client.
 Then the control API stops: the gateway keeps serving from its routes in memory, and from disk after
 a restart of its own; the usage it metered meanwhile arrives once the control API is back, once."""
 
@@ -20,7 +21,9 @@ import openai
 import pytest
 
 from services import free_port
+from tensora.sdk import Client
 from tensora.tinymodel import write_tiny_model
+from tensora.validator import read_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -97,8 +100,11 @@ def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_a
         key = (data / "admin-key").read_text().strip()
         c = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", headers={"Authorization": f"Bearer {key}"},
                          timeout=10)
+        with Client(key, f"http://127.0.0.1:{api_port}") as sdk:  # the model goes up first: model names it
+            sdk.upload_dir(tmp_path / "tiny", "tiny")
         ep = c.post("/v1/workloads", json={"kind": "endpoint", "name": "tiny-chat", "gpu_class": "cpu-1c-4g",
-                                           "model": str(tmp_path / "tiny")}).json()
+                                           "model": "tiny"}).json()
+        assert ep["model"] == "tiny" and ep["model_params"] == read_model(tmp_path / "tiny").params, ep
         gw_args = ["gateway", "--data-dir", str(data), "--port", str(gw_port),
                    "--control-url", f"http://127.0.0.1:{api_port}"]
         gw = _start(gw_args, gw_log)

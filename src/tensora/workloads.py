@@ -6,13 +6,16 @@ the rest. Nothing here talks to a driver.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from tensora.admission import WorkloadKind
 from tensora.catalog import CPU_WORD, Catalog
-from tensora.errors import SpecError
+from tensora.errors import ModelFileError, SpecError
 from tensora.spec import WorkloadSpec, check_against
+from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo
 from tensora.validator import read_model
 
@@ -43,27 +46,77 @@ class InvalidState(Exception):
     """The action does not apply to the workload's current state (API: 409)."""
 
 
-def validate(spec: WorkloadSpec, catalog: Catalog) -> WorkloadSpec:
-    """Check classes against the catalog and read the model's size; SpecError names the field."""
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A create body checked for ``owner``: the spec as the client sent it (``model`` and ``image``
+    are the owner's names, model size filled in), and the host paths those names resolved to.
+    The paths are the server's own: they go into the row's ``spec`` and to the driver, never back
+    to the client, and no client value ever stands in for them."""
+
+    spec: WorkloadSpec
+    owner: str
+    model_path: str | None = None
+    image_path: str | None = None
+
+
+def validate(spec: WorkloadSpec, catalog: Catalog, owner: str, storage: Storage | None) -> Checked:
+    """Check classes against the catalog, resolve ``model`` and ``image`` inside ``owner``'s files
+    (or the operator's shared models) and read the model's size; SpecError names the field.
+
+    A name that resolves nowhere the owner may read is one message whatever the host holds
+    (:data:`~tensora.storage.NOT_FOUND`). The model's headers are read only after that, so only
+    files inside the resolved root are read, and a complaint about them names them by the
+    owner's names, never by host paths."""
     problems = check_against(spec, catalog)
     if problems:
         field, message = problems[0]
         if field == "gpu_class":
             message += ": known classes are " + ", ".join(sorted(catalog))
         raise SpecError(message, field=field)
+    model_path = image_path = None
     if spec.kind == WorkloadKind.ENDPOINT:
         if spec.model is None and spec.model_params is None:
-            raise SpecError("endpoints need a model (path to a safetensors file or directory)", field="model")
+            raise SpecError("endpoints need a model: the name of a safetensors file or directory in your files "
+                            "(tensora files upload) or shared/<root>/<path>", field="model")
         if spec.model is not None:
             if spec.model_params is not None:
                 raise SpecError("give model or model_params, not both (the size is read from the model)",
                                 field="model_params")
+            found = _resolve(storage, owner, spec.model, "model")
             try:
-                size = read_model(spec.model)
-            except Exception as exc:  # ModelFileError, or an OS error reading it
-                raise SpecError(str(exc), field="model") from None
+                size = read_model(found)
+            except ModelFileError as exc:
+                raise SpecError(f"{_shown(Path(exc.path), found, spec.model)}: {exc.message}", field="model") from None
+            except OSError as exc:
+                raise SpecError(f"{spec.model}: cannot read ({exc.strerror or type(exc).__name__})",
+                                field="model") from None
             spec = spec.model_copy(update={"model_params": size.params, "model_bytes": size.bytes})
-    return spec
+            model_path = str(found)
+    if spec.image is not None:
+        found = _resolve(storage, owner, spec.image, "image")
+        if not found.is_file():  # a directory of the owner's is no disk either
+            raise SpecError(NOT_FOUND, field="image")
+        image_path = str(found)
+    return Checked(spec, owner, model_path, image_path)
+
+
+def _resolve(storage: Storage | None, owner: str, name: str, field: str) -> Path:
+    """The host path of the owner's ``name``, or SpecError with the one message (also when this
+    server keeps no storage)."""
+    if storage is None:
+        raise SpecError(NOT_FOUND, field=field)
+    try:
+        return storage.resolve(owner, name)
+    except NotFound:
+        raise SpecError(NOT_FOUND, field=field) from None
+
+
+def _shown(where: Path, found: Path, name: str) -> str:
+    """A path the validator complains about, as the owner names it: ``tiny/model.safetensors``
+    for ``<host>/tiny/model.safetensors``; the name alone for anything not under it."""
+    if where != found and where.is_relative_to(found):
+        return f"{name}/{where.relative_to(found).as_posix()}"
+    return name
 
 
 def uses_cpu(spec_fallback: list[str], catalog: Catalog) -> bool:
@@ -81,8 +134,9 @@ def cpu_warning(kind: WorkloadKind, gpu_class: str, fallback: list[str], catalog
     return f"CPU fallback is enabled: {ON_CPU[kind]}"
 
 
-def create(conn: Any, spec: WorkloadSpec, owner: str, now: float) -> dict[str, Any]:
-    """Insert a queued workload and its first event; returns the row."""
+def create(conn: Any, checked: Checked, now: float) -> dict[str, Any]:
+    """Insert a queued workload of ``checked.owner`` and its first event; returns the row."""
+    spec, owner = checked.spec, checked.owner
     row: dict[str, Any] = {
         "id": repo.new_id("wl_"), "owner": owner, "kind": spec.kind.value, "name": spec.name,
         "region": spec.region, "gpu_class": spec.gpu_class, "requested_class": spec.gpu_class,
@@ -92,7 +146,8 @@ def create(conn: Any, spec: WorkloadSpec, owner: str, now: float) -> dict[str, A
         "replicas": spec.replicas, "model": spec.model, "model_params": spec.model_params,
         "model_bytes": spec.model_bytes,
         "spec": {"kind_spec": spec.spec, "image": spec.image, "fallback_models": spec.fallback_models,
-                 "allow_cross_region": spec.allow_cross_region},
+                 "allow_cross_region": spec.allow_cross_region, "model_path": checked.model_path,
+                 "image_path": checked.image_path},
         "created_at": now, "updated_at": now, "queued_since": now, "deleted_at": None,
     }
     repo.insert_workload(conn, row)

@@ -43,6 +43,7 @@ from tensora.api.services import Services
 from tensora.apikeys import DEFAULT_SCOPES, allows
 from tensora.capacity import Capacity, Node, Placed
 from tensora.spec import WorkloadSpec
+from tensora.storage import SHARED
 from tensora.store import repo
 from tensora.units import format_memory
 from tensora.usage import summarize
@@ -134,13 +135,16 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
         raise ApiError(422, f"this server serves region {svc.region!r}", field="region")
     if body.spec.get("serverless") and not p.is_admin:
         raise ApiError(403, "only admin keys may run serverless (shared) endpoints", field="spec.serverless")
+    if svc.isolation == "admin-only" and not (p.is_admin and owner == p.owner):
+        raise ApiError(403, f"this host cannot sandbox workloads ({svc.isolation_reason}), so it runs the admin "
+                            "owner's only; its operator may set isolation: none to run every owner's unsandboxed")
     ttft = body.spec.get("ttft_deadline_s")
     if ttft is not None and (not isinstance(ttft, int | float) or isinstance(ttft, bool) or not 0 < ttft <= 600):
         raise ApiError(422, "ttft_deadline_s must be a number of seconds in (0, 600]", field="spec.ttft_deadline_s")
-    spec = workloads.validate(body, svc.catalog)
+    checked = workloads.validate(body, svc.catalog, owner, svc.storage)
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
-        row = workloads.create(conn, spec, owner, svc.clock.now())
+        row = workloads.create(conn, checked, svc.clock.now())
         return 201, _out(row, [], svc)
 
     return svc.idempotency.run(p.owner, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,
@@ -247,7 +251,7 @@ def catalog(svc: Svc, _: Reader) -> dict[str, Any]:
         data.append({"name": cls.name, "kind": cls.kind.value, "cpu": cls.cpu, "memory": format_memory(cls.memory),
                      "gpu": gpu, "capacity": {svc.region: {"free": free.get(cls.name, 0),
                                                            "total": total.get(cls.name, 0)}}})
-    return {"region": svc.region, "data": data,
+    return {"region": svc.region, "data": data, "isolation": svc.isolation,
             "note": "cpu classes have no GPU: endpoints on them serve roughly 10-50x slower than on a GPU "
                     "class, notebooks and VMs run without one; 'cpu' in a fallback list means the cpu class "
                     "nearest the requested size that has room"}
@@ -328,10 +332,10 @@ OwnerName = Annotated[str, Path(min_length=1, max_length=128, pattern=OWNER_PATT
 
 
 def _owner_out(owner: str, row: dict[str, Any] | None) -> dict[str, Any]:
-    """An owner never set has the defaults (trusted) and no ``updated_at``."""
+    """An owner never set has the defaults (untrusted) and no ``updated_at``."""
     if row is None:
-        return {"owner": owner, "untrusted": False, "updated_at": None}
-    return {"owner": owner, "untrusted": bool(row["untrusted"]), "updated_at": iso(row["updated_at"])}
+        return {"owner": owner, "trusted": False, "updated_at": None}
+    return {"owner": owner, "trusted": bool(row["trusted"]), "updated_at": iso(row["updated_at"])}
 
 
 @router.get("/v1/owners", response_model=OwnerList, responses=ERRORS, tags=["owners"],
@@ -351,11 +355,12 @@ def get_owner(owner: OwnerName, svc: Svc, p: Reader) -> dict[str, Any]:
 
 
 @router.put("/v1/owners/{owner}", response_model=OwnerOut, responses=ERRORS, tags=["owners"],
-            description="Set an owner's flags (admin keys only). ``untrusted``: its new notebook and endpoint "
-                        "replicas run under ``runtimeClassName: kata`` on Kubernetes. Idempotent as PUT is.")
+            description="Set an owner's flags (admin keys only). Every owner's new notebook and endpoint "
+                        "replicas run under ``runtimeClassName: kata`` on Kubernetes unless ``trusted`` is true. "
+                        "Idempotent as PUT is.")
 def set_owner(owner: OwnerName, svc: Svc, _: Admin, body: Annotated[OwnerUpdate, Body()]) -> dict[str, Any]:
     with svc.db.write() as conn:
-        return _owner_out(owner, repo.set_owner(conn, owner, body.untrusted, svc.clock.now()))
+        return _owner_out(owner, repo.set_owner(conn, owner, body.trusted, svc.clock.now()))
 
 
 # -- the gateway's side -----------------------------------------------------------------
@@ -415,19 +420,30 @@ def routes_table(conn: Any, svc: Services) -> dict[str, Any]:
         fallback = w["fallback"] or []
         spec = w["spec"] or {}
         kind_spec = spec.get("kind_spec") or {}
+        # what the model server answers to: the host path it was started with (a row made before names: its model)
+        upstream = spec.get("model_path") or w["model"]
         out.append({
-            "id": w["id"], "name": w["name"], "owner": w["owner"], "region": w["region"], "model": w["model"],
+            "id": w["id"], "name": w["name"], "owner": w["owner"], "region": w["region"], "model": _pool_key(w),
             "requested_cpu": is_cpu(w["requested_class"]),
             "cpu_fallback": any(c == "cpu" or is_cpu(c) for c in fallback),
             "fallback_models": spec.get("fallback_models") or [],
             "allow_cross_region": bool(spec.get("allow_cross_region")),
             "serverless": bool(kind_spec.get("serverless")), "ttft_s": kind_spec.get("ttft_deadline_s"),
             "replicas": [{"id": r["id"], "url": r["url"], "cls": r["cls"], "cpu": is_cpu(r["cls"]),
-                          "upstream_model": w["model"]} for r in sorted(by_w.get(w["id"], []), key=_slot)]})
+                          "upstream_model": r["served_model"] or upstream}
+                         for r in sorted(by_w.get(w["id"], []), key=_slot)]})
     keys = repo.gateway_keys(conn)
     body = {"region": svc.region, "endpoints": out, "keys": keys}
     version = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
     return {"version": version, **body}
+
+
+def _pool_key(w: dict[str, Any]) -> str | None:
+    """What the gateway matches an endpoint to the serverless pool by: the host path of a shared model
+    (``shared/<root>/...``), the same file whoever names it. An owner's own files match nothing: two
+    owners' ``tiny`` are different models."""
+    path = (w["spec"] or {}).get("model_path")
+    return path if path and (w["model"] or "").startswith(f"{SHARED}/") else None
 
 
 def _slot(r: dict[str, Any]) -> tuple[int, str]:

@@ -123,14 +123,15 @@ class KeyCreate(BaseModel):
 class OwnerUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    untrusted: bool = Field(description="run this owner's notebook and endpoint pods under the Kata runtime "
-                                        "(Kubernetes driver; VMs are isolated already). New replicas only: a "
-                                        "restart moves a running workload")
+    trusted: bool = Field(description="true: this owner's notebook and endpoint pods run without the Kata "
+                                      "runtime (Kubernetes driver). Every owner is untrusted (Kata) unless an "
+                                      "admin sets this; VMs are isolated either way. New replicas only: a restart "
+                                      "moves a running workload")
 
 
 class OwnerOut(BaseModel):
     owner: str
-    untrusted: bool
+    trusted: bool = Field(description="false (the default for every owner): its pods run under Kata on Kubernetes")
     updated_at: str | None = Field(description="when the operator last set it; null: never (the defaults)")
 
 
@@ -167,6 +168,10 @@ class CatalogOut(BaseModel):
     region: str
     data: list[ClassOut]
     note: str
+    isolation: Literal["sandbox", "none", "admin-only"] | None = Field(
+        default=None, description="how this server's local driver isolates replicas: 'sandbox' (each in its own "
+        "sandbox), 'none' (the operator chose to run them unsandboxed), 'admin-only' (this host cannot sandbox: "
+        "only the admin owner's workloads run); null for other drivers")
 
 
 class UsageRow(BaseModel):

@@ -33,6 +33,11 @@ class Services:
     extra: dict[str, Any] = field(default_factory=dict)
     storage: Storage | None = None
     """Owners' files (``/v1/files``) and the shared models; None: this server keeps none (503)."""
+    isolation: str | None = None
+    """The local driver's isolation: ``sandbox``, ``none`` (the operator's choice) or ``admin-only`` (this host
+    cannot sandbox: only the admin owner may create workloads); None for other drivers."""
+    isolation_reason: str | None = None
+    """Why this host cannot sandbox (``admin-only``)."""
 
     def wake(self) -> None:
         if self.controller is not None:

@@ -7,6 +7,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,6 +47,7 @@ from tensora.sdk import (
     WorkloadEndedError,
 )
 from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL
+from tensora.storage import NOT_FOUND
 from tensora.units import parse_duration
 
 POLL_S = 0.5  # --wait: how often the state is read (one cheap GET)
@@ -75,9 +77,27 @@ def target(ctx: typer.Context) -> profile.Target:
         raise fail(exc) from None
 
 
-def api_failure(exc: APIError, flags: Mapping[str, str]) -> typer.Exit:
-    """An API's answer as an error; a field the API names is said as the command's flag (``flags``)."""
-    return fail(api_error_text(exc.status, exc.message, exc.field, exc.request_id, flags), API_ERROR)
+def api_failure(exc: APIError, flags: Mapping[str, str], hint: str = "") -> typer.Exit:
+    """An API's answer as an error; a field the API names is said as the command's flag (``flags``),
+    and ``hint`` (what to do about it) follows on a line of its own."""
+    text = api_error_text(exc.status, exc.message, exc.field, exc.request_id, flags)
+    return fail(f"{text}\n{hint}" if hint else text, API_ERROR)
+
+
+def upload_hint(exc: APIError, names: Mapping[str, str], flags: Mapping[str, str]) -> str:
+    """A name the API found nowhere (``model``, ``image``) that is a file or directory here: the user
+    meant this machine's copy, which the server never reads. Say how to upload it and what to name."""
+    typed = names.get(exc.field or "")
+    if exc.status != 422 or typed is None or exc.message != NOT_FOUND:
+        return ""
+    local = Path(typed).expanduser()
+    if not local.exists():
+        return ""
+    what = "a directory" if local.is_dir() else "a file"
+    name = local.resolve().name
+    return (f"{typed} is {what} on this machine; the server reads only your uploaded files: "
+            f"tensora files upload {shlex.quote(typed)}, then {flags.get(exc.field or '', '--model')} "
+            f"{shlex.quote(name)}")
 
 
 @contextlib.contextmanager
@@ -190,7 +210,7 @@ LIST_FLAGS = {"kind": "--kind", "state": "--state"}
 USAGE_FLAGS = {"group_by": "--group-by", "since": "--since", "until": "--since", "owner": "--owner"}
 KEY_FLAGS = {"name": "--name", "scopes": "--scope", "owner": "--owner", "requests_per_minute": "--rpm",
              "tokens_per_minute": "--tpm", "Idempotency-Key": "--idempotency-key"}
-OWNER_FLAGS = {"owner": "OWNER", "untrusted": "--untrusted/--trusted"}
+OWNER_FLAGS = {"owner": "OWNER", "trusted": "--trusted/--untrusted"}
 
 
 def _spec(items: Sequence[str] | None) -> dict[str, Any] | None:
@@ -210,6 +230,7 @@ def _spec(items: Sequence[str] | None) -> dict[str, Any] | None:
 
 def _create(ctx: typer.Context, kind: str, name: str, gpu_class: str, fallback: str, fallback_after: str | None,
             wait: bool, timeout: str, output: str, flags: Mapping[str, str], **more: Any) -> None:
+    """``more`` goes to the API as is: ``model`` and ``image`` are names in the caller's files."""
     check_output(output)
     try:
         timeout_s = parse_duration(timeout)
@@ -217,7 +238,11 @@ def _create(ctx: typer.Context, kind: str, name: str, gpu_class: str, fallback: 
         raise fail(f"--timeout: {exc}") from None
     chain = [c.strip() for c in fallback.split(",") if c.strip()]
     with session(ctx, flags) as c:
-        w = c.create_workload(kind, name, gpu_class, fallback=chain, fallback_after=fallback_after, **more)
+        try:
+            w = c.create_workload(kind, name, gpu_class, fallback=chain, fallback_after=fallback_after, **more)
+        except APIError as exc:
+            names = {k: more[k] for k in ("model", "image") if isinstance(more.get(k), str)}
+            raise api_failure(exc, flags, upload_hint(exc, names, flags)) from None
         warn(w)
         if wait:
             w = wait_running(c, w, timeout_s)
@@ -248,17 +273,21 @@ def notebook_create(ctx: typer.Context, name: str, gpu_class: GpuClass, fallback
 @vm_app.command("create")
 def vm_create(ctx: typer.Context, name: str, gpu_class: GpuClass, fallback: Fallback = "",
               fallback_after: FallbackAfter = None, region: Region = None,
-              image: Annotated[str | None, typer.Option(help="a disk image (qcow2/raw) to boot")] = None,
+              image: Annotated[str | None, typer.Option(help=(
+                  "a disk image (qcow2/raw) to boot: its name in your files (tensora files upload), "
+                  "or shared/<root>/<path>"))] = None,
               spec: Spec = None, wait: Wait = False, timeout: Timeout = "15m", idempotency_key: IdemKey = None,
               output: Output = "table") -> None:
     """Create a VM (on a GPU class: that GPU passed through, where the host allows)."""
     _create(ctx, "vm", name, gpu_class, fallback, fallback_after, wait, timeout, output, VM_FLAGS, region=region,
-            image=str(Path(image).resolve()) if image else None, spec=_spec(spec), idempotency_key=idempotency_key)
+            image=image, spec=_spec(spec), idempotency_key=idempotency_key)
 
 
 @endpoint_app.command("create")
 def endpoint_create(ctx: typer.Context, name: str, gpu_class: GpuClass,
-                    model: Annotated[str, typer.Option(help="a safetensors model (file or directory)")],
+                    model: Annotated[str, typer.Option(help=(
+                        "a safetensors model (file or directory): its name in your files (tensora files upload "
+                        "DIR), or shared/<root>/<path>"))],
                     fallback: Fallback = "", fallback_after: FallbackAfter = None, region: Region = None,
                     replicas: Annotated[int | None, typer.Option(help="replicas to run (default 1)")] = None,
                     fallback_model: Annotated[list[str] | None, typer.Option(
@@ -270,7 +299,7 @@ def endpoint_create(ctx: typer.Context, name: str, gpu_class: GpuClass,
                     output: Output = "table") -> None:
     """Create an endpoint; call it through the gateway with model=NAME (tensora chat NAME)."""
     _create(ctx, "endpoint", name, gpu_class, fallback, fallback_after, wait, timeout, output, ENDPOINT_FLAGS,
-            region=region, model=str(Path(model).resolve()), replicas=replicas, fallback_models=fallback_model,
+            region=region, model=model, replicas=replicas, fallback_models=fallback_model,
             allow_cross_region=allow_cross_region or None, spec=_spec(spec), idempotency_key=idempotency_key)
 
 
@@ -492,7 +521,8 @@ def keys_revoke(ctx: typer.Context, key_id: Annotated[str, typer.Argument(help="
 
 # -- owners -------------------------------------------------------------------------------------
 
-owners_app = typer.Typer(help="Owners' flags (admin keys): untrusted owners' pods run under Kata on Kubernetes.",
+owners_app = typer.Typer(help="Owners' flags (admin keys): every owner's pods run under Kata on Kubernetes "
+                              "unless it is marked trusted.",
                          no_args_is_help=True)
 app.add_typer(owners_app, name="owners", rich_help_panel="Use Tensora")
 
@@ -501,8 +531,8 @@ def _print_owners(owners: list[Any], output: str, *, one: bool = True) -> None:
     if output == "json":
         dump(owners[0] if one else owners)
         return
-    emit(table(["owner", "untrusted", "updated"],
-               [(o.owner, "yes" if o.untrusted else "no", local_time(o.updated_at) if o.updated_at else "-")
+    emit(table(["owner", "trusted", "updated"],
+               [(o.owner, "yes" if o.trusted else "no", local_time(o.updated_at) if o.updated_at else "-")
                 for o in owners]))
 
 
@@ -526,13 +556,14 @@ def owners_get(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="th
 
 @owners_app.command("set")
 def owners_set(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="the owner")],
-               untrusted: Annotated[bool, typer.Option(
-                   "--untrusted/--trusted", help="run its new notebook and endpoint pods under Kata")],
+               trusted: Annotated[bool, typer.Option(
+                   "--trusted/--untrusted", help="--trusted: its new notebook and endpoint pods run without Kata; "
+                   "--untrusted: under Kata again, as every owner's do by default")],
                output: Output = "table") -> None:
-    """Mark an owner untrusted (or trusted again). Applies to replicas started from now on."""
+    """Mark an owner trusted (or untrusted again). Applies to replicas started from now on."""
     check_output(output)
     with session(ctx, OWNER_FLAGS) as c:
-        _print_owners([c.set_owner(owner, untrusted=untrusted)], output)
+        _print_owners([c.set_owner(owner, trusted=trusted)], output)
 
 
 # -- login --------------------------------------------------------------------------------------

@@ -37,8 +37,13 @@ class ReplicaSpec:
     """VMs: the disk image to boot, if any."""
     owner: str = ""
     """Whose workload it is (Kubernetes labels its objects with it)."""
-    untrusted: bool = False
-    """The owner is marked untrusted (``PUT /v1/owners/{owner}``): Kubernetes runs its pods under Kata."""
+    trusted: bool = False
+    """An admin marked the owner trusted (``PUT /v1/owners/{owner}``). Every other owner is untrusted:
+    Kubernetes runs its notebook and endpoint pods under Kata."""
+    uid: int | None = None
+    """The owner's sandbox uid (``store.repo.owner_uid``, never 0): the local driver runs the replica as it."""
+    gid: int | None = None
+    """The owner's sandbox gid (the same number as ``uid``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,9 @@ class ReplicaStatus:
     state: ReplicaState
     url: str | None = None
     detail: str = ""
+    served_model: str | None = None
+    """The model name the replica's server answers to (``/model`` for a server started on the sandbox's
+    model path): what the gateway sends upstream. None: the workload's own ``model``."""
 
     @property
     def holds_capacity(self) -> bool:

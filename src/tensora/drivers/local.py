@@ -1,23 +1,33 @@
-"""The local driver: replicas as child processes on this machine.
+"""The local driver: replicas on this machine, each in a sandbox of its own.
 
-Each replica is a process in a session of its own (so it outlives ``tensora up``) with a
-directory ``DATA_DIR/replicas/<id>/`` holding ``replica.json`` (what it is, its pid, port,
-token) and its log. The directory is the driver's whole state: a new driver on the same
-data dir adopts the replicas still running and reports the ones that died as failed.
+Every replica (JupyterLab, a model server, QEMU) runs in an OCI sandbox (``tensora.sandbox``: runc, the
+owner's uid, a read-only host, the placed class's cgroup limits, only its devices, its own network
+namespace); what it runs and sees is ``drivers.launch``. The sandbox's id is the replica's id.
 
-* notebook: JupyterLab on 127.0.0.1 and a free port, with a token; ready when
-  ``/api/status`` answers. Its files are in ``DATA_DIR/workdirs/<workload id>/``, kept across
-  the workload's restarts and removed by ``release`` once it is deleted. GPU placement sets
-  ``CUDA_VISIBLE_DEVICES`` to its GPUs; CPU placement hides them all.
-* vm: QEMU with QMP on a unix socket; KVM when ``/dev/kvm`` opens, else TCG; an optional
-  disk image; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``,
+State: ``DATA_DIR/replicas/<id>/`` (0700) holds ``replica.json`` (0600: what it is, its port, token, pid) and
+its log; runc's own state is under ``DATA_DIR/sandboxes/`` (0700). A sandbox outlives ``tensora up`` (runc
+detaches it, in a session of its own), so a new driver on the same data dir adopts the replicas still running
+(the runtime's state says which), reports the ones that ended, and deletes any sandbox no ``replica.json``
+claims (a crash in the middle of a start): no orphan.
+
+* notebook: JupyterLab on 127.0.0.1 and a free port, published on the host's 127.0.0.1, its token in its
+  environment; ready when ``/api/status`` answers. Its files are in ``DATA_DIR/workdirs/<workload id>/``
+  (owned by the owner's uid), kept across the workload's restarts and removed by ``release`` once it is
+  deleted. GPU placement shows its GPUs (device nodes and ``CUDA_VISIBLE_DEVICES``); CPU placement none.
+* vm: QEMU with QMP on a unix socket in the VM's dir (shared with the host); KVM when ``/dev/kvm`` opens, else
+  TCG; an optional disk image; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``,
   then ``quit``, then SIGKILL.
-* endpoint: a model server from the runtime registry (``runtimes``) on 127.0.0.1 and a free
-  port; ready when ``/v1/models`` answers. Without an installed runtime the replica fails
-  with a reason that says which to install.
+* endpoint: a model server from the runtime registry (``runtimes``) on a free port, its model read-only at
+  ``/model`` (the name it answers to, reported as ``served_model``); ready when ``/v1/models`` answers.
+  Without an installed runtime the replica fails with a reason that says which to install.
 
-Stop is graceful first (SIGTERM to the process group, or QMP), then SIGKILL after a deadline;
-``observe`` does the escalation, so nothing here blocks the controller.
+Stop is graceful first (SIGTERM, or QMP), then SIGKILL of every process after a deadline; ``observe`` does the
+escalation, so nothing here blocks the controller. A replica that ends is reported stopped (asked) or failed,
+with the cgroup's reason (``out of memory: limit 16 GiB of cpu-4c-16g``), read before its sandbox is deleted.
+
+Isolation (``Isolation``): ``sandbox`` as above; ``none`` (the operator's explicit choice) runs replicas as
+plain processes of Tensora's user; ``admin-only`` (no sandbox on this host, none chosen) runs only the admin
+owner's replicas, as processes, and fails every other owner's with the reason.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -36,6 +47,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +57,32 @@ import httpx
 from tensora import runtimes
 from tensora.admission import WorkloadKind
 from tensora.capacity import Node
-from tensora.catalog import Catalog
+from tensora.catalog import Catalog, ComputeClass
+from tensora.drivers import launch as plan
 from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.sandbox import Device, Runc, SandboxError, SandboxState, host_device
+from tensora.sandbox.network import NETNS_FILE
+
+log = logging.getLogger("tensora.drivers.local")
 
 STOP_GRACE_S = 10.0
 VM_POWERDOWN_S = 3.0
 PROBE_TIMEOUT_S = 0.5
 FORGET_STOPPED_S = 3600.0
+ADMIN_OWNER = "admin"
+"""The owner of the admin key ``tensora serve`` creates on first start."""
+ENDED = ("stopped", "failed")
+
+
+class Isolation(StrEnum):
+    """How the local driver runs replicas."""
+
+    SANDBOX = "sandbox"
+    """Each in a sandbox of its own (the default)."""
+    NONE = "none"
+    """As processes of Tensora's user: the operator chose it (``isolation: none``)."""
+    ADMIN_ONLY = "admin-only"
+    """This host cannot sandbox and the operator chose nothing: only the admin owner's replicas run."""
 
 
 def free_port() -> int:
@@ -69,9 +101,16 @@ def kvm_usable() -> bool:
 
 
 def qmp(path: str, *commands: dict[str, Any], timeout: float = 2.0) -> list[Any]:
-    """Run QMP commands on a VM's socket; their ``return`` values (an error raises OSError)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+    """Run QMP commands on a VM's socket; their ``return`` values (an error raises OSError).
+
+    A path longer than a socket address allows (a data dir deep in the tree) is reached through its dir's
+    descriptor (``/proc/self/fd/N/name``)."""
+    with contextlib.ExitStack() as stack, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
+        if len(os.fsencode(path)) > 100:
+            fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY)
+            stack.callback(os.close, fd)
+            path = f"/proc/self/fd/{fd}/{os.path.basename(path)}"
         s.connect(path)
         f = s.makefile("rwb")
         json.loads(f.readline())  # the greeting
@@ -92,22 +131,41 @@ def qmp(path: str, *commands: dict[str, Any], timeout: float = 2.0) -> list[Any]
         return out[1:]
 
 
+def tensora_env() -> plan.PythonEnv:
+    """Tensora's own Python environment (JupyterLab comes from it), and the installation it was made from."""
+    python = sys.executable if sys.executable.startswith(sys.prefix + "/") else f"{sys.prefix}/bin/python3"
+    return plan.PythonEnv(sys.prefix, sys.base_prefix, python, f"{sys.version_info[0]}.{sys.version_info[1]}")
+
+
 class LocalDriver:
-    """Child processes on this machine, one node (this machine's, from ``hardware``)."""
+    """Replicas on this machine, one node (this machine's, from ``hardware``).
+
+    ``allow_host_ports``: the host loopback ports a sandbox may reach (Tensora's API and gateway, which check
+    keys); every other host service stays out of reach."""
 
     def __init__(self, data_dir: Path, node: Node, catalog: Catalog, gpu_indices: Sequence[int] = (),
                  runtimes_dir: Path | None = None, vfio: Mapping[int, str] | None = None,
-                 sysfs: Path = Path("/sys"), devfs: Path = Path("/dev")) -> None:
-        self.runtimes = runtimes_dir or runtimes.runtimes_dir(Path(data_dir))
-        self.root = Path(data_dir) / "replicas"
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.work = Path(data_dir) / "workdirs"
+                 sysfs: Path = Path("/sys"), devfs: Path = Path("/dev"), *,
+                 isolation: Isolation | str = Isolation.SANDBOX, allow_host_ports: Sequence[int] = (),
+                 runc: Runc | None = None) -> None:
+        data_dir = Path(data_dir)
+        self.runtimes = runtimes_dir or runtimes.runtimes_dir(data_dir)
+        self.root = _private_dir(data_dir / "replicas")
+        self.work = data_dir / "workdirs"
         self.node = node
         self.catalog = catalog
         self.vfio = dict(vfio or {})  # GPU index -> PCI address bound to vfio-pci (VM passthrough)
         self.gpu_indices = sorted(set(gpu_indices) | set(self.vfio))
         self.sysfs, self.devfs = sysfs, devfs
+        self.isolation = Isolation(isolation)
+        self.allow_host_ports = tuple(allow_host_ports)
+        sandboxes = data_dir / "sandboxes"
+        self.runc = runc or Runc(sandboxes / "runc", sandboxes / "bundles")
+        self.python = tensora_env()
         self._children: dict[str, subprocess.Popen[bytes]] = {}
+        if self.isolation is Isolation.SANDBOX or any(m.get("sandbox") for m in self._metas()):
+            _private_dir(sandboxes)
+            self._adopt()
 
     # -- the driver protocol -------------------------------------------------------------
 
@@ -115,41 +173,63 @@ class LocalDriver:
         return [self.node]
 
     def start(self, spec: ReplicaSpec) -> ReplicaStatus:
+        # 1. idempotent: a replica already starting or running is left as it is
         meta = self._read(spec.id)
-        if meta is not None and meta["state"] not in ("stopped", "failed"):
+        if meta is not None and meta["state"] not in ENDED:
             return self._status(meta)
-        d = self.root / spec.id
-        d.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.root / spec.id)
+        sandboxed = self.isolation is Isolation.SANDBOX
         meta = {"id": spec.id, "workload_id": spec.workload_id, "kind": spec.kind.value, "cls": spec.cls,
-                "node": spec.node, "model": spec.model, "image": spec.image, "state": "starting", "pid": None,
-                "proc_start": None, "port": None, "token": None, "url": None, "socket": None, "detail": "",
-                "started_at": time.time(), "stop_requested_at": None, "ended_at": None, "gpus": []}
+                "node": spec.node, "owner": spec.owner, "model": spec.model, "image": spec.image,
+                "sandbox": sandboxed, "uid": spec.uid, "state": "starting", "pid": None, "proc_start": None,
+                "port": None, "token": None, "url": None, "socket": None, "console": None, "served_model": None,
+                "detail": "", "started_at": time.time(), "stop_requested_at": None, "ended_at": None, "gpus": [],
+                "cpuset": [], "oom_kills": 0}
+        # 2. what it runs and sees; a replica that cannot start fails with the reason
         try:
-            cmd, env, cwd = self._command(spec, meta)
-        except RuntimeError as exc:
-            meta.update(state="failed", detail=str(exc), ended_at=time.time())
-            self._write(meta)
-            return self._status(meta)
-        log = (d / "out.log").open("ab")
-        try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    cwd=cwd, start_new_session=True)
-        except OSError as exc:
-            meta.update(state="failed", detail=f"could not start {cmd[0]}: {exc}", ended_at=time.time())
-            self._write(meta)
-            return self._status(meta)
-        finally:
-            log.close()
-        self._children[spec.id] = proc
-        meta.update(pid=proc.pid, proc_start=_proc_start(proc.pid))
+            launch, devices = self._launch(spec, meta, sandboxed)
+        except (plan.LaunchError, OSError) as exc:
+            return self._fail(meta, str(exc))
+        # 3. claimed before its sandbox exists: a crash from here on leaves no sandbox that no replica claims
+        self._write(meta)
+        # 4. run it: in its sandbox, or as a process of Tensora's user
+        error = self._run_sandbox(spec, launch, devices, meta) if sandboxed else self._run_process(launch, meta)
+        if error is not None:
+            return self._fail(meta, error)
         self._write(meta)
         return self._status(meta)
+
+    def _run_sandbox(self, spec: ReplicaSpec, launch: plan.Launch, devices: list[Device],
+                     meta: dict[str, Any]) -> str | None:
+        assert spec.uid is not None and spec.gid is not None
+        limits = plan.limits(self.catalog[spec.cls], meta["cpuset"])
+        sandbox = plan.sandbox_spec(launch, spec.id, spec.uid, spec.gid, limits, devices, self.allow_host_ports)
+        try:
+            handle = self.runc.start(sandbox, log=self.root / spec.id / "out.log")
+        except (SandboxError, ValueError) as exc:
+            return str(exc)
+        _release_netns_mount(handle.bundle)
+        meta.update(pid=handle.pid, proc_start=_proc_start(handle.pid))
+        return None
+
+    def _run_process(self, launch: plan.Launch, meta: dict[str, Any]) -> str | None:
+        out = os.open(self.root / meta["id"] / "out.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:  # a session of its own: it outlives the server
+            proc = subprocess.Popen(launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=dict(launch.env), cwd=launch.cwd, start_new_session=True)
+        except OSError as exc:
+            return f"could not start {launch.argv[0]}: {exc}"
+        finally:
+            os.close(out)
+        self._children[meta["id"]] = proc
+        meta.update(pid=proc.pid, proc_start=_proc_start(proc.pid))
+        return None
 
     def stop(self, replica_id: str) -> ReplicaStatus:
         meta = self._read(replica_id)
         if meta is None:
             raise KeyError(replica_id)
-        if meta["state"] in ("stopped", "failed"):
+        if meta["state"] in ENDED:
             return self._status(meta)
         if meta["stop_requested_at"] is None:
             meta.update(stop_requested_at=time.time(), state="stopping")
@@ -163,21 +243,19 @@ class LocalDriver:
 
     def release(self, workload_id: str) -> None:
         """Remove a deleted notebook's working dir (kept across its restarts until now)."""
-        if not re.fullmatch(r"[A-Za-z0-9_]+", workload_id):  # an id, never a path
-            raise ValueError(f"not a workload id: {workload_id!r}")
-        shutil.rmtree(self.work / workload_id, ignore_errors=True)
+        shutil.rmtree(self._home_path(workload_id), ignore_errors=True)
 
     def observe(self) -> Sequence[ReplicaStatus]:
         out = []
         now = time.time()
-        for d in sorted(self.root.iterdir()):
-            meta = self._read(d.name)
-            if meta is None:
-                continue
-            if meta["state"] in ("stopped", "failed"):
+        for meta in self._metas():
+            if meta["state"] in ENDED:
                 child = self._children.get(meta["id"])
                 if child is not None and child.poll() is not None:  # reap it (another driver stopped it)
                     del self._children[meta["id"]]
+                if meta.get("sandbox_left"):  # its delete failed before: try again
+                    self._delete_sandbox(meta)
+                    self._write(meta)
                 if now - (meta["ended_at"] or now) < FORGET_STOPPED_S:
                     out.append(self._status(meta))
                 continue
@@ -185,116 +263,191 @@ class LocalDriver:
             out.append(self._status(meta))
         return out
 
-    # -- commands ------------------------------------------------------------------------
+    # -- what a replica runs ------------------------------------------------------------
 
-    def _command(self, spec: ReplicaSpec, meta: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
+    def _launch(self, spec: ReplicaSpec, meta: dict[str, Any],
+                sandboxed: bool) -> tuple[plan.Launch, list[Device]]:
+        """The replica's launch and its devices, or LaunchError saying why it cannot start."""
+        if self.isolation is Isolation.ADMIN_ONLY and spec.owner != ADMIN_OWNER:
+            raise plan.LaunchError("this host cannot sandbox replicas, so it runs the admin owner's only (the "
+                                   "operator may set isolation: none to run every owner's unsandboxed)")
+        if sandboxed and (not spec.uid or not spec.gid):
+            raise plan.LaunchError(f"no sandbox uid for owner {spec.owner!r}: the replica was not started")
         cls = self.catalog[spec.cls]
-        gpus = self._claim_gpus(cls.gpu_count) if not cls.is_cpu else []
-        meta["gpus"] = gpus
-        env = dict(os.environ)
-        # CPU placement hides every GPU; GPU placement shows only its own
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        threads = str(max(1, int(cls.cpu)))
-        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        meta["gpus"] = gpus = self._claim_gpus(cls.gpu_count) if not cls.is_cpu else []
         d = self.root / spec.id
         if spec.kind is WorkloadKind.NOTEBOOK:
-            port, token = free_port(), secrets.token_urlsafe(24)
-            work = self.work / spec.workload_id
-            work.mkdir(parents=True, exist_ok=True)
-            for name in ("config", "data", "runtime"):
-                (d / "jupyter" / name).mkdir(parents=True, exist_ok=True)
-            env.update(JUPYTER_CONFIG_DIR=str(d / "jupyter/config"), JUPYTER_DATA_DIR=str(d / "jupyter/data"),
-                       JUPYTER_RUNTIME_DIR=str(d / "jupyter/runtime"))
-            cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-                   f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-                   f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}"]
-            if os.geteuid() == 0:
-                cmd.append("--allow-root")
             if not _importable("jupyterlab"):
-                raise RuntimeError("JupyterLab is not installed: pip install 'tensora[notebook]'")
+                raise plan.LaunchError("JupyterLab is not installed: pip install 'tensora[notebook]'")
+            port, token = free_port(), secrets.token_urlsafe(24)
+            home = self._home(spec.workload_id, spec.uid if sandboxed else None, spec.gid)
+            if not sandboxed:
+                for name in ("config", "data", "runtime"):
+                    (d / "jupyter" / name).mkdir(parents=True, exist_ok=True)
+            launch = plan.notebook(self.python, home, d, port, token, cls, gpus, sandboxed=sandboxed,
+                                   as_root=os.geteuid() == 0)
             meta.update(port=port, token=token, url=f"http://127.0.0.1:{port}/lab?token={token}")
-            return cmd, env, str(work)
-        if spec.kind is WorkloadKind.VM:
-            qemu = _which("qemu-system-x86_64")
-            if qemu is None:
-                raise RuntimeError("QEMU is not installed: apt-get install qemu-system-x86")
-            passthrough = [a for g in gpus for a in ("-device", f"vfio-pci,host={self._vfio_address(g)}")]
-            sock = _short_socket(d)
-            accel = "kvm" if kvm_usable() else "tcg"
-            memory_mib = max(64, cls.memory // 2**20)
-            cmd = [qemu, "-name", f"tensora-{spec.id}", "-machine", "q35", "-accel", accel,
-                   "-m", str(memory_mib), "-smp", str(max(1, int(cls.cpu))), "-nodefaults", "-no-user-config",
-                   "-display", "none", "-serial", f"file:{d / 'console.log'}",
-                   "-qmp", f"unix:{sock},server=on,wait=off", *passthrough]
-            if passthrough and accel != "kvm":
-                raise RuntimeError("GPU passthrough needs KVM (/dev/kvm), which this host does not offer")
-            if spec.image:
-                if not Path(spec.image).is_file():
-                    raise RuntimeError(f"the disk image {spec.image} does not exist")
-                cmd += ["-drive", f"file={spec.image},if=virtio"]
-            meta.update(socket=sock, url=f"qmp+unix://{sock}", detail=f"accel {accel}")
-            return cmd, env, str(d)
-        return self._endpoint(spec, cls, meta, env)
+        elif spec.kind is WorkloadKind.VM:
+            launch = self._vm(spec, cls, gpus, meta, sandboxed)
+        else:
+            launch = self._endpoint(spec, cls, gpus, meta, sandboxed)
+        if not sandboxed:
+            return launch, []
+        devices = [self._device(p) for p in launch.devices]
+        if spec.kind is not WorkloadKind.VM:  # a VM takes its GPUs by VFIO, not the NVIDIA driver's nodes
+            devices += self._gpu_devices(gpus)
+        meta["cpuset"] = self._claim_cores(cls)
+        return launch, devices
 
-    def _endpoint(self, spec: ReplicaSpec, cls: Any, meta: dict[str, Any],
-                  env: dict[str, str]) -> tuple[list[str], dict[str, str], str]:
+    def _endpoint(self, spec: ReplicaSpec, cls: ComputeClass, gpus: list[int], meta: dict[str, Any],
+                  sandboxed: bool) -> plan.Launch:
         kind = "metal" if (cls.gpu_model or "").upper().endswith("METAL") else ("cpu" if cls.is_cpu else "gpu")
         runtime = runtimes.choose(self.runtimes, kind)
         if runtime is None:
-            raise RuntimeError(f"no model runtime is installed for {kind} endpoints in {self.runtimes}: "
-                               "tensora runtime install tensora-transformers")
+            raise plan.LaunchError(f"no model runtime is installed for {kind} endpoints in {self.runtimes}: "
+                                   "tensora runtime install tensora-transformers")
         if not spec.model:
-            raise RuntimeError("an endpoint needs a model")
+            raise plan.LaunchError("an endpoint needs a model")
+        if not os.path.exists(spec.model):
+            raise plan.LaunchError("the endpoint's model is not in its owner's storage any more")
+        if sandboxed:
+            _readable_by_others(Path(spec.model))
+        venv = runtimes.venv_dir(self.runtimes, runtime.name)
+        env = plan.PythonEnv(str(venv), str(runtimes.base_prefix(venv) or venv), str(venv / "bin" / "python"))
         port = free_port()
-        device = {"cpu": "cpu", "metal": "mps", "gpu": "cuda"}[kind]
-        env = runtimes.clean_env(env) | runtime.env
+        launch = plan.endpoint(runtime, env, spec.model, spec.workload_id, port, kind, cls, gpus,
+                               self.root / spec.id, sandboxed=sandboxed)
         meta.update(port=port, url=f"http://127.0.0.1:{port}/v1", runtime=runtime.name,
-                    served_model=spec.model,
-                    detail=f"runtime {runtime.name}")
-        d = self.root / spec.id
-        return runtimes.command(runtime, self.runtimes, spec.model, spec.workload_id, port, device), env, str(d)
+                    served_model=launch.served_model, detail=f"runtime {runtime.name}")
+        return launch
 
-    def _vfio_address(self, gpu: int) -> str:
-        """The PCI address of GPU ``gpu`` for ``-device vfio-pci``, checked: bound to vfio-pci, its
-        IOMMU group open to QEMU. Otherwise the reason a user needs to fix it."""
+    def _vm(self, spec: ReplicaSpec, cls: ComputeClass, gpus: list[int], meta: dict[str, Any],
+            sandboxed: bool) -> plan.Launch:
+        qemu = _which("qemu-system-x86_64")
+        if qemu is None:
+            raise plan.LaunchError("QEMU is not installed: apt-get install qemu-system-x86")
+        vfio = [self._vfio(g) for g in gpus]
+        accel = "kvm" if kvm_usable() else "tcg"
+        if vfio and accel != "kvm":
+            raise plan.LaunchError("GPU passthrough needs KVM (/dev/kvm), which this host does not offer")
+        if spec.image and not Path(spec.image).is_file():
+            raise plan.LaunchError(f"the disk image {spec.image} does not exist")
+        vm_dir = _private_dir(self.root / spec.id) / "vm"
+        vm_dir.mkdir(mode=0o700, exist_ok=True)
+        if sandboxed:  # QEMU (the owner's uid) makes its socket and console here; the host reaches them
+            assert spec.uid is not None and spec.gid is not None
+            os.chown(vm_dir, spec.uid, spec.gid)
+            host_socket, inner_socket = str(vm_dir / "qmp.sock"), f"{plan.VM_DIR}/qmp.sock"
+        else:
+            host_socket = inner_socket = _short_socket(self.root / spec.id)
+        launch = plan.vm(qemu, spec.id, cls, accel, [a for a, _ in vfio], vm_dir, inner_socket, spec.image,
+                         sandboxed=sandboxed, vfio_groups=[g for _, g in vfio])
+        meta.update(socket=host_socket, url=f"qmp+unix://{host_socket}", detail=f"accel {accel}",
+                    console=str(vm_dir / "console.log"))
+        return launch
+
+    def _home(self, workload_id: str, uid: int | None, gid: int | None) -> Path:
+        """A notebook's files, kept across its restarts: owned by the owner's uid when sandboxed."""
+        home = self._home_path(workload_id)
+        _private_dir(self.work)
+        home.mkdir(mode=0o700, exist_ok=True)
+        if uid is not None and gid is not None and home.stat().st_uid != uid:
+            for where, dirs, files in os.walk(home):  # made by an earlier, unsandboxed run, or another uid
+                for name in (where, *(os.path.join(where, n) for n in dirs + files)):
+                    os.lchown(name, uid, gid)
+        return home
+
+    def _home_path(self, workload_id: str) -> Path:
+        if not re.fullmatch(r"[A-Za-z0-9_]+", workload_id):  # an id, never a path
+            raise ValueError(f"not a workload id: {workload_id!r}")
+        return self.work / workload_id
+
+    def _device(self, path: str) -> Device:
+        """The sandbox's device node ``path``, with the numbers of the host's (``devfs`` in tests)."""
+        try:
+            return replace(host_device(str(self.devfs / path.removeprefix("/dev/"))), path=path)
+        except OSError:
+            raise plan.LaunchError(f"{path} is not on this host") from None
+
+    def _gpu_devices(self, gpus: Sequence[int]) -> list[Device]:
+        """Only these GPUs' nodes, plus NVIDIA's shared control nodes this host has."""
+        if not gpus:
+            return []
+        out = [self._device(f"/dev/nvidia{g}") for g in gpus]
+        for name in plan.GPU_CONTROL_DEVICES:
+            with contextlib.suppress(plan.LaunchError):
+                out.append(self._device(f"/dev/{name}"))
+        return out
+
+    def _vfio(self, gpu: int) -> tuple[str, str]:
+        """The PCI address of GPU ``gpu`` for ``-device vfio-pci`` and its IOMMU group, checked: bound to
+        vfio-pci, its group open to QEMU. Otherwise the reason a user needs to fix it."""
         addr = self.vfio.get(gpu)
         if addr is None:
-            raise RuntimeError(f"GPU {gpu} is not set up for VM passthrough: bind it to vfio-pci and declare "
-                               f"node.vfio {{{gpu}: <PCI address>}}")
+            raise plan.LaunchError(f"GPU {gpu} is not set up for VM passthrough: bind it to vfio-pci and declare "
+                                   f"node.vfio {{{gpu}: <PCI address>}}")
         dev = self.sysfs / "bus" / "pci" / "devices" / addr
         if not dev.exists():
-            raise RuntimeError(f"GPU {gpu}: no PCI device {addr} on this host (node.vfio)")
+            raise plan.LaunchError(f"GPU {gpu}: no PCI device {addr} on this host (node.vfio)")
         driver = (dev / "driver").resolve().name if (dev / "driver").exists() else "no driver"
         if driver != "vfio-pci":
-            raise RuntimeError(f"GPU {gpu} at {addr} is bound to {driver}, not vfio-pci: the VM cannot take it")
+            raise plan.LaunchError(f"GPU {gpu} at {addr} is bound to {driver}, not vfio-pci: the VM cannot take it")
         group = (dev / "iommu_group").resolve().name if (dev / "iommu_group").exists() else None
         if group is None or not (self.devfs / "vfio" / group).exists():
-            raise RuntimeError(f"GPU {gpu} at {addr}: its IOMMU group is not open to QEMU (/dev/vfio/{group}); "
-                               "enable the IOMMU (intel_iommu=on / amd_iommu=on)")
-        return addr
+            raise plan.LaunchError(f"GPU {gpu} at {addr}: its IOMMU group is not open to QEMU "
+                                   f"(/dev/vfio/{group}); enable the IOMMU (intel_iommu=on / amd_iommu=on)")
+        return addr, group
 
     def _claim_gpus(self, count: int) -> list[int]:
         taken = {g for m in self._live_metas() for g in m.get("gpus", [])}
         free = [g for g in self.gpu_indices if g not in taken]
         if len(free) < count:
-            raise RuntimeError(f"{count} GPU(s) needed, {len(free)} free on this machine")
+            raise plan.LaunchError(f"{count} GPU(s) needed, {len(free)} free on this machine")
         return free[:count]
 
-    def _live_metas(self) -> list[dict[str, Any]]:
-        metas = [self._read(d.name) for d in self.root.iterdir()]
-        return [m for m in metas if m is not None and m["state"] not in ("stopped", "failed")]
+    def _claim_cores(self, cls: ComputeClass) -> list[int]:
+        """Cores of its own where the node does not overcommit them (see ``launch.choose_cpuset``)."""
+        cores = self.node.cores
+        overcommitted = cores is not None and self.node.cpu > cores + 1e-9
+        try:
+            mine = sorted(os.sched_getaffinity(0))
+        except AttributeError:
+            return []
+        offered = mine[-int(cores if cores is not None else self.node.cpu):] if mine else []
+        taken = {c for m in self._live_metas() for c in m.get("cpuset", [])}
+        return plan.choose_cpuset(offered, taken, cls.cpu, overcommitted=overcommitted)
 
     # -- state ---------------------------------------------------------------------------
 
+    def _adopt(self) -> None:
+        """After a restart: fill in what a crash mid-start left out, and delete every sandbox that no live
+        ``replica.json`` claims (the runtime's state lists them all)."""
+        if shutil.which(self.runc.runtime) is None:
+            return
+        live = {m["id"]: m for m in self._live_metas() if m.get("sandbox")}
+        try:
+            listed = self.runc.list()
+        except SandboxError as exc:
+            log.warning("cannot list sandboxes to adopt them: %s", exc)
+            return
+        for sandbox_id in listed:
+            meta = live.get(sandbox_id)
+            if meta is None:
+                log.warning("deleting sandbox %s: no replica claims it", sandbox_id)
+                with contextlib.suppress(SandboxError, OSError):
+                    self.runc.delete(sandbox_id)
+            elif meta["pid"] is None:  # the start was cut short after runc started it
+                handle = self.runc.handle(sandbox_id)
+                if handle is not None and handle.pid:
+                    meta.update(pid=handle.pid, proc_start=_proc_start(handle.pid))
+                    self._write(meta)
+
     def _refresh(self, meta: dict[str, Any], now: float) -> None:
-        exit_code = self._exit_code(meta)
-        if exit_code is not None:
+        ended = self._ended(meta)
+        if ended is not None:
             stopped = meta["stop_requested_at"] is not None
-            detail = "stopped" if stopped else (
-                f"exited with code {exit_code}" if exit_code >= 0 else "the process is gone")
-            if not stopped:
-                detail += f"; see {self.root / meta['id'] / 'out.log'}"
-            meta.update(state="stopped" if stopped else "failed", detail=detail, ended_at=now)
+            meta.update(state="stopped" if stopped else "failed", detail="stopped" if stopped else ended,
+                        ended_at=now)
             self._write(meta)
             return
         if meta["stop_requested_at"] is not None:
@@ -305,9 +458,51 @@ class LocalDriver:
             if waited > STOP_GRACE_S:
                 self._signal(meta, signal.SIGKILL)
             return
+        if meta.get("sandbox"):
+            self._note_oom(meta)
         if meta["state"] == "starting" and self._ready(meta):
             meta["state"] = "running"
             self._write(meta)
+
+    def _ended(self, meta: dict[str, Any]) -> str | None:
+        """None while the replica runs; once it ended, why (its sandbox deleted by then)."""
+        log_file = self.root / meta["id"] / "out.log"
+        if not meta.get("sandbox"):
+            code = self._exit_code(meta)
+            if code is None:
+                return None
+            return f"{f'exited with code {code}' if code >= 0 else 'the process is gone'}; see {log_file}"
+        try:
+            state = self.runc.state(meta["id"])
+        except SandboxError as exc:  # the runtime itself failed: look again next time
+            log.warning("sandbox %s: %s", meta["id"], exc)
+            return None
+        if state in (SandboxState.RUNNING, SandboxState.PAUSED):
+            return None
+        if state is None:  # the runtime forgot it (a reboot): clean what is left of it
+            self._delete_sandbox(meta)
+            return f"the process is gone (its sandbox too); see {log_file}"
+        reason = self.runc.exit_reason(meta["id"])  # before the delete, which takes the cgroup with it
+        self._delete_sandbox(meta)
+        return f"{reason} of {meta['cls']}" if reason else f"the process is gone; see {log_file}"
+
+    def _note_oom(self, meta: dict[str, Any]) -> None:
+        """A process of a running replica killed for its memory limit (a notebook's kernel, which Jupyter
+        restarts): said in the replica's detail while it runs on."""
+        kills = self.runc.oom_kills(meta["id"]) or 0
+        if kills > meta.get("oom_kills", 0):
+            reason = self.runc.exit_reason(meta["id"]) or "out of memory"
+            meta.update(oom_kills=kills, detail=f"{reason} of {meta['cls']}: {kills} process(es) killed, "
+                                                "the replica runs on")
+            self._write(meta)
+
+    def _delete_sandbox(self, meta: dict[str, Any]) -> None:
+        try:
+            self.runc.delete(meta["id"])
+            meta.pop("sandbox_left", None)
+        except (SandboxError, OSError) as exc:
+            log.warning("could not delete sandbox %s (tried again later): %s", meta["id"], exc)
+            meta["sandbox_left"] = True
 
     def _ready(self, meta: dict[str, Any]) -> bool:
         if meta["kind"] == WorkloadKind.NOTEBOOK.value:
@@ -330,7 +525,7 @@ class LocalDriver:
         return r.status_code == 200
 
     def _exit_code(self, meta: dict[str, Any]) -> int | None:
-        """None while the process lives; its exit code (or -1 if unknown) once it is gone."""
+        """A process replica: None while the process lives; its exit code (or -1 if unknown) once it is gone."""
         proc = self._children.get(meta["id"])
         if proc is not None:
             return proc.poll()
@@ -350,10 +545,26 @@ class LocalDriver:
         return None
 
     def _signal(self, meta: dict[str, Any], sig: int) -> None:
+        if meta.get("sandbox"):
+            with contextlib.suppress(SandboxError):  # it may have ended meanwhile
+                self.runc.kill(meta["id"], sig, all_processes=sig == signal.SIGKILL)
+            return
         if meta["pid"] is None or self._exit_code(meta) is not None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(meta["pid"], sig)  # the replica leads its own session and group
+
+    def _fail(self, meta: dict[str, Any], detail: str) -> ReplicaStatus:
+        meta.update(state="failed", detail=detail, ended_at=time.time())
+        self._write(meta)
+        return self._status(meta)
+
+    def _metas(self) -> list[dict[str, Any]]:
+        metas = [self._read(d.name) for d in sorted(self.root.iterdir())]
+        return [m for m in metas if m is not None]
+
+    def _live_metas(self) -> list[dict[str, Any]]:
+        return [m for m in self._metas() if m["state"] not in ENDED]
 
     def _read(self, replica_id: str) -> dict[str, Any] | None:
         try:
@@ -363,21 +574,54 @@ class LocalDriver:
             return None
 
     def _write(self, meta: dict[str, Any]) -> None:
+        """``replica.json``, 0600: it holds the notebook's token."""
         path = self.root / meta["id"] / "replica.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o600)
+            f.write(json.dumps(meta))
         os.replace(tmp, path)
 
     def _status(self, meta: dict[str, Any]) -> ReplicaStatus:
         return ReplicaStatus(meta["id"], meta["workload_id"], meta["cls"], meta["node"], ReplicaState(meta["state"]),
-                             meta["url"], meta["detail"])
+                             meta["url"], meta["detail"], meta.get("served_model"))
 
     def access(self, replica_id: str) -> dict[str, Any]:
         """What a user needs to reach the replica (notebook URL, VM console and QMP socket)."""
         meta = self._read(replica_id) or {}
-        return {k: meta.get(k) for k in ("url", "socket", "pid")} | {
-            "log": str(self.root / replica_id / "out.log"),
-            "console": str(self.root / replica_id / "console.log") if meta.get("kind") == "vm" else None}
+        return {k: meta.get(k) for k in ("url", "socket", "pid", "console")} | {
+            "log": str(self.root / replica_id / "out.log")}
+
+
+def _private_dir(path: Path) -> Path:
+    """A dir only Tensora's user may enter (its files may hold secrets)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def _release_netns_mount(bundle: Path) -> None:
+    """Detach the bind mount that kept the sandbox's network namespace while runc joined it: the workload and
+    pasta hold the namespace themselves from now on. Without it, a data dir whose sandboxes were not deleted
+    (a test's leftovers, an operator's ``rm -rf``) cannot be removed at all (EBUSY). Deleting sandboxes
+    (``Runc.delete``) is still the way to end them: pasta notices its namespace file gone only sometimes.
+    (Belongs in ``tensora.sandbox.network``, next to the mount it releases.)"""
+    subprocess.run(["umount", "-l", str(bundle / NETNS_FILE)], capture_output=True, check=False)
+
+
+def _readable_by_others(model: Path) -> None:
+    """LaunchError unless every file of the model is readable by any uid (the sandbox runs as the owner's,
+    and owners' uploads are written 0644); names the first that is not, relative to the model."""
+    paths = [model] if model.is_file() else [model, *sorted(model.rglob("*"))]
+    for path in paths:
+        mode = path.stat().st_mode
+        need = 0o005 if path.is_dir() else 0o004
+        if mode & need != need:
+            name = path.relative_to(model) if path != model else path.name
+            raise plan.LaunchError(f"the model's {name} is not readable by the sandbox (mode {mode & 0o777:o}, "
+                                   "not readable by others)")
 
 
 def _proc_start(pid: int) -> int | None:
@@ -402,8 +646,6 @@ def _short_socket(d: Path) -> str:
 
 
 def _which(name: str) -> str | None:
-    import shutil
-
     return shutil.which(name)
 
 

@@ -156,9 +156,9 @@ def list_owners() -> Call[list[OwnerOut]]:
     return Call("GET", "/v1/owners", lambda body: OwnerList.model_validate(body).data)
 
 
-def set_owner(owner: str, *, untrusted: bool) -> Call[OwnerOut]:
+def set_owner(owner: str, *, trusted: bool) -> Call[OwnerOut]:
     """A PUT: the same body twice is the same state, so it is retried like a GET."""
-    return Call("PUT", f"/v1/owners/{_id(owner, 'owner')}", OwnerOut.model_validate, json={"untrusted": untrusted})
+    return Call("PUT", f"/v1/owners/{_id(owner, 'owner')}", OwnerOut.model_validate, json={"trusted": trusted})
 
 
 def ready() -> Call[dict[str, Any]]:

@@ -278,9 +278,10 @@ class Client(_Base):
     def list_owners(self) -> list[Owner]:
         return self.run(calls.list_owners())
 
-    def set_owner(self, owner: str, *, untrusted: bool) -> Owner:
-        """Admin keys: mark ``owner`` untrusted (its new pods run under Kata on Kubernetes), or not."""
-        return self.run(calls.set_owner(owner, untrusted=untrusted))
+    def set_owner(self, owner: str, *, trusted: bool) -> Owner:
+        """Admin keys: mark ``owner`` trusted (its new pods run without Kata on Kubernetes), or untrusted
+        again, as every owner is by default."""
+        return self.run(calls.set_owner(owner, trusted=trusted))
 
     def ready(self) -> dict[str, Any]:
         return self.run(calls.ready())
@@ -498,8 +499,8 @@ class AsyncClient(_Base):
     async def list_owners(self) -> list[Owner]:
         return await self.run(calls.list_owners())
 
-    async def set_owner(self, owner: str, *, untrusted: bool) -> Owner:
-        return await self.run(calls.set_owner(owner, untrusted=untrusted))
+    async def set_owner(self, owner: str, *, trusted: bool) -> Owner:
+        return await self.run(calls.set_owner(owner, trusted=trusted))
 
     async def ready(self) -> dict[str, Any]:
         return await self.run(calls.ready())

@@ -71,6 +71,9 @@ class Replica(Base):
     detail: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+    served_model: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The model name the replica's server answers to (``/model`` in a sandbox), which the gateway sends
+    upstream; None: the workload's ``model``."""
 
     __table_args__ = (Index("ix_replicas_region_state", "region", "state"),)
 
@@ -181,13 +184,13 @@ class IdempotencyRecord(Base):
 
 
 class Owner(Base):
-    """What the operator says of an owner: ``untrusted`` runs its pods under Kata on Kubernetes. An
-    owner with no row is trusted."""
+    """What the operator says of an owner. Every owner is untrusted (on Kubernetes its notebook and
+    endpoint pods run under Kata) unless an admin set ``trusted``; an owner with no row is untrusted."""
 
     __tablename__ = "owners"
 
     owner: Mapped[str] = mapped_column(String(128), primary_key=True)
-    untrusted: Mapped[bool] = mapped_column(Boolean, default=False)
+    trusted: Mapped[bool] = mapped_column(Boolean, default=False)
     updated_at: Mapped[float] = mapped_column(Float)
 
 

@@ -311,8 +311,9 @@ def get_owner(conn: Connection, owner: str) -> dict[str, Any] | None:
     return dict(row) if row else None
 
 
-def untrusted_owners(conn: Connection) -> set[str]:
-    return set(conn.execute(select(O.c.owner).where(O.c.untrusted.is_(True))).scalars())
+def trusted_owners(conn: Connection) -> set[str]:
+    """The owners an admin marked trusted; everyone else is untrusted."""
+    return set(conn.execute(select(O.c.owner).where(O.c.trusted.is_(True))).scalars())
 
 
 def list_owners(conn: Connection) -> list[dict[str, Any]]:
@@ -320,13 +321,13 @@ def list_owners(conn: Connection) -> list[dict[str, Any]]:
     return [dict(r) for r in conn.execute(select(O).order_by(O.c.owner)).mappings()]
 
 
-def set_owner(conn: Connection, owner: str, untrusted: bool, at: float) -> dict[str, Any]:
+def set_owner(conn: Connection, owner: str, trusted: bool, at: float) -> dict[str, Any]:
     """One upsert (INSERT ... ON CONFLICT (owner) DO UPDATE, which SQLite and PostgreSQL both have),
     so two first sets of a new owner at once both succeed and the later one's flag stays."""
-    values = {"owner": owner, "untrusted": untrusted, "updated_at": at}
+    values = {"owner": owner, "trusted": trusted, "updated_at": at}
     upsert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     conn.execute(upsert(O).values(values)
-                 .on_conflict_do_update(index_elements=[O.c.owner], set_={"untrusted": untrusted, "updated_at": at}))
+                 .on_conflict_do_update(index_elements=[O.c.owner], set_={"trusted": trusted, "updated_at": at}))
     return values
 
 

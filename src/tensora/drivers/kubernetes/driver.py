@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from tensora.capacity import Node
@@ -78,14 +79,19 @@ def _dict(obj: Any) -> dict[str, Any]:
 
 class KubernetesDriver:
     """``make_client``: returns a lightkube ``AsyncClient`` (called on the driver's loop);
-    replicas live in ``namespace``."""
+    replicas live in ``namespace``. ``files_root`` (``DATA_DIR/files``, where the API's pods mount the
+    owners' files) and ``files_claim`` (that storage's claim in ``namespace``): endpoints' models."""
 
     def __init__(self, make_client: Callable[[], Any], catalog: Catalog, region: str, namespace: str, *,
                  notebook_domain: str | None = None, ingress_class: str | None = None,
-                 storage_class: str | None = None, home_size: str = "10Gi") -> None:
+                 storage_class: str | None = None, home_size: str = "10Gi",
+                 files_root: Path | None = None, files_claim: str | None = None) -> None:
         self.catalog, self.region, self.namespace = catalog, region, namespace
+        # resolved as the API resolves the paths it records (storage.resolve), so the two compare
+        root = PurePosixPath(files_root.resolve()) if files_root is not None else None
         self.context = Context(namespace, "", notebook_domain=notebook_domain, ingress_class=ingress_class,
-                               storage_class=storage_class, home_size=home_size)
+                               storage_class=storage_class, home_size=home_size, files_root=root,
+                               files_claim=files_claim)
         self.res = _resources()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kubernetes-driver", daemon=True)
@@ -162,7 +168,7 @@ class KubernetesDriver:
     # -- replicas ---------------------------------------------------------------------------
 
     def start(self, spec: ReplicaSpec) -> ReplicaStatus:
-        ctx = dataclasses.replace(self.context, owner=spec.owner, untrusted=spec.untrusted)
+        ctx = dataclasses.replace(self.context, owner=spec.owner, trusted=spec.trusted)
         try:
             docs = replica_objects(spec, self.catalog[spec.cls], ctx)
         except (ValueError, KeyError) as exc:
@@ -327,7 +333,8 @@ def _node(d: dict[str, Any], kind: str) -> str:
 
 def connect(kubeconfig: str | None, catalog: Catalog, region: str, namespace: str, *,
             notebook_domain: str | None = None, ingress_class: str | None = None,
-            storage_class: str | None = None, home_size: str = "10Gi") -> KubernetesDriver:
+            storage_class: str | None = None, home_size: str = "10Gi",
+            files_root: Path | None = None, files_claim: str | None = None) -> KubernetesDriver:
     """A driver for the cluster of ``kubeconfig`` (default: in-cluster, then ~/.kube/config)."""
     from lightkube import AsyncClient
     from lightkube.config.kubeconfig import KubeConfig
@@ -335,4 +342,5 @@ def connect(kubeconfig: str | None, catalog: Catalog, region: str, namespace: st
     config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
     return KubernetesDriver(lambda: AsyncClient(config), catalog, region, namespace,
                             notebook_domain=notebook_domain, ingress_class=ingress_class,
-                            storage_class=storage_class, home_size=home_size)
+                            storage_class=storage_class, home_size=home_size, files_root=files_root,
+                            files_claim=files_claim)

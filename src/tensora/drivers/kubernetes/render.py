@@ -9,15 +9,20 @@ applies what this returns, and the tests validate it offline.
 - VM -> a KubeVirt ``VirtualMachine`` (the GPU passed through via ``spec.domain.devices.gpus``, only
   on GPU classes);
 - endpoint -> a KServe ``InferenceService`` on the ClusterServingRuntime ``tensora-vllm`` (GPU
-  classes) or ``tensora-vllm-cpu`` (CPU classes), with the model's storage URI.
+  classes) or ``tensora-vllm-cpu`` (CPU classes), its model read-only from the owner's files:
+  ``pvc://<files claim>/<owner dir>/<name>`` (``storage_uri``), never a path of the API's pod.
 
 Every object carries the labels ``tensora.io/workload``, ``tensora.io/replica``, ``tensora.io/class``
 and ``tensora.io/owner`` (the owner, made a valid label value; the exact one is in an annotation;
 the home claim only the workload's and the owner's),
 so a restarted controller finds and adopts what it made. The replica is pinned to the node that
 admission chose (required node affinity on ``kubernetes.io/hostname``); GPU resources are asked for
-only on GPU classes, and on a CPU class every GPU is hidden. Untrusted tenants' pods run under
-``runtimeClassName: kata`` (VMs are isolated already).
+only on GPU classes, and on a CPU class every GPU is hidden.
+
+Every owner is untrusted unless an admin marked it trusted: its notebook and endpoint pods run under
+``runtimeClassName: kata`` (VMs are isolated already, and get nothing more than KubeVirt gives a
+launcher pod). Every pod meets Pod Security "restricted" (never root, no privilege escalation, no
+capabilities, the runtime's default seccomp profile) and gets no service account token.
 """
 
 from __future__ import annotations
@@ -27,18 +32,31 @@ import hashlib
 import re
 import secrets
 from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tensora.admission import WorkloadKind
 from tensora.catalog import ComputeClass
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.kubernetes.cluster import GPU_RESOURCE, REPLICA_LABEL
+from tensora.storage import owner_dir
 from tensora.units import format_memory
 
 WORKLOAD_LABEL, CLASS_LABEL, OWNER_LABEL = "tensora.io/workload", "tensora.io/class", "tensora.io/owner"
 OWNER_ANNOTATION = "tensora.io/owner"
+READONLY_ANNOTATION = "storage.kserve.io/readonly"
 GPU_RUNTIME, CPU_RUNTIME = "tensora-vllm", "tensora-vllm-cpu"
 NOTEBOOK_PORT = 8888
+KATA = "kata"
+"""The RuntimeClass of untrusted owners' pods: each pod in its own lightweight VM (Kata Containers)."""
+NOTEBOOK_UID, NOTEBOOK_GID = 1000, 100
+"""The Jupyter images' ``jovyan:users``: the home's files stay theirs from one replica to the next."""
+SERVER_UID = 1000
+"""The model server's uid and gid: never 0 (the serving runtimes set HOME to a writable /tmp)."""
+CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+"""Each container's part of Pod Security "restricted"; the pod's part is ``_pod_security``."""
+OWNER_DIR = re.compile(r"[0-9a-f]{32}")
+"""How an owner's directory under the files root is named (``storage.owner_dir``: a hash of the owner)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +65,18 @@ class Context:
 
     namespace: str
     owner: str
-    untrusted: bool = False
+    trusted: bool = False
+    """An admin marked the owner trusted: its pods run without Kata. Everyone else's run under it."""
     notebook_image: str = "quay.io/jupyter/base-notebook:2025-10-20"
     home_size: str = "10Gi"
     storage_class: str | None = None
     notebook_domain: str | None = None
     """Notebooks get an Ingress at ``<object name>.<notebook_domain>`` (TLS at the ingress controller)."""
     ingress_class: str | None = None
+    files_root: PurePosixPath | None = None
+    """Where the API's pods keep owners' files (``DATA_DIR/files``, resolved): the mount of ``files_claim``."""
+    files_claim: str | None = None
+    """The claim, in ``namespace`` (read-only there), of the share mounted at ``files_root``: endpoints' models."""
 
 
 def notebook_url(name: str, ctx: Context) -> str:
@@ -114,6 +137,41 @@ def _hide_gpus(cls: ComputeClass) -> list[dict[str, str]]:
                                      {"name": "CUDA_VISIBLE_DEVICES", "value": ""}]
 
 
+def _pod_security(uid: int, gid: int) -> dict[str, Any]:
+    """The pod's part of Pod Security "restricted": never root (a fixed uid, gid and fsGroup, none 0) and
+    the container runtime's default seccomp profile."""
+    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": gid, "fsGroup": gid,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _isolation(ctx: Context) -> dict[str, Any]:
+    """The pod fields that keep an owner's code from the node: no service account token, and unless an
+    admin trusts the owner, Kata's VM around the pod."""
+    return {"automountServiceAccountToken": False, **({} if ctx.trusted else {"runtimeClassName": KATA})}
+
+
+def storage_uri(spec: ReplicaSpec, ctx: Context) -> str:
+    """Where KServe reads an endpoint's model: ``pvc://<files_claim>/<owner dir>/<name>``, the files the
+    API resolved the owner's ``model`` to (``spec.model``, a path under ``files_root``, the claim's mount
+    in the API's pods); an operator's shared model likewise, when its root lies on the claim. KServe
+    mounts only that directory, read-only, into the model server. Pure.
+
+    ValueError (the replica fails, saying so) when no files claim is configured, or for a path outside
+    the files root or inside another owner's directory: a path of the API's pod never reaches the
+    cluster. The message names no host path."""
+    claim, root = ctx.files_claim, ctx.files_root
+    if not claim or root is None:
+        raise ValueError(f"replica {spec.id}: endpoints on Kubernetes serve models from the owners' files claim, "
+                         "and none is configured (files_claim, docs/kubernetes.md)")
+    path = PurePosixPath(spec.model or "")
+    rel = path.relative_to(root) if path.is_absolute() and path.is_relative_to(root) else None
+    if rel is None or not rel.parts or ".." in rel.parts:
+        raise ValueError(f"replica {spec.id}: its model is not in the owners' files (claim {claim})")
+    if OWNER_DIR.fullmatch(rel.parts[0]) and rel.parts[0] != owner_dir(Path(), spec.owner).name:
+        raise ValueError(f"replica {spec.id}: its model is not in the owners' files (claim {claim})")
+    return f"pvc://{claim}/{rel.as_posix()}"
+
+
 def notebook(spec: ReplicaSpec, cls: ComputeClass, ctx: Context, token: str | None = None) -> list[dict[str, Any]]:
     name = object_name(spec.id)
     token = token or secrets.token_urlsafe(24)
@@ -130,23 +188,21 @@ def notebook(spec: ReplicaSpec, cls: ComputeClass, ctx: Context, token: str | No
         pvc["spec"]["storageClassName"] = ctx.storage_class
     pod_spec: dict[str, Any] = {
         "affinity": _affinity(spec.node), "tolerations": _tolerations(cls), "restartPolicy": "Always",
-        "automountServiceAccountToken": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 100,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        **_isolation(ctx), "enableServiceLinks": False,
+        "securityContext": _pod_security(NOTEBOOK_UID, NOTEBOOK_GID),
         "containers": [{
             "name": "jupyterlab", "image": ctx.notebook_image,
+            # the token reaches Jupyter by its environment (JUPYTER_TOKEN), never on the command line
             "args": ["start-notebook.py", "--ServerApp.ip=0.0.0.0", f"--ServerApp.port={NOTEBOOK_PORT}",
-                     "--IdentityProvider.token=$(TENSORA_NOTEBOOK_TOKEN)", "--ServerApp.open_browser=False"],
-            "env": [{"name": "TENSORA_NOTEBOOK_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": "token"}}},
+                     "--ServerApp.open_browser=False"],
+            "env": [{"name": "JUPYTER_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": "token"}}},
                     *_hide_gpus(cls)],
             "ports": [{"name": "http", "containerPort": NOTEBOOK_PORT}],
             "resources": _resources(cls),
             "readinessProbe": {"httpGet": {"path": "/api/status", "port": "http"}, "periodSeconds": 5},
-            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+            "securityContext": copy.deepcopy(CONTAINER_SECURITY),
             "volumeMounts": [{"name": "home", "mountPath": "/home/jovyan"}]}],
         "volumes": [{"name": "home", "persistentVolumeClaim": {"claimName": claim}}]}
-    if ctx.untrusted:
-        pod_spec["runtimeClassName"] = "kata"
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(spec, cls, ctx, name), "spec": pod_spec}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, cls, ctx, name),
                "spec": {"selector": {REPLICA_LABEL: label_value(spec.id)},
@@ -165,9 +221,15 @@ def notebook(spec: ReplicaSpec, cls: ComputeClass, ctx: Context, token: str | No
 
 
 def vm(spec: ReplicaSpec, cls: ComputeClass, ctx: Context) -> list[dict[str, Any]]:
+    """The VM as KubeVirt runs it: its launcher pod is KubeVirt's own (non-root, restricted), and this
+    asks for nothing beyond it: the pod network by masquerade (no passt, no host network), a container
+    disk, no host disks or file systems, no hook sidecars; GPUs only through ``permittedHostDevices``."""
     name = object_name(spec.id)
     devices: dict[str, Any] = {"disks": [], "interfaces": [{"name": "default", "masquerade": {}}]}
     volumes: list[dict[str, Any]] = []
+    if spec.image and PurePosixPath(spec.image).is_absolute():
+        raise ValueError(f"replica {spec.id}: a VM cannot boot a disk image from your files on Kubernetes yet; "
+                         "create it without an image")
     if spec.image:
         devices["disks"].append({"name": "root", "disk": {"bus": "virtio"}})
         volumes.append({"name": "root", "containerDisk": {"image": spec.image}})
@@ -186,16 +248,18 @@ def vm(spec: ReplicaSpec, cls: ComputeClass, ctx: Context) -> list[dict[str, Any
 
 def endpoint(spec: ReplicaSpec, cls: ComputeClass, ctx: Context) -> list[dict[str, Any]]:
     if not spec.model:
-        raise ValueError(f"replica {spec.id}: an endpoint needs a model storage URI")
+        raise ValueError(f"replica {spec.id}: an endpoint needs a model")
     name = object_name(spec.id)
     predictor: dict[str, Any] = {
         "minReplicas": 1, "maxReplicas": 1, "affinity": _affinity(spec.node), "tolerations": _tolerations(cls),
+        **_isolation(ctx), "securityContext": _pod_security(SERVER_UID, SERVER_UID),
         "model": {"modelFormat": {"name": "safetensors"}, "runtime": GPU_RUNTIME if cls.gpu_count else CPU_RUNTIME,
-                  "storageUri": spec.model, "resources": _resources(cls), "env": _hide_gpus(cls)}}
-    if ctx.untrusted:
-        predictor["runtimeClassName"] = "kata"
-    return [{"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
-             "metadata": _meta(spec, cls, ctx, name), "spec": {"predictor": predictor}}]
+                  "storageUri": storage_uri(spec, ctx), "resources": _resources(cls), "env": _hide_gpus(cls),
+                  "securityContext": copy.deepcopy(CONTAINER_SECURITY)}}
+    meta = _meta(spec, cls, ctx, name)
+    meta["annotations"][READONLY_ANNOTATION] = "true"  # KServe's default, said: the owner's files mount read-only
+    return [{"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": meta,
+             "spec": {"predictor": predictor}}]
 
 
 class NotOurs(Exception):

@@ -1,0 +1,226 @@
+"""What a local replica runs and what it sees, as values: command, environment, mounts, devices, limits.
+
+Pure: ``notebook``, ``endpoint`` and ``vm`` take a replica's facts (its class, GPUs, port, the host paths of
+its home, model and Python environments) and return a :class:`Launch`; ``drivers.local`` runs it in a sandbox
+(``sandbox_spec``) or, where the operator chose ``isolation: none``, as a plain process of Tensora's user.
+
+The environment is built from scratch, never inherited: PATH, HOME, USER, LANG, TMPDIR, CUDA_VISIBLE_DEVICES,
+the thread counts, and the workload's own variables (a runtime's, a notebook's token). Nothing of Tensora's
+settings, database URL or keys; a secret reaches the process by its environment, never its argv.
+
+In a sandbox every path is fixed, whatever the host's layout:
+
+==================  ===============================================  ==================================
+inside              host                                             access
+==================  ===============================================  ==================================
+``/home/owner``     ``DATA_DIR/workdirs/<workload>`` (a notebook's)   read-write, the owner's uid
+``/model``          the endpoint's model (in the owner's storage)     read-only
+``/opt/runtime``    the model server's runtime venv                   read-only
+``/opt/tensora``    Tensora's own environment (JupyterLab)            read-only
+its own path        the Python those venvs were made from             read-only
+``/vm``             ``DATA_DIR/replicas/<id>/vm`` (QMP, console)       read-write, the owner's uid
+``/image``          a VM's disk image                                 read-only (writes: a snapshot in /tmp)
+``/tmp``            private tmpfs, charged to the memory limit        read-write
+==================  ===============================================  ==================================
+
+Nothing else of the host but its system dirs (read-only, see ``tensora.sandbox.spec``): no DATA_DIR, no
+other owner's files.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensora import runtimes
+from tensora.catalog import ComputeClass
+from tensora.sandbox import SERVER_HOST, Device, Limits, Mount, SandboxSpec
+from tensora.sandbox.spec import RESERVED_TARGETS, SYSTEM_DIRS
+
+OWNER = "owner"
+"""The user name a replica's environment gives (its uid is the owner's sandbox uid, which has no name)."""
+HOME = f"/home/{OWNER}"
+TENSORA_ENV = "/opt/tensora"
+VM_DIR = "/vm"
+IMAGE = "/image"
+SYSTEM_PATH = ("/usr/local/bin", "/usr/bin", "/bin")
+PIDS = 4096
+"""Processes and threads per replica (a fork bomb stops here, not at the host's limit)."""
+QEMU_SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+"""QEMU's own seccomp filter (``-sandbox``), inside the sandbox's: no exec, no setuid, no scheduler tweaks."""
+GPU_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+"""NVIDIA's shared device nodes a GPU class needs beside its own ``/dev/nvidiaN`` (those the host has)."""
+
+
+class LaunchError(ValueError):
+    """The replica cannot be launched as asked; the message says why, for its owner or operator."""
+
+
+@dataclass(frozen=True, slots=True)
+class PythonEnv:
+    """A Python environment on the host: ``prefix`` (a venv, or an installation), ``base`` (the installation
+    a venv was made from; = prefix otherwise), its interpreter ``python`` (under ``prefix``) and its
+    ``version`` (``3.11``)."""
+
+    prefix: str
+    base: str
+    python: str
+    version: str = "3"
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """A replica's process: what to run, with what environment, where, and what it sees besides the system.
+
+    ``port`` is the server's port, the same number inside the sandbox and on the host's 127.0.0.1 (published);
+    ``devices`` are host device nodes the sandbox gets; ``served_model`` is the name its server answers to.
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+    mounts: tuple[Mount, ...] = ()
+    devices: tuple[str, ...] = ()
+    port: int | None = None
+    served_model: str | None = None
+
+
+def base_env(home: str, cls: ComputeClass, gpus: Sequence[int], path: Sequence[str] = ()) -> dict[str, str]:
+    """The environment every replica starts from. CPU placement hides every GPU (an empty
+    CUDA_VISIBLE_DEVICES); GPU placement shows only its own; threads follow the class's vCPUs."""
+    threads = str(max(1, int(cls.cpu)))
+    # USER and LOGNAME: the sandbox's uid has no passwd entry, and getpass.getuser() (torch's caches) asks
+    return {"PATH": ":".join([*path, *SYSTEM_PATH]), "HOME": home, "USER": OWNER, "LOGNAME": OWNER,
+            "LANG": "C.UTF-8", "TMPDIR": "/tmp",
+            "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
+            "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+
+
+def shown_by_system(path: str) -> bool:
+    """Whether a sandbox already shows ``path`` read-only (it is under a host system dir)."""
+    return any(path == d or path.startswith(d + "/") for d in SYSTEM_DIRS)
+
+
+def python_mounts(env: PythonEnv, target: str) -> tuple[tuple[Mount, ...], str]:
+    """Mount a Python environment read-only: a venv at ``target`` and its base installation at the base's own
+    path (the venv's ``pyvenv.cfg`` names it); an installation that is no venv at its own path. Returns the
+    mounts and the interpreter's path inside."""
+    mounts: list[Mount] = []
+    if env.prefix == env.base:
+        python = env.python
+    else:
+        mounts.append(Mount(env.prefix, target))
+        python = posixpath.join(target, posixpath.relpath(env.python, env.prefix))
+    if not shown_by_system(env.base):
+        if any(env.base == r or env.base.startswith(r.rstrip("/") + "/") for r in RESERVED_TARGETS if r != "/"):
+            raise LaunchError(f"the Python at {env.base} is under a dir every sandbox has of its own (such as "
+                              "/tmp): install the Python that Tensora and its runtimes use elsewhere")
+        mounts.append(Mount(env.base, env.base))
+    return tuple(mounts), python
+
+
+def notebook(tensora: PythonEnv, home: Path, private: Path, port: int, token: str, cls: ComputeClass,
+             gpus: Sequence[int], *, sandboxed: bool, as_root: bool = False) -> Launch:
+    """JupyterLab from Tensora's own environment, on 127.0.0.1:``port``, its token in ``JUPYTER_TOKEN``.
+
+    Sandboxed: the home at ``/home/owner`` (Jupyter's config and data dirs in it, kept across restarts),
+    runtime files in the private /tmp, ``pip install`` into ``~/.local`` (the environment is read-only).
+    Not sandboxed: the home is the host dir and Jupyter's dirs are in ``private`` (the replica's dir)."""
+    if sandboxed:
+        mounts, python = python_mounts(tensora, TENSORA_ENV)
+        mounts = (*mounts, Mount(str(home), HOME, writable=True))
+        where = HOME
+        site = f"{HOME}/.local/lib/python{tensora.version}/site-packages"
+        extra = {"JUPYTER_RUNTIME_DIR": "/tmp/jupyter-runtime", "PIP_PREFIX": f"{HOME}/.local",
+                 "PYTHONPATH": site}
+    else:
+        mounts, python, where = (), tensora.python, str(home)
+        extra = {"JUPYTER_CONFIG_DIR": str(private / "jupyter" / "config"),
+                 "JUPYTER_DATA_DIR": str(private / "jupyter" / "data"),
+                 "JUPYTER_RUNTIME_DIR": str(private / "jupyter" / "runtime")}
+    env = base_env(where, cls, gpus, [posixpath.dirname(python)]) | extra | {"JUPYTER_TOKEN": token}
+    argv = [python, "-m", "jupyterlab", "--no-browser", f"--ServerApp.ip={SERVER_HOST}",
+            f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--ServerApp.root_dir={where}"]
+    if as_root and not sandboxed:
+        argv.append("--allow-root")
+    return Launch(tuple(argv), env, where, mounts, port=port)
+
+
+def endpoint(runtime: runtimes.Runtime, venv: PythonEnv, model: str, name: str, port: int, kind: str,
+             cls: ComputeClass, gpus: Sequence[int], private: Path, *, sandboxed: bool) -> Launch:
+    """The runtime's model server on 127.0.0.1:``port``. Sandboxed, it sees its model read-only at ``/model``
+    and answers to that name; its HOME (caches) is the private /tmp."""
+    device = {"cpu": "cpu", "metal": "mps", "gpu": "cuda"}[kind]
+    if sandboxed:
+        mounts, _ = python_mounts(venv, runtimes.ENV_PATH)
+        mounts = (*mounts, Mount(model, runtimes.MODEL_PATH))
+        env_path, served, home = runtimes.ENV_PATH, runtimes.MODEL_PATH, "/tmp"
+    else:
+        mounts, env_path, served, home = (), venv.prefix, model, str(private)
+    argv = runtimes.command(runtime, env_path, served, name, port, device, SERVER_HOST)
+    env = base_env(home, cls, gpus, [f"{env_path}/bin"]) | runtime.env
+    return Launch(tuple(argv), env, home, mounts, port=port, served_model=served)
+
+
+def vm(qemu: str, name: str, cls: ComputeClass, accel: str, passthrough: Sequence[str], vm_dir: Path,
+       socket: str, image: str | None, *, sandboxed: bool, vfio_groups: Sequence[str] = ()) -> Launch:
+    """QEMU with QMP on ``socket`` and the serial console in the VM dir. Sandboxed: the VM dir at ``/vm``
+    (the owner's, so QEMU creates the socket there and the host reaches it through the mount), only
+    ``/dev/kvm`` (and a passthrough's VFIO group devices) added, QEMU's own ``-sandbox`` on, the image read-only
+    with a snapshot for the guest's writes (the owner's image stays intact)."""
+    where = VM_DIR if sandboxed else str(vm_dir)
+    # the guest gets 7/8 of the class's memory: QEMU itself and the snapshot in /tmp live in the same limit
+    memory_mib = max(64, (cls.memory - max(cls.memory // 8, 256 << 20)) // 2**20)
+    argv = [qemu, "-name", f"tensora-{name}", "-machine", "q35", "-accel", accel,
+            "-m", str(memory_mib), "-smp", str(max(1, int(cls.cpu))), "-nodefaults", "-no-user-config",
+            "-display", "none", "-serial", f"file:{where}/console.log",
+            "-qmp", f"unix:{socket},server=on,wait=off"]
+    for address in passthrough:
+        argv += ["-device", f"vfio-pci,host={address}"]
+    mounts: tuple[Mount, ...] = ()
+    devices: list[str] = []
+    if sandboxed:
+        argv += ["-sandbox", QEMU_SANDBOX]
+        mounts = (Mount(str(vm_dir), VM_DIR, writable=True),)
+        if accel == "kvm":
+            devices.append("/dev/kvm")
+        if passthrough:
+            devices += ["/dev/vfio/vfio", *(f"/dev/vfio/{g}" for g in vfio_groups)]
+    if image:
+        if sandboxed:
+            mounts = (*mounts, Mount(image, IMAGE))
+            argv += ["-drive", f"file={IMAGE},if=virtio,snapshot=on"]
+        else:
+            argv += ["-drive", f"file={image},if=virtio"]
+    env = base_env(where, cls, [])
+    return Launch(tuple(argv), env, where, mounts, tuple(devices))
+
+
+def limits(cls: ComputeClass, cpuset: Sequence[int] = ()) -> Limits:
+    """The placed class as cgroup limits: its vCPUs as a CPU quota, its memory (no swap), a pids limit, and
+    its own cores where the node pins them."""
+    return Limits(cpus=cls.cpu, memory_bytes=cls.memory, pids=PIDS,
+                  cpuset=",".join(str(c) for c in cpuset) or None)
+
+
+def choose_cpuset(cores: Sequence[int], taken: set[int], want: float, *, overcommitted: bool) -> list[int]:
+    """Cores of its own for a replica of ``want`` vCPUs: only on a node that does not overcommit its cores,
+    for a whole number of them, when that many are free (else none: the quota alone bounds it). The highest
+    free cores first (the host's own work tends to run on the first)."""
+    if overcommitted or want < 1 or want != int(want):
+        return []
+    free = [c for c in sorted(cores) if c not in taken]
+    return free[-int(want):] if len(free) >= want else []
+
+
+def sandbox_spec(launch: Launch, sandbox_id: str, uid: int, gid: int, limits_: Limits,
+                 devices: Sequence[Device], allow_host_ports: Sequence[int]) -> SandboxSpec:
+    """The launch as a sandbox: the owner's uid, its port published on the host's 127.0.0.1, and the host
+    loopback ports (Tensora's API and gateway) it may reach."""
+    publish = ((launch.port, launch.port),) if launch.port else ()
+    allowed = tuple(sorted({p for p in allow_host_ports if p and p != launch.port}))
+    return SandboxSpec(id=sandbox_id, argv=launch.argv, uid=uid, gid=gid, limits=limits_, env=dict(launch.env),
+                       cwd=launch.cwd, mounts=launch.mounts, devices=tuple(devices), publish=publish,
+                       allow_host_ports=allowed)

@@ -175,6 +175,8 @@ def test_an_endpoint_is_an_inference_service_on_the_gpu_runtime(cluster: tuple[A
         {"type": "Ready", "status": "True"}]})
     [seen] = d.observe()
     assert (seen.state, seen.url, seen.node) == (ReplicaState.RUNNING, f"http://{name}.{NS}.example/v1", "gpu-1")
+    # the runtimes serve the model as the InferenceService's name: what the gateway must send upstream
+    assert seen.served_model == name
     double.set_status(ISVC, NS, name, {"conditions": [{"type": "Ready", "status": "False", "reason": "Failed",
                                                        "message": "model download failed"}]})
     [seen] = d.observe()

@@ -280,7 +280,7 @@ class KubernetesDriver:
             return None
         node = _node(d, kind)
         st = d.get("status") or {}
-        state, url, detail = ReplicaState.STARTING, None, ""
+        state, url, detail, served = ReplicaState.STARTING, None, "", None
         if meta.get("deletionTimestamp"):
             state = ReplicaState.STOPPING
         elif kind == "Pod":
@@ -298,7 +298,8 @@ class KubernetesDriver:
         elif kind == "InferenceService":
             ready = [c for c in st.get("conditions") or [] if c.get("type") == "Ready"]
             if ready and ready[0].get("status") == "True" and st.get("url"):
-                state, url = ReplicaState.RUNNING, st["url"].rstrip("/") + "/v1"
+                # the serving runtimes serve the model as the InferenceService's name (--served-model-name {{.Name}})
+                state, url, served = ReplicaState.RUNNING, st["url"].rstrip("/") + "/v1", meta["name"]
             elif ready and ready[0].get("status") == "False" and ready[0].get("reason") == "Failed":
                 state, detail = ReplicaState.FAILED, ready[0].get("message", "the inference service failed")
         else:  # VirtualMachine
@@ -309,7 +310,7 @@ class KubernetesDriver:
                 state, detail = ReplicaState.FAILED, printable
             elif printable == "Stopped":
                 state = ReplicaState.STOPPED
-        return ReplicaStatus(rid, wid, cls, node, state, url, detail)
+        return ReplicaStatus(rid, wid, cls, node, state, url, detail, served_model=served)
 
 
 def _token(secret: dict[str, Any]) -> str | None:

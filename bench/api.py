@@ -167,10 +167,10 @@ def direct(db_url: str, data_dir: Path, n: int) -> dict[str, Any]:
     for i in range(n):
         t0 = time.perf_counter()
         body = WorkloadSpec.model_validate({**BODY, "name": f"nb-direct-{i}", "region": services.region})
-        spec = workloads.validate(body, services.catalog)
+        checked = workloads.validate(body, services.catalog, "bench", services.storage)
 
-        def action(conn: Any, spec: Any = spec) -> tuple[int, dict[str, Any]]:
-            row = workloads.create(conn, spec, "bench", services.clock.now())
+        def action(conn: Any, checked: Any = checked) -> tuple[int, dict[str, Any]]:
+            row = workloads.create(conn, checked, services.clock.now())
             return 201, _out(row, [], services)
 
         services.idempotency.run("bench", "POST", "/v1/workloads", f"direct-{i}", body.model_dump(mode="json"),

@@ -37,6 +37,7 @@ from tensora.catalog import ComputeClass, Kind, default_catalog, load_catalog
 from tensora.drivers import launch as plan
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.local import Isolation, LocalDriver
+from tensora.drivers.vmdisk import DiskFormat, ImageInfo, Layer
 from tensora.sandbox import Limits, Mount, Runc, SandboxSpec, available
 from tensora.serve import ServeSettings, describe_isolation, isolation_of
 from tensora.tinymodel import write_tiny_model
@@ -67,11 +68,29 @@ def _endpoint(sandboxed: bool = True, **kw: Any) -> plan.Launch:
     return plan.endpoint(**(args | kw))
 
 
+def _layer(name: str, fmt: DiskFormat) -> Layer:
+    return Layer(Path("/data/files/alice") / name, name, fmt, 1 << 30, (0, 0, 0, 0))
+
+
+DISK = ImageInfo(chain=(_layer("disk.qcow2", DiskFormat.QCOW2), _layer("base.raw", DiskFormat.RAW)))
+
+
 def _vm(sandboxed: bool = True, **kw: Any) -> plan.Launch:
     args: dict[str, Any] = {"qemu": "/usr/bin/qemu-system-x86_64", "name": "rp_1", "cls": CPU1, "accel": "kvm",
                             "passthrough": [], "vm_dir": Path("/data/replicas/rp_1/vm"), "socket": "/vm/qmp.sock",
-                            "image": "/data/files/alice/disk.qcow2", "sandboxed": sandboxed}
+                            "disk": DISK, "sandboxed": sandboxed}
     return plan.vm(**(args | kw))
+
+
+def _files(launch: plan.Launch) -> dict[str, tuple[str, bool]]:
+    """The file nodes of a VM's disk: filename -> read-only."""
+    nodes = [json.loads(launch.argv[i + 1]) for i, a in enumerate(launch.argv) if a == "-blockdev"]
+    return {n["filename"]: n["read-only"] for n in nodes if n["driver"] == "file"}
+
+
+def _drivers(launch: plan.Launch) -> dict[str, str]:
+    nodes = [json.loads(launch.argv[i + 1]) for i, a in enumerate(launch.argv) if a == "-blockdev"]
+    return {n["node-name"]: n["driver"] for n in nodes if n["driver"] != "file"}
 
 
 def _mounts(launch: plan.Launch) -> dict[str, tuple[str, bool]]:
@@ -122,11 +141,18 @@ LAUNCH_CASES: dict[str, tuple[Callable[[], plan.Launch], Callable[[plan.Launch],
         lambda: _endpoint(sandboxed=False),
         lambda x: x.mounts == () and x.served_model == "/data/files/alice/tiny"
         and x.argv[0] == "/srv/tensora/venv/bin/python"),
-    "vm: its dir read-write at /vm (QMP socket, console), the image read-only with a snapshot for writes": (
+    "vm: its dir read-write at /vm (QMP socket, console, the overlay), each image of the chain alone read-only": (
         _vm, lambda x: _mounts(x) == {"/vm": ("/data/replicas/rp_1/vm", True),
-                                      "/image": ("/data/files/alice/disk.qcow2", False)}
-        and "file=/image,if=virtio,snapshot=on" in x.argv and "unix:/vm/qmp.sock,server=on,wait=off" in x.argv
-        and "file:/vm/console.log" in x.argv),
+                                      "/image/0": ("/data/files/alice/disk.qcow2", False),
+                                      "/image/1": ("/data/files/alice/base.raw", False)}
+        and "unix:/vm/qmp.sock,server=on,wait=off" in x.argv and "file:/vm/console.log" in x.argv),
+    "vm: the overlay read-write over the chain read-only, every driver named, no -drive, no snapshot": (
+        _vm, lambda x: _files(x) == {"/vm/disk.qcow2": False, "/image/0": True, "/image/1": True}
+        and _drivers(x) == {"disk0": "qcow2", "disk0-base1": "qcow2", "disk0-base2": "raw"}
+        and "-drive" not in x.argv and not any("snapshot" in a for a in x.argv)
+        and "virtio-blk-pci,drive=disk0,id=disk0-dev" in x.argv),
+    "vm without a disk: no disk at all": (
+        lambda: _vm(disk=None), lambda x: "-blockdev" not in x.argv and set(_mounts(x)) == {"/vm"}),
     "vm: QEMU's own seccomp sandbox on, only /dev/kvm added": (
         _vm, lambda x: x.argv[x.argv.index("-sandbox") + 1].startswith("on,") and x.devices == ("/dev/kvm",)),
     "vm on TCG: no device at all": (lambda: _vm(accel="tcg"), lambda x: x.devices == ()),
@@ -136,9 +162,11 @@ LAUNCH_CASES: dict[str, tuple[Callable[[], plan.Launch], Callable[[plan.Launch],
         and "vfio-pci,host=0000:65:00.0" in x.argv),
     "vm: the guest's memory leaves room for QEMU in the class's limit": (
         _vm, lambda x: int(x.argv[x.argv.index("-m") + 1]) == 3584),
-    "vm unsandboxed: today's disk args, no -sandbox (QEMU runs as Tensora's user)": (
+    "vm unsandboxed: the same disk nodes at host paths, no -sandbox (QEMU runs as Tensora's user)": (
         lambda: _vm(sandboxed=False, socket="/tmp/tensora-qmp-x.sock"),
-        lambda x: "file=/data/files/alice/disk.qcow2,if=virtio" in x.argv and "-sandbox" not in x.argv),
+        lambda x: _files(x) == {"/data/replicas/rp_1/vm/disk.qcow2": False, "/data/files/alice/disk.qcow2": True,
+                                "/data/files/alice/base.raw": True}
+        and x.mounts == () and "-drive" not in x.argv and "-sandbox" not in x.argv),
 }
 
 

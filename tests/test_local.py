@@ -32,6 +32,7 @@ from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.local import LocalDriver, qmp
 from tensora.sdk import Client
+from tensora.storage import owner_dir
 from tensora.tinymodel import write_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -172,9 +173,12 @@ def test_a_vm_boots_its_firmware_reports_running_over_qmp_and_stops(driver: Loca
 
 
 def test_a_vm_with_a_missing_image_fails_with_the_reason(driver: LocalDriver, tmp_path: Path) -> None:
-    status = driver.start(replica("vm2", WorkloadKind.VM, image=str(tmp_path / "nope.qcow2")))
+    gone = owner_dir(tmp_path / "data" / "files", "alice") / "nope.qcow2"  # resolved when created, deleted since
+    status = driver.start(replica("vm2", WorkloadKind.VM, image=str(gone)))
     assert status.state is ReplicaState.FAILED
-    assert "nope.qcow2 does not exist" in status.detail
+    assert status.detail == "nope.qcow2: not found in your files"  # by the owner's name, no host path
+    elsewhere = driver.start(replica("vm3", WorkloadKind.VM, image=str(tmp_path / "nope.qcow2")))
+    assert (elsewhere.state, elsewhere.detail) == (ReplicaState.FAILED, "nope.qcow2: not in your files")
 
 
 def test_an_endpoint_without_a_runtime_fails_with_the_reason(tmp_path: Path) -> None:

@@ -18,13 +18,21 @@ inside              host                                             access
 ``/opt/runtime``    the model server's runtime venv                   read-only
 ``/opt/tensora``    Tensora's own environment (JupyterLab)            read-only
 its own path        the Python those venvs were made from             read-only
-``/vm``             ``DATA_DIR/replicas/<id>/vm`` (QMP, console)       read-write, the owner's uid
-``/image``          a VM's disk image                                 read-only (writes: a snapshot in /tmp)
+``/vm``             ``DATA_DIR/replicas/<id>/vm`` (QMP, console,      read-write, the owner's uid
+                    the disk's overlay ``disk.qcow2``)
+``/image/<i>``      each image of a VM disk's checked backing chain   read-only, each file bound alone
 ``/tmp``            private tmpfs, charged to the memory limit        read-write
 ==================  ===============================================  ==================================
 
 Nothing else of the host but its system dirs (read-only, see ``tensora.sandbox.spec``): no DATA_DIR, no
 other owner's files.
+
+A VM's disk is always its owner's image checked by ``drivers.vmdisk`` (the whole backing chain inside the
+owner's files, or inside the one shared root the image lies in) under a copy-on-write overlay of its own:
+QEMU gets ``-blockdev`` nodes naming every format and backing node, never ``-drive``. In a sandbox each image
+of the chain is bound alone, read-only, at ``/image/<i>``, and the overlay is in ``/vm``: the file's own mode
+decides whether the owner's uid reads it (not the owner's 0700 dir), none of the owner's other files is shown,
+and once the sandbox is made a later rename over a name (an upload) changes nothing QEMU sees.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from pathlib import Path
 
 from tensora import runtimes
 from tensora.catalog import ComputeClass
+from tensora.drivers.vmdisk import ImageInfo, qemu_disk_args, qemu_sandbox_args
 from tensora.sandbox import SERVER_HOST, Device, Limits, Mount, SandboxSpec
 from tensora.sandbox.spec import RESERVED_TARGETS, SYSTEM_DIRS
 
@@ -45,11 +54,11 @@ HOME = f"/home/{OWNER}"
 TENSORA_ENV = "/opt/tensora"
 VM_DIR = "/vm"
 IMAGE = "/image"
+DISK = "disk.qcow2"
+"""A VM's copy-on-write overlay in its VM dir: everything its guest writes, kept across restarts of the replica."""
 SYSTEM_PATH = ("/usr/local/bin", "/usr/bin", "/bin")
 PIDS = 4096
 """Processes and threads per replica (a fork bomb stops here, not at the host's limit)."""
-QEMU_SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
-"""QEMU's own seccomp filter (``-sandbox``), inside the sandbox's: no exec, no setuid, no scheduler tweaks."""
 GPU_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 """NVIDIA's shared device nodes a GPU class needs beside its own ``/dev/nvidiaN`` (those the host has)."""
 
@@ -165,13 +174,16 @@ def endpoint(runtime: runtimes.Runtime, venv: PythonEnv, model: str, name: str, 
 
 
 def vm(qemu: str, name: str, cls: ComputeClass, accel: str, passthrough: Sequence[str], vm_dir: Path,
-       socket: str, image: str | None, *, sandboxed: bool, vfio_groups: Sequence[str] = ()) -> Launch:
-    """QEMU with QMP on ``socket`` and the serial console in the VM dir. Sandboxed: the VM dir at ``/vm``
-    (the owner's, so QEMU creates the socket there and the host reaches it through the mount), only
-    ``/dev/kvm`` (and a passthrough's VFIO group devices) added, QEMU's own ``-sandbox`` on, the image read-only
-    with a snapshot for the guest's writes (the owner's image stays intact)."""
+       socket: str, disk: ImageInfo | None, *, sandboxed: bool, vfio_groups: Sequence[str] = ()) -> Launch:
+    """QEMU with QMP on ``socket`` and the serial console in the VM dir; ``disk`` (checked by
+    ``vmdisk.inspect``) under its overlay ``vm_dir/disk.qcow2`` (made by ``vmdisk.overlay``), attached as
+    ``-blockdev`` nodes that name every format and backing node. Sandboxed: the VM dir at ``/vm`` (the owner's,
+    so QEMU creates the socket there and the host reaches it through the mount), each image of the chain alone
+    read-only at ``/image/<i>``, only ``/dev/kvm`` (and a passthrough's VFIO group devices) added, QEMU's own
+    ``-sandbox`` on. Unsandboxed the same disk nodes at host paths, without ``-sandbox`` (QEMU's seccomp is
+    Linux-only, and hosts that cannot sandbox include macOS)."""
     where = VM_DIR if sandboxed else str(vm_dir)
-    # the guest gets 7/8 of the class's memory: QEMU itself and the snapshot in /tmp live in the same limit
+    # the guest gets 7/8 of the class's memory: QEMU itself (its block caches too) lives in the same limit
     memory_mib = max(64, (cls.memory - max(cls.memory // 8, 256 << 20)) // 2**20)
     argv = [qemu, "-name", f"tensora-{name}", "-machine", "q35", "-accel", accel,
             "-m", str(memory_mib), "-smp", str(max(1, int(cls.cpu))), "-nodefaults", "-no-user-config",
@@ -182,20 +194,34 @@ def vm(qemu: str, name: str, cls: ComputeClass, accel: str, passthrough: Sequenc
     mounts: tuple[Mount, ...] = ()
     devices: list[str] = []
     if sandboxed:
-        argv += ["-sandbox", QEMU_SANDBOX]
+        argv += qemu_sandbox_args()
         mounts = (Mount(str(vm_dir), VM_DIR, writable=True),)
         if accel == "kvm":
             devices.append("/dev/kvm")
         if passthrough:
             devices += ["/dev/vfio/vfio", *(f"/dev/vfio/{g}" for g in vfio_groups)]
-    if image:
-        if sandboxed:
-            mounts = (*mounts, Mount(image, IMAGE))
-            argv += ["-drive", f"file={IMAGE},if=virtio,snapshot=on"]
-        else:
-            argv += ["-drive", f"file={image},if=virtio"]
+    if disk is not None:
+        seen = vm_disk_mounts(disk, vm_dir) if sandboxed else None
+        if seen is not None:
+            mounts = (*mounts, *(Mount(str(host), str(inside)) for host, inside in seen.items() if host != vm_dir))
+        argv += qemu_disk_args(vm_dir / DISK, disk, mounts=seen)
     env = base_env(where, cls, [])
     return Launch(tuple(argv), env, where, mounts, tuple(devices))
+
+
+def vm_disk_mounts(disk: ImageInfo, vm_dir: Path) -> dict[Path, Path]:
+    """Where a sandboxed QEMU sees its disk, host path to sandbox path: the VM dir (the overlay in it) at
+    ``/vm``, and each image of the checked chain as a file of its own at ``/image/<i>`` (0 the owner's image,
+    each next its backing file)."""
+    return {vm_dir: Path(VM_DIR), **{layer.path: Path(f"{IMAGE}/{i}") for i, layer in enumerate(disk.chain)}}
+
+
+def image_root(image: Path, roots: Sequence[Path]) -> Path | None:
+    """The root among ``roots`` (the owner's files, the operator's shared roots; all resolved) that holds
+    ``image`` (resolved), the deepest where roots nest: the only dir its backing chain may use. None: in none
+    of them. Pure."""
+    inside = [r for r in roots if image != r and image.is_relative_to(r)]
+    return max(inside, key=lambda r: len(r.parts)) if inside else None
 
 
 def limits(cls: ComputeClass, cpuset: Sequence[int] = ()) -> Limits:

@@ -15,8 +15,14 @@ claims (a crash in the middle of a start): no orphan.
   (owned by the owner's uid), kept across the workload's restarts and removed by ``release`` once it is
   deleted. GPU placement shows its GPUs (device nodes and ``CUDA_VISIBLE_DEVICES``); CPU placement none.
 * vm: QEMU with QMP on a unix socket in the VM's dir (shared with the host); KVM when ``/dev/kvm`` opens, else
-  TCG; an optional disk image; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``,
-  then ``quit``, then SIGKILL.
+  TCG; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``, then ``quit``, then SIGKILL.
+  An optional disk image, which the server resolved inside the owner's files (``files_root``, the dir
+  ``storage.owner_dir`` names for the replica's owner) or inside a shared root (``shared_models``): before
+  anything opens it, ``vmdisk.inspect`` checks its whole backing chain against the one of those roots that
+  holds the image (an owner's image cannot use a shared image as its backing file, nor the reverse), and a
+  refusal fails the replica with its message, which names no host path. The guest writes only to an overlay,
+  ``replicas/<id>/vm/disk.qcow2`` (the owner's uid, 0600): kept when the same replica starts again, a new one
+  for a new replica, removed by ``release`` once the workload is deleted. The owner's image stays intact.
 * endpoint: a model server from the runtime registry (``runtimes``) on a free port, its model read-only at
   ``/model`` (the name it answers to, reported as ``served_model``); ready when ``/v1/models`` answers.
   Without an installed runtime the replica fails with a reason that says which to install.
@@ -42,6 +48,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -59,9 +66,12 @@ from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import Catalog, ComputeClass
 from tensora.drivers import launch as plan
+from tensora.drivers import vmdisk
 from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.drivers.vmdisk import ImageRefused
 from tensora.sandbox import Device, Runc, SandboxError, SandboxState, host_device
 from tensora.sandbox.network import NETNS_FILE
+from tensora.storage import owner_dir
 
 log = logging.getLogger("tensora.drivers.local")
 
@@ -141,14 +151,19 @@ class LocalDriver:
     """Replicas on this machine, one node (this machine's, from ``hardware``).
 
     ``allow_host_ports``: the host loopback ports a sandbox may reach (Tensora's API and gateway, which check
-    keys); every other host service stays out of reach."""
+    keys); every other host service stays out of reach. ``files_root`` (default ``DATA_DIR/files``) and
+    ``shared_models`` are owners' storage and the operator's shared roots, as ``tensora.storage`` has them:
+    the only places a VM's disk and its backing files may be."""
 
     def __init__(self, data_dir: Path, node: Node, catalog: Catalog, gpu_indices: Sequence[int] = (),
                  runtimes_dir: Path | None = None, vfio: Mapping[int, str] | None = None,
                  sysfs: Path = Path("/sys"), devfs: Path = Path("/dev"), *,
                  isolation: Isolation | str = Isolation.SANDBOX, allow_host_ports: Sequence[int] = (),
-                 runc: Runc | None = None) -> None:
+                 runc: Runc | None = None, files_root: Path | None = None,
+                 shared_models: Mapping[str, Path] | None = None) -> None:
         data_dir = Path(data_dir)
+        self.files_root = Path(files_root) if files_root is not None else data_dir / "files"
+        self.shared_models = {name: Path(path) for name, path in (shared_models or {}).items()}
         self.runtimes = runtimes_dir or runtimes.runtimes_dir(data_dir)
         self.root = _private_dir(data_dir / "replicas")
         self.work = data_dir / "workdirs"
@@ -188,7 +203,7 @@ class LocalDriver:
         # 2. what it runs and sees; a replica that cannot start fails with the reason
         try:
             launch, devices = self._launch(spec, meta, sandboxed)
-        except (plan.LaunchError, OSError) as exc:
+        except (plan.LaunchError, ImageRefused, OSError) as exc:
             return self._fail(meta, str(exc))
         # 3. claimed before its sandbox exists: a crash from here on leaves no sandbox that no replica claims
         self._write(meta)
@@ -242,8 +257,13 @@ class LocalDriver:
         return self._status(meta)
 
     def release(self, workload_id: str) -> None:
-        """Remove a deleted notebook's working dir (kept across its restarts until now)."""
+        """Remove what a deleted workload's replicas left: a notebook's working dir (kept across its restarts
+        until now), a VM's disk overlays (what its guests wrote)."""
         shutil.rmtree(self._home_path(workload_id), ignore_errors=True)
+        for meta in self._metas():
+            if meta["workload_id"] == workload_id and meta["state"] in ENDED:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.root / meta["id"] / "vm" / plan.DISK).unlink()
 
     def observe(self) -> Sequence[ReplicaStatus]:
         out = []
@@ -311,7 +331,7 @@ class LocalDriver:
         if not os.path.exists(spec.model):
             raise plan.LaunchError("the endpoint's model is not in its owner's storage any more")
         if sandboxed:
-            _readable_by_others(Path(spec.model))
+            _readable_by_others(Path(spec.model), "the model's")
         venv = runtimes.venv_dir(self.runtimes, runtime.name)
         env = plan.PythonEnv(str(venv), str(runtimes.base_prefix(venv) or venv), str(venv / "bin" / "python"))
         port = free_port()
@@ -330,21 +350,41 @@ class LocalDriver:
         accel = "kvm" if kvm_usable() else "tcg"
         if vfio and accel != "kvm":
             raise plan.LaunchError("GPU passthrough needs KVM (/dev/kvm), which this host does not offer")
-        if spec.image and not Path(spec.image).is_file():
-            raise plan.LaunchError(f"the disk image {spec.image} does not exist")
         vm_dir = _private_dir(self.root / spec.id) / "vm"
         vm_dir.mkdir(mode=0o700, exist_ok=True)
+        # the disk first: checked before anything opens it, its overlay made, or the replica fails here
+        disk = self._disk(spec, vm_dir, sandboxed) if spec.image else None
         if sandboxed:  # QEMU (the owner's uid) makes its socket and console here; the host reaches them
             assert spec.uid is not None and spec.gid is not None
             os.chown(vm_dir, spec.uid, spec.gid)
             host_socket, inner_socket = str(vm_dir / "qmp.sock"), f"{plan.VM_DIR}/qmp.sock"
         else:
             host_socket = inner_socket = _short_socket(self.root / spec.id)
-        launch = plan.vm(qemu, spec.id, cls, accel, [a for a, _ in vfio], vm_dir, inner_socket, spec.image,
+        launch = plan.vm(qemu, spec.id, cls, accel, [a for a, _ in vfio], vm_dir, inner_socket, disk,
                          sandboxed=sandboxed, vfio_groups=[g for _, g in vfio])
         meta.update(socket=host_socket, url=f"qmp+unix://{host_socket}", detail=f"accel {accel}",
                     console=str(vm_dir / "console.log"))
         return launch
+
+    def _disk(self, spec: ReplicaSpec, vm_dir: Path, sandboxed: bool) -> vmdisk.ImageInfo:
+        """The VM's disk: the owner's image and its backing chain checked inside the root that holds it
+        (``vmdisk.inspect``, which opens nothing outside it), then its overlay in the VM dir, the owner's
+        (``vmdisk.overlay``: an existing one is kept). ImageRefused or LaunchError say why not."""
+        assert spec.image is not None
+        image = Path(spec.image)
+        roots = [owner_dir(self.files_root, spec.owner), *self.shared_models.values()]
+        root = plan.image_root(image.resolve(), [r.resolve() for r in roots])
+        if root is None:  # a row from before owners' files, or a path the server never resolved
+            raise ImageRefused(image.name, "not in your files")
+        info = vmdisk.inspect(image, root)
+        if sandboxed:  # each file is bound alone into the sandbox: its own mode decides
+            for layer in info.chain:
+                _readable_by_others(layer.path, "the disk image")
+        overlay = vmdisk.overlay(info, vm_dir / plan.DISK)
+        if sandboxed:
+            assert spec.uid is not None and spec.gid is not None
+            _own(overlay, spec.uid, spec.gid)
+        return info
 
     def _home(self, workload_id: str, uid: int | None, gid: int | None) -> Path:
         """A notebook's files, kept across its restarts: owned by the owner's uid when sandboxed."""
@@ -611,26 +651,40 @@ def _release_netns_mount(bundle: Path) -> None:
     subprocess.run(["umount", "-l", str(bundle / NETNS_FILE)], capture_output=True, check=False)
 
 
-def _readable_by_others(model: Path) -> None:
-    """LaunchError unless every file of the model is readable by any uid (the sandbox runs as the owner's,
-    and owners' uploads are written 0644); names the first that is not, relative to the model."""
-    paths = [model] if model.is_file() else [model, *sorted(model.rglob("*"))]
-    for path in paths:
-        mode = path.stat().st_mode
-        need = 0o005 if path.is_dir() else 0o004
+def _readable_by_others(path: Path, what: str) -> None:
+    """LaunchError unless every file of ``path`` (a model, a disk image) is readable by any uid (the sandbox runs
+    as the owner's, and owners' uploads are written 0644); names the first that is not, relative to ``path``,
+    after ``what``."""
+    paths = [path] if path.is_file() else [path, *sorted(path.rglob("*"))]
+    for p in paths:
+        mode = p.stat().st_mode
+        need = 0o005 if p.is_dir() else 0o004
         if mode & need != need:
-            name = path.relative_to(model) if path != model else path.name
-            raise plan.LaunchError(f"the model's {name} is not readable by the sandbox (mode {mode & 0o777:o}, "
+            name = p.relative_to(path) if p != path else path.name
+            raise plan.LaunchError(f"{what} {name} is not readable by the sandbox (mode {mode & 0o777:o}, "
                                    "not readable by others)")
+
+
+def _own(path: Path, uid: int, gid: int) -> None:
+    """Give a regular file in a replica's dir to the owner's uid, 0600: opened without following a link and
+    without blocking on a FIFO, so nothing planted there redirects the chown."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise plan.LaunchError(f"{path.name} in the VM's dir is not a regular file")
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def _proc_start(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rpartition(")")[2].split()[19])
+    return int(line.rpartition(")")[2].split()[19])
 
 
 def _proc_state(pid: int) -> str | None:

@@ -284,6 +284,7 @@ def test_cli_uploads_a_model_directory_then_lists_and_removes_it(files: Files) -
         for f in listing["data"]:
             assert any(f["path"] in line and f["sha256"][:12] in line and " MiB" in table
                        for line in table.splitlines()), table
+        assert all(line == line.rstrip() for line in table.splitlines()), table  # no trailing spaces
     assert "removed 3 files" in cli(files, "files", "rm", "tiny").stdout
     assert json.loads(cli(files, "files", "list", "-o", "json").stdout)["data"] == []
 

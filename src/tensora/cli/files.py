@@ -8,10 +8,9 @@ from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 
 from tensora.cli.cloud import dump, local_time, session
-from tensora.cli.common import Output, app, check_output, err, fail, out
+from tensora.cli.common import Output, app, check_output, emit, err, fail, out, table
 from tensora.sdk import Client
 from tensora.storage import FileList, FileOut, format_bytes
 
@@ -90,16 +89,10 @@ def remove(ctx: typer.Context, name: Annotated[str, typer.Argument(help="a file,
 
 
 def _table(files: list[FileOut]) -> None:
-    """Paths whole on one line, however narrow the terminal (they are what you type next); the
-    sha256 shortened to 12 hex digits (``-o json`` has it all)."""
-    table = Table()
-    table.add_column("path", no_wrap=True, min_width=max((len(f.path) for f in files), default=4))
-    table.add_column("size", justify="right", no_wrap=True, min_width=8)
-    table.add_column("sha256", no_wrap=True, min_width=12)
-    table.add_column("uploaded", no_wrap=True)
-    for f in files:
-        table.add_row(f.path, format_bytes(f.size), f.sha256[:12], local_time(f.created_at))
-    out.print(table)
+    """Paths whole on one line, however narrow the terminal (they are what you type next), as every table of
+    the CLI (``common.table``); the sha256 shortened to 12 hex digits (``-o json`` has it all)."""
+    emit(table(["path", "size", "sha256", "uploaded"],
+               [(f.path, format_bytes(f.size), f.sha256[:12], local_time(f.created_at)) for f in files]))
 
 
 def _room(page: FileList) -> None:

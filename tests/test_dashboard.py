@@ -5,7 +5,8 @@ The story of ADR-0010 as a user sees it: sign in; create an endpoint with CPU fa
 the 10-50x warning before submitting; see it placed on CPU with the badge and the reason; a
 notebook on CPU while the L40S is taken; the L40S frees, "Restart on GPU" appears without a
 reload and takes it there; the usage chart grows. A wrong key and a forged form are refused;
-pages read without JavaScript. Screenshots of each page go to ``.cache/artifacts/dashboard``
+pages read without JavaScript. Where replicas run unsandboxed (``isolation: none``, or a host that cannot
+sandbox), every page says so. Screenshots of each page go to ``.cache/artifacts/dashboard``
 (``TENSORA_TEST_ARTIFACTS`` elsewhere)."""
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+import services
+from stack import stack
 from tensora.sdk import Client
 from tensora.tinymodel import write_tiny_model
 from test_serve import served
@@ -241,3 +244,44 @@ def test_the_dashboard_stays_out_of_the_api_document(server: tuple[str, str, Pat
     url, _, _ = server
     paths = httpx.get(url + "/openapi.json").json()["paths"]
     assert all(p.startswith(("/v1/", "/healthz", "/readyz")) for p in paths)
+
+
+NO_RUNC = "no runc on PATH (Debian: apt-get install runc)"
+ISOLATION_NOTICES = {  # the services' isolation -> what every page says (None: nothing)
+    "none": "Replicas on this server run without a sandbox (isolation: none): every owner's code runs as "
+            "Tensora's user.",
+    "admin-only": f"This host cannot sandbox replicas ({NO_RUNC}): only the admin's workloads run here.",
+    "sandbox": None,
+    None: None,  # not the local driver (the simulated fleet)
+}
+
+
+@pytest.mark.parametrize("isolation", list(ISOLATION_NOTICES), ids=lambda m: str(m))
+def test_every_page_says_when_replicas_run_unsandboxed(browser: Any, tmp_path: Path, isolation: str | None) -> None:
+    s = stack(str(tmp_path / "t.db"), tmp_path, run_controller=False)
+    s.services.isolation = isolation
+    s.services.isolation_reason = NO_RUNC if isolation == "admin-only" else None
+    want = ISOLATION_NOTICES[isolation]
+    try:
+        with services.serving(s.app) as live:
+            page = browser.new_context().new_page()
+            page.goto(live.url + "/login")
+            expect(page.locator("#isolation-notice")).to_have_count(0)  # told to signed-in users, as the API does
+            page.get_by_label("API key").fill(s.alice)  # an owner who is not the admin
+            page.get_by_role("button", name="Sign in").click()
+            expect(page.get_by_role("heading", name="Workloads")).to_be_visible()
+            for path in ["/", "/new", "/capacity", "/workloads/wl_nothere"]:
+                page.goto(live.url + path)
+                notice = page.locator("#isolation-notice")
+                if want is None:
+                    expect(notice).to_have_count(0)
+                    text = page.locator("body").inner_text()
+                    assert "without a sandbox" not in text and "cannot sandbox" not in text
+                else:
+                    expect(notice).to_be_visible()
+                    expect(notice).to_have_text(want)
+            if want is not None:
+                shot(page, f"isolation-{isolation}")
+            page.context.close()
+    finally:
+        s.services.db.dispose()

@@ -70,9 +70,32 @@ def _cookie(response: Response, name: str, value: str) -> None:
     response.set_cookie(name, value, httponly=True, secure=True, samesite="strict", path="/")
 
 
+def isolation_notice(isolation: str | None, reason: str | None) -> str | None:
+    """What every page says where replicas run unsandboxed, as ``tensora node``, the start banner and
+    ``GET /v1/catalog`` (``isolation``) do: ``none`` (the operator's choice) or ``admin-only`` (this host
+    cannot sandbox). Nothing when sandboxed, or for a driver without this isolation (``None``)."""
+    if isolation == "none":
+        return ("Replicas on this server run without a sandbox (isolation: none): every owner's code runs as "
+                "Tensora's user.")
+    if isolation == "admin-only":
+        why = f" ({reason})" if reason else ""
+        return f"This host cannot sandbox replicas{why}: only the admin's workloads run here."
+    return None
+
+
+def _isolation_notice(request: Request) -> str | None:
+    """The notice for this server: its isolation is settings of the app's services (no store read), told
+    only to a signed-in user, as the API tells it only to a key (``GET /v1/catalog``)."""
+    services = getattr(request.app.state, "services", None)
+    if services is None or KEY_COOKIE not in request.cookies:
+        return None
+    return isolation_notice(services.isolation, services.isolation_reason)
+
+
 def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
     token = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(32)
     response = templates.TemplateResponse(request, name, {"csrf": token, "signed_in": KEY_COOKIE in request.cookies,
+                                                          "isolation_notice": _isolation_notice(request),
                                                           **context}, status_code=status)
     if request.cookies.get(CSRF_COOKIE) != token:
         _cookie(response, CSRF_COOKIE, token)

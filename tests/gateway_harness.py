@@ -4,6 +4,7 @@ served by uvicorn on loopback (in a thread, so a test can hand them a route tabl
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import threading
@@ -21,12 +22,15 @@ from tensora.gateway.routes import RouteTable, table_from_json
 
 
 class Backends:
-    """Fake OpenAI servers by name, each a child process on its own port."""
+    """Fake OpenAI servers by name, each a child process on its own port; ``api_keys``: name -> the key that
+    one requires (in its environment, as vLLM's ``VLLM_API_KEY``)."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], api_keys: dict[str, str] | None = None) -> None:
         self.ports = {n: free_port() for n in names}
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
         self.procs = {n: subprocess.Popen([sys.executable, "-m", "tensora.gateway.fakebackend", "--port", str(p),
-                                           "--name", n, "--chunks", "8"])
+                                           "--name", n, "--chunks", "8"],
+                                          env=env | ({"VLLM_API_KEY": api_keys[n]} if n in (api_keys or {}) else {}))
                       for n, p in self.ports.items()}
         deadline = time.monotonic() + 30
         for n, p in self.ports.items():
@@ -48,6 +52,11 @@ class Backends:
     def requests(self, name: str) -> int:
         return int(httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["requests"])
 
+    def authorization(self, name: str) -> str | None:
+        """The Authorization header of the last completion request it got (None: there was none)."""
+        value: str | None = httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["authorization"]
+        return value
+
     def reset(self) -> None:
         for n in self.ports:
             self.mode(n, "ok")
@@ -59,8 +68,10 @@ class Backends:
             p.wait(10)
 
 
-def replica(rid: str, url: str, cpu: bool = False, model: str = "/models/m") -> dict[str, Any]:
-    return {"id": rid, "url": url, "cls": "cpu-4c-16g" if cpu else "l40s-48gb", "cpu": cpu, "upstream_model": model}
+def replica(rid: str, url: str, cpu: bool = False, model: str = "/models/m", api_key: str | None = None
+            ) -> dict[str, Any]:
+    return {"id": rid, "url": url, "cls": "cpu-4c-16g" if cpu else "l40s-48gb", "cpu": cpu, "upstream_model": model,
+            **({"api_key": api_key} if api_key else {})}
 
 
 def make_table(endpoints: list[dict[str, Any]], keys: dict[str, tuple[str, list[str]]], region: str = "local",

@@ -30,11 +30,12 @@ BOB = apikeys.generate()
 NO_INFERENCE = apikeys.generate()
 KEYS = {ALICE: ("alice", ["inference"]), BOB: ("bob", ["inference"]), NO_INFERENCE: ("alice", ["workloads:read"])}
 FAILURES = ["http_500", "http_503", "http_429", "close", "stall_head"]
+REPLICA_KEY = "k1-replica-key"  # what the control API's route table gives the gateway for replica k1
 
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[Backends]:
-    b = Backends(["r1", "r2", "c1", "s1", "f1", "us1"])
+    b = Backends(["r1", "r2", "c1", "s1", "f1", "us1", "k1"], api_keys={"k1": REPLICA_KEY})
     try:
         yield b
     finally:
@@ -265,6 +266,24 @@ def test_keys_scopes_and_models_in_openais_error_shape(backends: Backends) -> No
     assert shared.status_code == 200 and shared.headers["x-tensora-served-by"] == "replica"
     assert shared.json()["model"] == "m-shared"
     assert [m["id"] for m in models.json()["data"]] == ["m-shared"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_replica_gets_its_own_key_upstream_and_never_the_callers(backends: Backends, stream: bool) -> None:
+    table = make_table([{"id": "wl_k", "name": "keyed", "owner": "alice",
+                         "replicas": [replica("k1", backends.url("k1"), api_key=REPLICA_KEY)]},
+                        {"id": "wl_open", "name": "open", "owner": "alice",
+                         "replicas": [replica("r1", backends.url("r1"))]}], KEYS)
+    direct = httpx.post(f"{backends.url('k1')}/chat/completions", json=chat(model="/models/m"), timeout=10,
+                        headers={"Authorization": f"Bearer {ALICE}"})
+    assert direct.status_code == 401  # the model server refuses everyone but the gateway
+    with serving(gateway(table)) as url:
+        keyed = post(url, chat(stream, model="keyed"))
+        assert keyed.status_code == 200, keyed.text
+        assert backends.authorization("k1") == f"Bearer {REPLICA_KEY}"
+        unkeyed = post(url, chat(stream, model="open"))  # a replica that takes no key gets no Authorization
+        assert unkeyed.status_code == 200, unkeyed.text
+        assert backends.authorization("r1") is None
 
 
 # The windows are whole minutes of wall time: a test whose requests straddled a minute's end would see

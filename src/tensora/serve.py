@@ -28,7 +28,7 @@ from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tensora import yamlsource
+from tensora import replicakeys, yamlsource
 from tensora.api.auth import KeyChecker, create_key
 from tensora.api.idempotency import Idempotency
 from tensora.api.services import Services
@@ -306,9 +306,10 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     storage = Storage(settings.data_dir / "files", quota=parse_memory(settings.storage_quota),
                       shared=dict(settings.shared_models))
     isolation, why = isolation_of(settings)
+    replica_secret = replicakeys.ensure_secret(settings.data_dir) if settings.driver == "local" else None
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
                     idempotency=Idempotency(db, clock), controller=controller, storage=storage,
-                    isolation=isolation or None, isolation_reason=why)
+                    isolation=isolation or None, isolation_reason=why, replica_secret=replica_secret)
 
 
 def _exit_clean(signum: int, frame: Any) -> None:

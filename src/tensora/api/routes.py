@@ -17,7 +17,7 @@ from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from tensora import workloads
+from tensora import replicakeys, workloads
 from tensora.api.auth import Principal, create_key
 from tensora.api.errors import ApiError
 from tensora.api.schemas import (
@@ -430,7 +430,7 @@ def routes_table(conn: Any, svc: Services) -> dict[str, Any]:
             "allow_cross_region": bool(spec.get("allow_cross_region")),
             "serverless": bool(kind_spec.get("serverless")), "ttft_s": kind_spec.get("ttft_deadline_s"),
             "replicas": [{"id": r["id"], "url": r["url"], "cls": r["cls"], "cpu": is_cpu(r["cls"]),
-                          "upstream_model": r["served_model"] or upstream}
+                          "upstream_model": r["served_model"] or upstream, **_api_key(svc, r["id"])}
                          for r in sorted(by_w.get(w["id"], []), key=_slot)]})
     keys = repo.gateway_keys(conn)
     body = {"region": svc.region, "endpoints": out, "keys": keys}
@@ -444,6 +444,12 @@ def _pool_key(w: dict[str, Any]) -> str | None:
     owners' ``tiny`` are different models."""
     path = (w["spec"] or {}).get("model_path")
     return path if path and (w["model"] or "").startswith(f"{SHARED}/") else None
+
+
+def _api_key(svc: Services, replica_id: str) -> dict[str, str]:
+    """The replica's API key for the gateway to send upstream, on the local driver. The store does not know a
+    replica's runtime, so every replica's is there: a server that takes no key ignores the header."""
+    return {"api_key": replicakeys.derive(svc.replica_secret, replica_id)} if svc.replica_secret else {}
 
 
 def _slot(r: dict[str, Any]) -> tuple[int, str]:

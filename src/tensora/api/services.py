@@ -38,6 +38,9 @@ class Services:
     cannot sandbox: only the admin owner may create workloads); None for other drivers."""
     isolation_reason: str | None = None
     """Why this host cannot sandbox (``admin-only``)."""
+    replica_secret: bytes | None = None
+    """The local driver's replica key secret (``tensora.replicakeys``): the route table carries each replica's
+    key for the gateway. None: replicas take no key (other drivers)."""
 
     def wake(self) -> None:
         if self.controller is not None:

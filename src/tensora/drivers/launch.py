@@ -158,9 +158,11 @@ def notebook(tensora: PythonEnv, home: Path, private: Path, port: int, token: st
 
 
 def endpoint(runtime: runtimes.Runtime, venv: PythonEnv, model: str, name: str, port: int, kind: str,
-             cls: ComputeClass, gpus: Sequence[int], private: Path, *, sandboxed: bool) -> Launch:
+             cls: ComputeClass, gpus: Sequence[int], private: Path, *, sandboxed: bool,
+             api_key: str | None = None) -> Launch:
     """The runtime's model server on 127.0.0.1:``port``. Sandboxed, it sees its model read-only at ``/model``
-    and answers to that name; its HOME (caches) is the private /tmp."""
+    and answers to that name; its HOME (caches) is the private /tmp. ``api_key`` (the replica's, which only the
+    gateway holds) goes in the runtime's ``api_key_env`` where it takes one, never on argv."""
     device = {"cpu": "cpu", "metal": "mps", "gpu": "cuda"}[kind]
     if sandboxed:
         mounts, _ = python_mounts(venv, runtimes.ENV_PATH)
@@ -170,6 +172,8 @@ def endpoint(runtime: runtimes.Runtime, venv: PythonEnv, model: str, name: str, 
         mounts, env_path, served, home = (), venv.prefix, model, str(private)
     argv = runtimes.command(runtime, env_path, served, name, port, device, SERVER_HOST)
     env = base_env(home, cls, gpus, [f"{env_path}/bin"]) | runtime.env
+    if api_key and runtime.api_key_env:
+        env[runtime.api_key_env] = api_key
     return Launch(tuple(argv), env, home, mounts, port=port, served_model=served)
 
 

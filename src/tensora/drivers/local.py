@@ -24,7 +24,9 @@ claims (a crash in the middle of a start): no orphan.
   ``replicas/<id>/vm/disk.qcow2`` (the owner's uid, 0600): kept when the same replica starts again, a new one
   for a new replica, removed by ``release`` once the workload is deleted. The owner's image stays intact.
 * endpoint: a model server from the runtime registry (``runtimes``) on a free port, its model read-only at
-  ``/model`` (the name it answers to, reported as ``served_model``); ready when ``/v1/models`` answers.
+  ``/model`` (the name it answers to, reported as ``served_model``); ready when ``/v1/models`` answers. A
+  runtime that takes an API key gets the replica's (``replicakeys``, in its environment): only the gateway
+  and this driver's probe send it.
   Without an installed runtime the replica fails with a reason that says which to install.
 
 Stop is graceful first (SIGTERM, or QMP), then SIGKILL of every process after a deadline; ``observe`` does the
@@ -61,7 +63,7 @@ from typing import Any
 
 import httpx
 
-from tensora import runtimes
+from tensora import replicakeys, runtimes
 from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import Catalog, ComputeClass
@@ -166,6 +168,7 @@ class LocalDriver:
         self.shared_models = {name: Path(path) for name, path in (shared_models or {}).items()}
         self.runtimes = runtimes_dir or runtimes.runtimes_dir(data_dir)
         self.root = _private_dir(data_dir / "replicas")
+        self.replica_secret = replicakeys.ensure_secret(data_dir)
         self.work = data_dir / "workdirs"
         self.node = node
         self.catalog = catalog
@@ -336,7 +339,8 @@ class LocalDriver:
         env = plan.PythonEnv(str(venv), str(runtimes.base_prefix(venv) or venv), str(venv / "bin" / "python"))
         port = free_port()
         launch = plan.endpoint(runtime, env, spec.model, spec.workload_id, port, kind, cls, gpus,
-                               self.root / spec.id, sandboxed=sandboxed)
+                               self.root / spec.id, sandboxed=sandboxed,
+                               api_key=replicakeys.derive(self.replica_secret, spec.id))
         meta.update(port=port, url=f"http://127.0.0.1:{port}/v1", runtime=runtime.name,
                     served_model=launch.served_model, detail=f"runtime {runtime.name}")
         return launch
@@ -558,8 +562,10 @@ class LocalDriver:
             except (OSError, ValueError):
                 return False
             return bool(status.get("running"))
-        try:  # an endpoint's model server
-            r = httpx.get(f"{meta['url']}/models", timeout=PROBE_TIMEOUT_S)
+        try:  # an endpoint's model server (one that takes no key ignores it)
+            key = replicakeys.derive(self.replica_secret, meta["id"])
+            r = httpx.get(f"{meta['url']}/models", timeout=PROBE_TIMEOUT_S,
+                          headers={"Authorization": f"Bearer {key}"})
         except httpx.HTTPError:
             return False
         return r.status_code == 200

@@ -39,6 +39,7 @@ class Backend:
     region: str
     ttft_s: float | None = None
     peer: bool = False
+    api_key: str | None = None  # a replica's own key (the proxy sends it as Authorization); None for peers
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,8 @@ def _rotate(items: Sequence[Backend], turn: int) -> list[Backend]:
 
 
 def _replicas(e: EndpointRoute, served_by: ServedBy, *, cpu: bool | None, model: str) -> list[Backend]:
-    return [Backend(f"{e.name}/{r.id}", r.url, r.upstream_model, model, served_by, e.id, e.region, e.ttft_s)
+    return [Backend(f"{e.name}/{r.id}", r.url, r.upstream_model, model, served_by, e.id, e.region, e.ttft_s,
+                    api_key=r.api_key)
             for r in e.replicas if cpu is None or r.cpu == cpu]
 
 

@@ -5,8 +5,10 @@
 on purpose by mode: ``http_500``, ``http_503``, ``http_429``, ``http_400``, ``close`` (drops the
 connection), ``stall_head`` (never answers), ``stall_after_headers`` (a 200 stream with no event),
 ``die_mid_stream`` (three content events, then the connection drops), ``no_done`` (a stream with
-no ``[DONE]``, as transformers serve sends). ``POST /_mode {"mode": ...}`` changes the mode live;
-``GET /_stats`` counts requests; ``POST /v1/gateway/usage`` takes usage batches (a sink for a
+no ``[DONE]``, as transformers serve sends). With ``VLLM_API_KEY`` in its environment it answers 401 to
+a ``/v1`` request without ``Authorization: Bearer <that key>``, as vLLM does. ``POST /_mode {"mode": ...}``
+changes the mode live; ``GET /_stats`` counts requests and shows the last completion's Authorization
+header (what the gateway sent upstream); ``POST /v1/gateway/usage`` takes usage batches (a sink for a
 gateway under benchmark) and other paths are 404. Raw asyncio and httptools: it must be much faster than what it
 is put behind, or the benchmark measures it.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -26,14 +29,15 @@ MODES = ("ok", "http_500", "http_503", "http_429", "http_400", "close", "stall_h
 
 
 class State:
-    def __init__(self, name: str, mode: str, chunks: int) -> None:
-        self.name, self.mode, self.chunks = name, mode, chunks
+    def __init__(self, name: str, mode: str, chunks: int, api_key: str | None = None) -> None:
+        self.name, self.mode, self.chunks, self.api_key = name, mode, chunks, api_key
         self.requests = 0
+        self.authorization: str | None = None  # the last completion request's
 
 
 def _json(status: int, obj: Any, extra: bytes = b"") -> bytes:
     body = orjson.dumps(obj)
-    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 429: b"Too Many Requests",
+    reason = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 429: b"Too Many Requests",
               500: b"Internal Server Error", 503: b"Service Unavailable"}.get(status, b"X")
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
             % (status, reason, len(body), extra)) + body
@@ -46,6 +50,7 @@ class _Proto(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.url = b""
         self.body: list[bytes] = []
+        self.authorization: bytes | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -65,14 +70,18 @@ class _Proto(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"authorization":
+            self.authorization = value
+
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        url, body = self.url, b"".join(self.body)
-        self.url, self.body = b"", []
+        url, body, auth = self.url, b"".join(self.body), self.authorization
+        self.url, self.body, self.authorization = b"", [], None
         method = self.parser.get_method()
-        t = asyncio.get_running_loop().create_task(self.handle(method, url, body))
+        t = asyncio.get_running_loop().create_task(self.handle(method, url, body, auth))
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
@@ -80,14 +89,18 @@ class _Proto(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
-    async def handle(self, method: bytes, url: bytes, body: bytes) -> None:
+    async def handle(self, method: bytes, url: bytes, body: bytes, auth: bytes | None = None) -> None:
         s = self.state
         if url == b"/_mode":
             s.mode = orjson.loads(body)["mode"]
             self.write(_json(200, {"mode": s.mode}))
             return
         if url == b"/_stats":
-            self.write(_json(200, {"requests": s.requests, "mode": s.mode, "name": s.name}))
+            self.write(_json(200, {"requests": s.requests, "mode": s.mode, "name": s.name,
+                                   "authorization": s.authorization}))
+            return
+        if url.startswith(b"/v1/") and s.api_key and auth != b"Bearer " + s.api_key.encode():
+            self.write(_json(401, {"error": "Unauthorized"}))
             return
         if url in (b"/health", b"/healthz"):
             self.write(_json(200, {"status": "ok"}))
@@ -103,6 +116,7 @@ class _Proto(asyncio.Protocol):
             self.write(_json(404, {"error": {"message": "not found", "type": "invalid_request_error"}}))
             return
         s.requests += 1
+        s.authorization = auth.decode("latin-1") if auth is not None else None
         mode = s.mode
         if mode == "close":
             assert self.transport is not None
@@ -172,7 +186,7 @@ class _Proto(asyncio.Protocol):
 
 
 async def serve(port: int, name: str, mode: str, chunks: int, host: str = "127.0.0.1") -> None:
-    state = State(name, mode, chunks)
+    state = State(name, mode, chunks, os.environ.get("VLLM_API_KEY"))
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _Proto(state), host, port, backlog=1024)
     async with server:

@@ -342,8 +342,10 @@ class Gateway:
         up = dict(body)
         up["model"] = b.upstream_model
         headers = [("x-request-id", rid)]
-        if b.peer:
+        if b.peer:  # a peer gateway checks the caller's own key
             headers += [("authorization", auth.decode("latin-1")), (HOP.decode(), self.o.region)]
+        elif b.api_key:  # a replica gets its own key, never the caller's
+            headers.append(("authorization", f"Bearer {b.api_key}"))
         if stream:
             opts = body.get("stream_options")
             up["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}

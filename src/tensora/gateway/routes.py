@@ -18,6 +18,7 @@ class ReplicaRoute:
     cls: str
     cpu: bool  # placed on a CPU class
     upstream_model: str  # the model id this runtime answers to
+    api_key: str | None = None  # the replica's own key, sent upstream as its Authorization (only the gateway has it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,8 @@ def table_from_json(data: Mapping[str, Any]) -> RouteTable:
             requested_cpu=bool(e.get("requested_cpu")), cpu_fallback=bool(e.get("cpu_fallback")),
             fallback_models=tuple(e.get("fallback_models") or ()), allow_cross_region=bool(e.get("allow_cross_region")),
             serverless=bool(e.get("serverless")), ttft_s=e.get("ttft_s"),
-            replicas=tuple(ReplicaRoute(r["id"], r["url"].rstrip("/"), r["cls"], bool(r["cpu"]), r["upstream_model"])
+            replicas=tuple(ReplicaRoute(r["id"], r["url"].rstrip("/"), r["cls"], bool(r["cpu"]), r["upstream_model"],
+                                        r.get("api_key"))
                            for r in e.get("replicas") or ()))
         for e in data.get("endpoints") or ())
     keys = {k["digest"]: KeyRoute(k["id"], k["owner"], tuple(k["scopes"]), k.get("rpm"), k.get("tpm"))

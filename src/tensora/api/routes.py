@@ -147,7 +147,7 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
         row = workloads.create(conn, checked, svc.clock.now())
         return 201, _out(row, [], svc)
 
-    return svc.idempotency.run(p.owner, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,
+    return svc.idempotency.run(p.key_id, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,
                                svc.wake)
 
 
@@ -199,7 +199,7 @@ def stop_workload(workload_id: str, svc: Svc, p: Writer, idem: IdemKey = None,
             raise ApiError(409, str(exc), retry_after=1) from None
         return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
 
-    return svc.idempotency.run(p.owner, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
+    return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
 
 
 @router.post("/v1/workloads/{workload_id}/restart", response_model=WorkloadOut, responses=ERRORS,
@@ -218,7 +218,7 @@ def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[Rest
             raise ApiError(409, str(exc), retry_after=2) from None
         return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
 
-    return svc.idempotency.run(p.owner, "POST", f"/v1/workloads/{workload_id}/restart", idem,
+    return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/restart", idem,
                                {"placement": placement}, action, svc.wake)
 
 
@@ -307,7 +307,7 @@ def create_api_key(svc: Svc, p: KeyAdmin, body: Annotated[KeyCreate | None, Body
                                  tpm=body.tokens_per_minute)
         return 201, _key_out(row, secret)
 
-    return svc.idempotency.run(p.owner, "POST", "/v1/keys", idem, body.model_dump(mode="json"), action)
+    return svc.idempotency.run(p.key_id, "POST", "/v1/keys", idem, body.model_dump(mode="json"), action)
 
 
 @router.get("/v1/keys", response_model=KeyList, responses=ERRORS, tags=["keys"])

@@ -51,7 +51,7 @@ UID = cast(Table, OwnerUid.__table__)
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
 # computing a cache key on every call (that was most of a create's cost).
 _INSERT_W, _INSERT_E, _INSERT_R, _INSERT_U, _INSERT_K, _INSERT_I = (insert(t) for t in (W, E, R, U, K, I))
-_PK_I = and_(I.c.owner == bindparam("k_owner"), I.c.method == bindparam("k_method"),
+_PK_I = and_(I.c.key_id == bindparam("k_key_id"), I.c.method == bindparam("k_method"),
              I.c.path == bindparam("k_path"), I.c.key == bindparam("k_key"))
 _COMPLETE_I = update(I).where(_PK_I).values(state="done", status=bindparam("b_status"), body=bindparam("b_body"),
                                             expires_at=bindparam("b_expires_at"))

@@ -347,14 +347,17 @@ def serving_endpoints(conn: Connection, region: str) -> list[dict[str, Any]]:
 
 
 def insert_token_usage(conn: Connection, rows: list[dict[str, Any]]) -> int:
-    """Insert the records not seen before (by id); returns how many were new."""
+    """Insert the records not seen before (by id, which the gateway made); returns how many were new.
+    ON CONFLICT DO NOTHING: a batch resent while its first send is still being written (the gateway timed
+    out) is not an error either."""
     if not rows:
         return 0
     ids = [r["id"] for r in rows]
     seen = set(conn.execute(select(T.c.id).where(T.c.id.in_(ids))).scalars())
     new = [r for r in {r["id"]: r for r in rows}.values() if r["id"] not in seen]
     if new:
-        conn.execute(insert(T), new)
+        upsert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        conn.execute(upsert(T).on_conflict_do_nothing(index_elements=[T.c.id]), new)
     return len(new)
 
 

@@ -339,10 +339,33 @@ def gateway_keys(conn: Connection) -> list[dict[str, Any]]:
     return [dict(r) for r in conn.execute(q.order_by(K.c.id)).mappings()]
 
 
+_SERVING = (W.c.kind == "endpoint", W.c.deleted_at.is_(None), W.c.state.in_(("starting", "running")))
+_ROUTABLE = (R.c.workload_id == W.c.id, R.c.state == "running", R.c.role == "primary", R.c.url.is_not(None))
+
+
+def route_marker(conn: Connection, region: str) -> tuple[Any, ...]:
+    """What the gateway's route document is made of, read cheaply: equal markers, equal documents. Never a
+    timestamp (two writes in one clock tick, or a write that sets none, would hide): the region's serving
+    endpoints with their routable replicas (ids and the few columns the document shows: an endpoint's other
+    columns never change while it serves), the keys as counts that every insert or revocation moves (and
+    the newest id and the limits' sums, should keys one day be deleted or edited), and the owners' limit
+    overrides. No spec, no key digest, no hashing."""
+    eps = (select(W.c.id, R.c.id, R.c.url, R.c.cls, R.c.served_model, R.c.slot)
+           .select_from(W.outerjoin(R, and_(*_ROUTABLE))).where(W.c.region == region, *_SERVING)
+           .order_by(W.c.id, R.c.id))
+    keys = select(func.count(), func.count(K.c.revoked_at), func.max(K.c.id), func.sum(K.c.rpm), func.sum(K.c.tpm))
+    return (tuple(tuple(r) for r in conn.execute(eps)), tuple(conn.execute(keys).one()),
+            tuple(sorted(owner_limits(conn).items())))
+
+
+def owner_limits(conn: Connection) -> dict[str, dict[str, Any]]:
+    """Owners' overrides of the default gateway limits (only owners an admin gave some)."""
+    q = select(O.c.owner, O.c.limits).where(O.c.limits.is_not(None))
+    return {o: lim for o, lim in conn.execute(q) if lim}
+
+
 def serving_endpoints(conn: Connection, region: str) -> list[dict[str, Any]]:
-    q = (select(W).where(W.c.region == region, W.c.kind == "endpoint", W.c.deleted_at.is_(None),
-                         W.c.state.in_(("starting", "running")))
-         .order_by(W.c.id))
+    q = select(W).where(W.c.region == region, *_SERVING).order_by(W.c.id)
     return [dict(r) for r in conn.execute(q).mappings()]
 
 

@@ -14,21 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import (
-    Connection,
-    Table,
-    Text,
-    and_,
-    bindparam,
-    case,
-    delete,
-    func,
-    insert,
-    or_,
-    select,
-    type_coerce,
-    update,
-)
+from sqlalchemy import Connection, Table, and_, bindparam, case, delete, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -363,9 +349,9 @@ def route_marker(conn: Connection, region: str) -> tuple[Any, ...]:
     endpoints with their routable replicas (ids and the few columns the document shows: an endpoint's other
     columns never change while it serves), the keys as counts that every insert or revocation moves (and
     the newest id and the limits' sums, should keys one day be deleted or edited), and the owners' limit
-    overrides as stored text. No spec, no key digest, no hashing."""
-    return (tuple(map(tuple, conn.execute(_MARKER_EPS, {"b_region": region}))), tuple(conn.execute(_MARKER_KEYS).one()),
-            tuple(map(tuple, conn.execute(_MARKER_OWNERS))))
+    overrides. No spec, no key digest, no hashing."""
+    eps = tuple(map(tuple, conn.execute(_MARKER_EPS, {"b_region": region})))
+    return eps, tuple(conn.execute(_MARKER_KEYS).one()), tuple(map(tuple, conn.execute(_MARKER_OWNERS)))
 
 
 _MARKER_EPS = (select(W.c.id, R.c.id, R.c.url, R.c.cls, R.c.served_model, R.c.slot)
@@ -373,8 +359,7 @@ _MARKER_EPS = (select(W.c.id, R.c.id, R.c.url, R.c.cls, R.c.served_model, R.c.sl
                .order_by(W.c.id, R.c.id))
 _MARKER_KEYS = select(func.count(), func.count(K.c.revoked_at), func.max(K.c.id), func.sum(K.c.rpm),
                       func.sum(K.c.tpm))
-_MARKER_OWNERS = (select(O.c.owner, type_coerce(O.c.limits, Text)).where(O.c.limits.is_not(None))
-                  .order_by(O.c.owner))
+_MARKER_OWNERS = select(O.c.owner, O.c.limits).where(O.c.limits.is_not(None)).order_by(O.c.owner)
 
 
 def owner_limits(conn: Connection) -> dict[str, dict[str, Any]]:

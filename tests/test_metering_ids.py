@@ -236,7 +236,7 @@ async def call(gw: Gateway, rid: bytes | None) -> tuple[int, bytes | None]:
     return start["status"], echoed
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rids=st.lists(RIDS, min_size=1, max_size=6))
 def test_metered_requests_equal_requests_answered_whatever_the_client_ids(
         inproc: tuple[Gateway, Meter, Database], rids: list[str | bytes | None]) -> None:

@@ -48,3 +48,14 @@ def test_gateway_benchmark_quick_run(tmp_path: Path) -> None:
         assert r["c1"]["errors"] == 0 and r["c32"]["errors"] == 0 and r["c32"]["requests"] > 0, name
         assert 0 < r["stream20"]["first_p50_ms"] <= r["stream20"]["total_p50_ms"], name
     assert results["tensora"]["added_over_direct"]["p50_ms"] > 0
+
+
+@pytest.mark.slow
+def test_routes_benchmark_quick_run(tmp_path: Path) -> None:
+    figures = tmp_path / "routes.json"
+    out = subprocess.run([sys.executable, str(BENCH / "routes.py"), "--quick", "--json", str(figures)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(figures.read_text())["results"]["sqlite"]
+    assert min(r["document_bytes"], r["unchanged_poll_ms"], r["full_build_ms"], r["ratio"]) > 0
+    assert "full/unchanged" in out.stdout

@@ -34,6 +34,7 @@ from tensora.catalog import Catalog
 from tensora.clock import Clock, SystemClock
 from tensora.drivers.base import Driver, ReplicaSpec, ReplicaState, ReplicaStatus
 from tensora.errors import Conflict, StoreUnavailable
+from tensora.quotas import OwnerSettings
 from tensora.store import repo
 from tensora.store.db import Database
 
@@ -76,8 +77,10 @@ class Controller:
                  clock: Clock | None = None, policy: Policy | None = None, holder: str | None = None,
                  lease_ttl_s: float = 15.0, tick_s: float = 2.0, min_gap_s: float = 0.02, drain_s: float = 5.0,
                  reserves: dict[str, GpuReserve] | None = None, release_every: int = 15,
-                 sandbox_uids: tuple[int, int] = (repo.UID_FIRST, repo.UID_LAST)) -> None:
+                 sandbox_uids: tuple[int, int] = (repo.UID_FIRST, repo.UID_LAST),
+                 owner_defaults: OwnerSettings | None = None) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
+        self.owner_defaults = owner_defaults or OwnerSettings()  # quotas unless an admin set an owner's own
         self.clock = clock or SystemClock()
         # a fallback timer is noticed up to a tick (and a cycle) late: the reason says the policy's wait
         self.policy = policy or Policy(timer_slack_s=max(Policy().timer_slack_s, 2 * tick_s))

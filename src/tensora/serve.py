@@ -39,6 +39,7 @@ from tensora.controller import Controller
 from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
 from tensora.errors import ConfigError, TensoraError
 from tensora.hardware import NodeOverrides, offered
+from tensora.quotas import Limits, OwnerSettings, Quotas
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database
@@ -111,6 +112,11 @@ class ServeSettings(BaseModel):
                                      "(default 8701); the gateway runs beside the API in its own process")
     storage_quota: str = Field(default="20Gi", pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
                                description="the most bytes each owner's files (tensora files) may take")
+    quotas: Quotas = Field(default_factory=Quotas, description="what each owner may hold unless an admin set "
+                           "otherwise for it (PUT /v1/owners/{owner}): keys, workloads, running_gpus, running_cpu, "
+                           "storage_bytes")
+    limits: Limits = Field(default_factory=Limits, description="each owner's gateway limits across all its keys "
+                           "unless an admin set otherwise: requests_per_minute, tokens_per_minute")
     shared_models: dict[str, Path] = Field(default_factory=dict, description="read-only roots every owner may name "
                                            "as shared/<name>/<path> in model and image, e.g. {pool: /srv/models}")
     sandbox_uids: str = Field(default="100000-165535", pattern=r"^[1-9][0-9]*-[1-9][0-9]*$",
@@ -120,6 +126,9 @@ class ServeSettings(BaseModel):
         default="sandbox", description="local driver: 'sandbox' runs every replica in a sandbox of its own (runc: "
         "the owner's uid, read-only host, the class's limits, its own network); where this host cannot sandbox, "
         "only the admin owner's workloads run. 'none' runs every owner's replicas unsandboxed, as Tensora's user")
+
+    def owner_defaults(self) -> OwnerSettings:
+        return OwnerSettings(quotas=self.quotas, limits=self.limits)
 
     @field_validator("shared_models")
     @classmethod
@@ -300,7 +309,8 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
         assert driver is not None
         controller = Controller(db, driver, catalog, region=settings.region,
                                 clock=clock, lease_ttl_s=settings.lease_ttl_s, tick_s=settings.tick_s,
-                                drain_s=settings.drain_s, sandbox_uids=settings.uid_range)
+                                drain_s=settings.drain_s, sandbox_uids=settings.uid_range,
+                                owner_defaults=settings.owner_defaults())
         if settings.driver == "kubernetes" and hasattr(driver, "watch"):  # react to objects at once
             driver.watch(controller.wake)
     storage = Storage(settings.data_dir / "files", quota=parse_memory(settings.storage_quota),
@@ -309,7 +319,8 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     replica_secret = replicakeys.ensure_secret(settings.data_dir) if settings.driver == "local" else None
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
                     idempotency=Idempotency(db, clock), controller=controller, storage=storage,
-                    isolation=isolation or None, isolation_reason=why, replica_secret=replica_secret)
+                    isolation=isolation or None, isolation_reason=why, replica_secret=replica_secret,
+                    owner_defaults=settings.owner_defaults())
 
 
 def _exit_clean(signum: int, frame: Any) -> None:

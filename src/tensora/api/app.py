@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tensora import __version__, dashboard
-from tensora.api import errors, files
+from tensora.api import errors, files, gatewayroutes
 from tensora.api.limits import Guard
 from tensora.api.routes import router
 from tensora.api.services import Services
@@ -55,6 +55,7 @@ def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: 
     app.state.services = services
     errors.install(app)
     app.include_router(router)
+    app.include_router(gatewayroutes.router)
     app.include_router(files.router)
     dashboard.install(app)
     guard = Guard(app, max_in_flight=max_in_flight, max_body_bytes=max_body_bytes)

@@ -1,6 +1,6 @@
 """Idempotency-Key for POSTs: the same key and body replay the first response.
 
-A record is keyed by (key owner, method, path, Idempotency-Key) and holds a fingerprint
+A record is keyed by (calling key id, method, path, Idempotency-Key) and holds a fingerprint
 of the body. It is claimed by an atomic INSERT (never check-then-insert): the loser of a
 race reads the winner's record. While the first request runs, the claim expires after
 ``in_flight_s`` (60 s: a request's timeout scale, so a crash does not lock the key for
@@ -46,7 +46,7 @@ class Idempotency:
     def __init__(self, db: Database, clock: Clock, in_flight_s: float = IN_FLIGHT_S, keep_s: float = KEEP_S) -> None:
         self.db, self.clock, self.in_flight_s, self.keep_s = db, clock, in_flight_s, keep_s
 
-    def run(self, owner: str, method: str, path: str, key: str | None, body: Any,
+    def run(self, key_id: str, method: str, path: str, key: str | None, body: Any,
             action: Callable[[Any], tuple[int, dict[str, Any]]], on_done: Callable[[], None] | None = None) -> Response:
         """Run ``action(conn)`` -> (status, body) once per key; replay or refuse duplicates."""
         if key is None:
@@ -58,7 +58,7 @@ class Idempotency:
         if not key or len(key) > MAX_KEY_LEN or not key.isprintable():
             raise ApiError(422, f"Idempotency-Key must be 1-{MAX_KEY_LEN} printable characters",
                            field="Idempotency-Key")
-        claim = Claim({"owner": owner, "method": method, "path": path, "key": key},
+        claim = Claim({"key_id": key_id, "method": method, "path": path, "key": key},
                       fingerprint(method, path, body))
         replay = self._claim(claim)
         if replay is not None:

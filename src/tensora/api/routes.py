@@ -8,16 +8,14 @@ own workloads and keys: anyone else's is a 404, as if it did not exist.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 from collections.abc import Callable
 from typing import Annotated, Any
 
-import orjson
 from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from tensora import replicakeys, workloads
+from tensora import workloads
 from tensora.api.auth import Principal, create_key
 from tensora.api.errors import ApiError
 from tensora.api.schemas import (
@@ -33,8 +31,6 @@ from tensora.api.schemas import (
     OwnerUpdate,
     RestartBody,
     TokenUsageOut,
-    UsageBatch,
-    UsageBatchOut,
     UsageOut,
     WorkloadList,
     WorkloadOut,
@@ -43,7 +39,6 @@ from tensora.api.services import Services
 from tensora.apikeys import DEFAULT_SCOPES, allows
 from tensora.capacity import Capacity, Node, Placed
 from tensora.spec import WorkloadSpec
-from tensora.storage import SHARED
 from tensora.store import repo
 from tensora.units import format_memory
 from tensora.usage import summarize
@@ -147,7 +142,7 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
         row = workloads.create(conn, checked, svc.clock.now())
         return 201, _out(row, [], svc)
 
-    return svc.idempotency.run(p.owner, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,
+    return svc.idempotency.run(p.key_id, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,
                                svc.wake)
 
 
@@ -199,7 +194,7 @@ def stop_workload(workload_id: str, svc: Svc, p: Writer, idem: IdemKey = None,
             raise ApiError(409, str(exc), retry_after=1) from None
         return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
 
-    return svc.idempotency.run(p.owner, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
+    return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
 
 
 @router.post("/v1/workloads/{workload_id}/restart", response_model=WorkloadOut, responses=ERRORS,
@@ -218,7 +213,7 @@ def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[Rest
             raise ApiError(409, str(exc), retry_after=2) from None
         return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
 
-    return svc.idempotency.run(p.owner, "POST", f"/v1/workloads/{workload_id}/restart", idem,
+    return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/restart", idem,
                                {"placement": placement}, action, svc.wake)
 
 
@@ -307,7 +302,7 @@ def create_api_key(svc: Svc, p: KeyAdmin, body: Annotated[KeyCreate | None, Body
                                  tpm=body.tokens_per_minute)
         return 201, _key_out(row, secret)
 
-    return svc.idempotency.run(p.owner, "POST", "/v1/keys", idem, body.model_dump(mode="json"), action)
+    return svc.idempotency.run(p.key_id, "POST", "/v1/keys", idem, body.model_dump(mode="json"), action)
 
 
 @router.get("/v1/keys", response_model=KeyList, responses=ERRORS, tags=["keys"])
@@ -363,30 +358,7 @@ def set_owner(owner: OwnerName, svc: Svc, _: Admin, body: Annotated[OwnerUpdate,
         return _owner_out(owner, repo.set_owner(conn, owner, body.trusted, svc.clock.now()))
 
 
-# -- the gateway's side -----------------------------------------------------------------
-
-
-@router.get("/v1/gateway/routes", responses=ERRORS, tags=["gateway"],
-            description="What the region's gateways route by: serving endpoints and their ready replicas, and "
-                        "the digests (never secrets) of live keys. Admin keys only. Send If-None-Match with "
-                        "the last ETag: 304 when nothing changed.")
-def gateway_routes(request: Request, svc: Svc, _: Admin) -> Response:
-    with svc.db.read() as conn:
-        table = routes_table(conn, svc)
-    etag = '"' + table["version"] + '"'
-    if request.headers.get("if-none-match") == etag:
-        return Response(status_code=304, headers={"ETag": etag})
-    return JSONResponse(table, headers={"ETag": etag})
-
-
-@router.post("/v1/gateway/usage", response_model=UsageBatchOut, responses=ERRORS, tags=["gateway"],
-             description="Token usage metered by a gateway, in batches. A record whose id was seen before is "
-                         "not counted again (a gateway resends a batch it is not sure arrived).")
-def gateway_usage(svc: Svc, _: Admin, body: Annotated[UsageBatch, Body()]) -> dict[str, Any]:
-    rows = [r.model_dump() for r in body.records]
-    with svc.db.write() as conn:
-        new = repo.insert_token_usage(conn, rows)
-    return {"received": len(rows), "new": new}
+# -- the gateway's side (its routes and usage batches: ``gatewayroutes``) -------------
 
 
 @router.get("/v1/usage/tokens", response_model=TokenUsageOut, responses=ERRORS, tags=["usage"],
@@ -401,59 +373,6 @@ def usage_tokens(svc: Svc, p: UsageReader,
     with svc.db.read() as conn:  # no until: everything metered so far (a gateway's clock may run ahead)
         rows = repo.token_usage(conn, p.owner_filter(), start, until)
     return {"since": iso(start), "until": iso(until if until is not None else now), "data": rows}
-
-
-def routes_table(conn: Any, svc: Services) -> dict[str, Any]:
-    """The gateway's route table: endpoints serving in this region with their routable replicas."""
-    endpoints = repo.serving_endpoints(conn, svc.region)
-    replicas = repo.replicas_of(conn, [w["id"] for w in endpoints])
-    by_w: dict[str, list[dict[str, Any]]] = {}
-    for r in replicas:
-        if r["state"] == "running" and r["role"] == "primary" and r["url"]:
-            by_w.setdefault(r["workload_id"], []).append(r)
-
-    def is_cpu(cls: str) -> bool:
-        return cls in svc.catalog and svc.catalog[cls].is_cpu
-
-    out = []
-    for w in endpoints:
-        fallback = w["fallback"] or []
-        spec = w["spec"] or {}
-        kind_spec = spec.get("kind_spec") or {}
-        # what the model server answers to: the host path it was started with (a row made before names: its model)
-        upstream = spec.get("model_path") or w["model"]
-        out.append({
-            "id": w["id"], "name": w["name"], "owner": w["owner"], "region": w["region"], "model": _pool_key(w),
-            "requested_cpu": is_cpu(w["requested_class"]),
-            "cpu_fallback": any(c == "cpu" or is_cpu(c) for c in fallback),
-            "fallback_models": spec.get("fallback_models") or [],
-            "allow_cross_region": bool(spec.get("allow_cross_region")),
-            "serverless": bool(kind_spec.get("serverless")), "ttft_s": kind_spec.get("ttft_deadline_s"),
-            "replicas": [{"id": r["id"], "url": r["url"], "cls": r["cls"], "cpu": is_cpu(r["cls"]),
-                          "upstream_model": r["served_model"] or upstream, **_api_key(svc, r["id"])}
-                         for r in sorted(by_w.get(w["id"], []), key=_slot)]})
-    keys = repo.gateway_keys(conn)
-    body = {"region": svc.region, "endpoints": out, "keys": keys}
-    version = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
-    return {"version": version, **body}
-
-
-def _pool_key(w: dict[str, Any]) -> str | None:
-    """What the gateway matches an endpoint to the serverless pool by: the host path of a shared model
-    (``shared/<root>/...``), the same file whoever names it. An owner's own files match nothing: two
-    owners' ``tiny`` are different models."""
-    path = (w["spec"] or {}).get("model_path")
-    return path if path and (w["model"] or "").startswith(f"{SHARED}/") else None
-
-
-def _api_key(svc: Services, replica_id: str) -> dict[str, str]:
-    """The replica's API key for the gateway to send upstream, on the local driver. The store does not know a
-    replica's runtime, so every replica's is there: a server that takes no key ignores the header."""
-    return {"api_key": replicakeys.derive(svc.replica_secret, replica_id)} if svc.replica_secret else {}
-
-
-def _slot(r: dict[str, Any]) -> tuple[int, str]:
-    return r["slot"], r["id"]
 
 
 # -- health ---------------------------------------------------------------------------

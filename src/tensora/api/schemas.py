@@ -211,7 +211,11 @@ class TokenUsageOut(BaseModel):
 class UsageRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(min_length=1, max_length=64)
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                    description="made by the gateway (random): a record sent twice is counted once")
+    client_request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                                          description="the X-Request-Id the client was answered with: stored, "
+                                          "never used to deduplicate")
     at: float = Field(ge=0, le=1e11, description="epoch seconds")
     owner: str = Field(max_length=128)
     key_id: str = Field(max_length=32)

@@ -13,6 +13,7 @@ from tensora.capacity import GpuReserve
 from tensora.catalog import Catalog
 from tensora.clock import Clock
 from tensora.controller import Controller
+from tensora.quotas import OwnerSettings
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database
@@ -41,6 +42,8 @@ class Services:
     replica_secret: bytes | None = None
     """The local driver's replica key secret (``tensora.replicakeys``): the route table carries each replica's
     key for the gateway. None: replicas take no key (other drivers)."""
+    owner_defaults: OwnerSettings = field(default_factory=OwnerSettings)
+    """Every owner's quotas and limits unless an admin set otherwise (``tensora.quotas``)."""
 
     def wake(self) -> None:
         if self.controller is not None:

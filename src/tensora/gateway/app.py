@@ -174,13 +174,32 @@ def build(settings: GatewaySettings) -> Gateway:
     limiter: Limiter = RedisLimiter(settings.redis_url) if settings.redis_url else MemoryLimiter()
     gw = Gateway(settings.options(), lambda: source.table, limiter, meter)
     tasks: list[asyncio.Task[None]] = []
+    stopping: list[bool] = []
+
+    def start_sender() -> None:
+        """The usage sender logs and goes on after errors of its own; should it end anyway, it is said
+        loudly and started again (else usage would pile up in the spool, unsent, unnoticed)."""
+        if stopping:
+            return
+        task = asyncio.create_task(meter.run())
+        tasks.append(task)
+
+        def ended(t: asyncio.Task[None]) -> None:
+            if t.cancelled() or stopping:
+                return
+            exc = t.exception()
+            log.critical("the usage sender stopped (%r); starting it again", exc or "returned", exc_info=exc)
+            asyncio.get_running_loop().call_later(settings.usage_flush_s, start_sender)
+
+        task.add_done_callback(ended)
 
     async def startup() -> None:
         client["c"] = httpx.AsyncClient(timeout=10.0)
         tasks.append(asyncio.create_task(source.run()))
-        tasks.append(asyncio.create_task(meter.run()))
+        start_sender()
 
     async def shutdown() -> None:
+        stopping.append(True)
         for t in tasks:
             t.cancel()
         for t in tasks:

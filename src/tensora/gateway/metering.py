@@ -2,12 +2,15 @@
 
 Each record is appended (one JSON line) to ``spool/current.jsonl`` when its request ends (the
 records of the same 5 ms in one write), so a crash of the gateway loses at most those 5 ms.
-Every ``flush_s`` the current file is closed and renamed to a numbered batch, and batches are
-sent oldest first; a batch is deleted only after the control API has taken it. The control API
-ignores record ids it has seen, so a batch sent twice (the answer was lost) is counted once.
+Every ``flush_s`` the current file is fsynced, closed and renamed to a numbered batch (and the
+directory fsynced), and batches are sent oldest first; a batch is deleted only after the control
+API has taken it. Record ids are the gateway's own (random): the control API ignores ids it has
+seen, so a batch sent twice (the answer was lost, the gateway died) is counted once.
 While the control API is down batches pile up, bounded by ``max_bytes``: past it the oldest
 batch is dropped, and that is counted in ``dropped`` and logged (the only way a record is lost
-other than a crash within those 5 ms).
+other than a crash within those 5 ms). A line that is not a record (torn by a crash of the
+machine, or garbage) is moved to ``spool/bad/`` (one file per batch, kept), logged once per batch
+and counted in ``bad``; the batch's good records go on. The sender (``run``) outlives any error.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class Meter:
         self._count = 0
         self.sent = 0
         self.dropped = 0
+        self.bad = 0
+        self.errors = 0  # unexpected errors of the sender, each logged; it went on after each
         self._seq = int(time.time() * 1000)
 
     @property
@@ -66,6 +71,8 @@ class Meter:
             return
         if self._file is None:
             self._file = open(self.current, "ab")  # noqa: SIM115 (kept open between records)
+            if self._file.tell() and _last_byte(self.current) != b"\n":
+                self._file.write(b"\n")  # a line torn by a crash must not swallow the next record
         self._file.write(b"\n".join(self._pending) + b"\n")
         self._file.flush()  # in the OS's hands: a crash of this process loses nothing written
         self._count += len(self._pending)
@@ -75,12 +82,16 @@ class Meter:
         if self._timer is not None:
             self._timer.cancel()
         self._write()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        f, self._file = self._file, None
+        if f is not None:
+            os.fsync(f.fileno())  # on disk before it is a batch, as the README promises
+            f.close()
         if self.current.exists() and self.current.stat().st_size > 0:
+            if f is None:  # left by a gateway that crashed: maybe still only in the page cache
+                _fsync_file(self.current)
             self._seq += 1
             os.replace(self.current, self.dir / f"batch-{self._seq:016d}.jsonl")
+            _fsync_dir(self.dir)
         self._count = 0
 
     def batches(self) -> list[Path]:
@@ -102,7 +113,7 @@ class Meter:
         self._rotate()
         self._bound()
         for f in self.batches():
-            records = [orjson.loads(line) for line in f.read_bytes().splitlines() if line.strip()]
+            records = self._read(f)
             for i in range(0, len(records), BATCH):  # a part sent again after a failure is not counted twice
                 try:
                     ok = await self.send(records[i:i + BATCH])
@@ -114,11 +125,74 @@ class Meter:
             f.unlink()
             self.sent += len(records)
 
+    def _read(self, f: Path) -> list[dict[str, Any]]:
+        """The batch's records. Lines that are not one (torn, garbage) go to ``bad/<batch>`` first and the
+        batch is rewritten without them, so they are counted and logged once, however often it is sent."""
+        records, bad = [], []
+        for line in f.read_bytes().splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                rec = None
+            if isinstance(rec, dict) and isinstance(rec.get("id"), str):
+                records.append(rec)
+            else:
+                bad.append(line)
+        if bad:
+            (self.dir / "bad").mkdir(exist_ok=True)
+            _write_synced(self.dir / "bad" / f.name, b"\n".join(bad) + b"\n")
+            _write_synced(f, b"".join(orjson.dumps(r) + b"\n" for r in records))
+            self.bad += len(bad)
+            log.error("usage spool: %d unreadable line(s) of %s moved to bad/%s; its %d good record(s) go on",
+                      len(bad), f.name, f.name, len(records))
+        return records
+
     async def run(self) -> None:
+        """Flush every ``flush_s``, for good: an unexpected error is logged and the next flush waits longer
+        (doubling, up to a minute) instead of ending the task, which nothing would notice."""
+        delay = self.flush_s
         while True:
-            await asyncio.sleep(self.flush_s)
-            await self.flush()
+            await asyncio.sleep(delay)
+            try:
+                await self.flush()
+                delay = self.flush_s
+            except Exception:
+                self.errors += 1
+                delay = min(max(delay, self.flush_s) * 2, 60.0)
+                log.exception("usage sender: unexpected error; next try in %.1f s", delay)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._rotate()
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically, on disk (file and directory fsynced)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)

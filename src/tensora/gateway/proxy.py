@@ -263,8 +263,9 @@ class Gateway:
             b = served.backend
             product = ("cross-region" if b.peer else "serverless" if served.served_by == ServedBy.SERVERLESS
                        else "fallback-model" if served.served_by == ServedBy.FALLBACK_MODEL else "endpoint")
-            self.meter.record({
-                "id": rid, "at": self.wall(), "owner": key.owner, "key_id": key.id, "endpoint": endpoint.name,
+            self.meter.record({  # the id is ours and unguessable; the client's X-Request-Id is only stored beside
+                "id": secrets.token_hex(16), "client_request_id": rid, "at": self.wall(), "owner": key.owner,
+                "key_id": key.id, "endpoint": endpoint.name,
                 "endpoint_id": endpoint.id, "product": product, "answered_by": b.endpoint_id, "model": b.model,
                 "served_by": served.served_by, "region": served.region, "prompt_tokens": served.prompt_tokens,
                 "completion_tokens": served.completion_tokens, "status": served.status})
@@ -523,8 +524,8 @@ _rid_counter = itertools.count(1)
 
 
 def _request_id(scope: Scope) -> str:
-    """The client's X-Request-Id when it is sane, else this process's random prefix and a counter
-    (unique across gateways without drawing randomness per request)."""
+    """The X-Request-Id echoed to the client: its own when sane (1-64 of ``[A-Za-z0-9._-]``), else this
+    process's random prefix and a counter. Only a label: usage records carry an id of their own."""
     given = _header(scope, b"x-request-id")
     if given is not None:
         rid = given.decode("latin-1")

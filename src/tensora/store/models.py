@@ -141,8 +141,8 @@ class ApiKey(Base):
 
 
 class TokenUsage(Base):
-    """One inference request as the gateway metered it. ``id`` is the gateway's request id:
-    a batch sent twice (the gateway retries after an outage) is counted once."""
+    """One inference request as the gateway metered it. ``id`` is made by the gateway (random, never
+    the client's): a batch sent twice (the gateway retries after an outage) is counted once."""
 
     __tablename__ = "token_usage"
 
@@ -160,18 +160,21 @@ class TokenUsage(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     status: Mapped[int] = mapped_column(Integer)
+    client_request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """The ``X-Request-Id`` the client sent (echoed back to it): stored, never used to deduplicate."""
 
 
 class IdempotencyRecord(Base):
     """One POST's claim on an Idempotency-Key, then its response for replay.
 
-    Claimed by an atomic insert; ``expires_at`` is short while in flight (a crash must not
-    lock the key) and 24 h once the response is stored.
+    Keyed by the calling API key's id (never its owner: another key of the owner must not replay it).
+    Claimed by an atomic insert; ``expires_at`` is short while in flight (a crash must not lock the
+    key) and 24 h once the response is stored. No body holds a secret.
     """
 
     __tablename__ = "idempotency_records"
 
-    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
     method: Mapped[str] = mapped_column(String(8), primary_key=True)
     path: Mapped[str] = mapped_column(String(512), primary_key=True)
     key: Mapped[str] = mapped_column(String(255), primary_key=True)
@@ -192,6 +195,10 @@ class Owner(Base):
     owner: Mapped[str] = mapped_column(String(128), primary_key=True)
     trusted: Mapped[bool] = mapped_column(Boolean, default=False)
     updated_at: Mapped[float] = mapped_column(Float)
+    quotas: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """An admin's overrides of the default quotas (``tensora.quotas``), a partial dict; None: the defaults."""
+    limits: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """An admin's overrides of the default gateway limits, a partial dict; None: the defaults."""
 
 
 class Lease(Base):

@@ -51,7 +51,7 @@ UID = cast(Table, OwnerUid.__table__)
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
 # computing a cache key on every call (that was most of a create's cost).
 _INSERT_W, _INSERT_E, _INSERT_R, _INSERT_U, _INSERT_K, _INSERT_I = (insert(t) for t in (W, E, R, U, K, I))
-_PK_I = and_(I.c.owner == bindparam("k_owner"), I.c.method == bindparam("k_method"),
+_PK_I = and_(I.c.key_id == bindparam("k_key_id"), I.c.method == bindparam("k_method"),
              I.c.path == bindparam("k_path"), I.c.key == bindparam("k_key"))
 _COMPLETE_I = update(I).where(_PK_I).values(state="done", status=bindparam("b_status"), body=bindparam("b_body"),
                                             expires_at=bindparam("b_expires_at"))
@@ -339,22 +339,52 @@ def gateway_keys(conn: Connection) -> list[dict[str, Any]]:
     return [dict(r) for r in conn.execute(q.order_by(K.c.id)).mappings()]
 
 
+_SERVING = (W.c.kind == "endpoint", W.c.deleted_at.is_(None), W.c.state.in_(("starting", "running")))
+_ROUTABLE = (R.c.workload_id == W.c.id, R.c.state == "running", R.c.role == "primary", R.c.url.is_not(None))
+
+
+def route_marker(conn: Connection, region: str) -> tuple[Any, ...]:
+    """What the gateway's route document is made of, read cheaply: equal markers, equal documents. Never a
+    timestamp (two writes in one clock tick, or a write that sets none, would hide): the region's serving
+    endpoints with their routable replicas (ids and the few columns the document shows: an endpoint's other
+    columns never change while it serves), the keys as counts that every insert or revocation moves (and
+    the newest id and the limits' sums, should keys one day be deleted or edited), and the owners' limit
+    overrides. No spec, no key digest, no hashing."""
+    eps = tuple(map(tuple, conn.execute(_MARKER_EPS, {"b_region": region})))
+    return eps, tuple(conn.execute(_MARKER_KEYS).one()), tuple(map(tuple, conn.execute(_MARKER_OWNERS)))
+
+
+_MARKER_EPS = (select(W.c.id, R.c.id, R.c.url, R.c.cls, R.c.served_model, R.c.slot)
+               .select_from(W.outerjoin(R, and_(*_ROUTABLE))).where(W.c.region == bindparam("b_region"), *_SERVING)
+               .order_by(W.c.id, R.c.id))
+_MARKER_KEYS = select(func.count(), func.count(K.c.revoked_at), func.max(K.c.id), func.sum(K.c.rpm),
+                      func.sum(K.c.tpm))
+_MARKER_OWNERS = select(O.c.owner, O.c.limits).where(O.c.limits.is_not(None)).order_by(O.c.owner)
+
+
+def owner_limits(conn: Connection) -> dict[str, dict[str, Any]]:
+    """Owners' overrides of the default gateway limits (only owners an admin gave some)."""
+    q = select(O.c.owner, O.c.limits).where(O.c.limits.is_not(None))
+    return {o: lim for o, lim in conn.execute(q) if lim}
+
+
 def serving_endpoints(conn: Connection, region: str) -> list[dict[str, Any]]:
-    q = (select(W).where(W.c.region == region, W.c.kind == "endpoint", W.c.deleted_at.is_(None),
-                         W.c.state.in_(("starting", "running")))
-         .order_by(W.c.id))
+    q = select(W).where(W.c.region == region, *_SERVING).order_by(W.c.id)
     return [dict(r) for r in conn.execute(q).mappings()]
 
 
 def insert_token_usage(conn: Connection, rows: list[dict[str, Any]]) -> int:
-    """Insert the records not seen before (by id); returns how many were new."""
+    """Insert the records not seen before (by id, which the gateway made); returns how many were new.
+    ON CONFLICT DO NOTHING: a batch resent while its first send is still being written (the gateway timed
+    out) is not an error either."""
     if not rows:
         return 0
     ids = [r["id"] for r in rows]
     seen = set(conn.execute(select(T.c.id).where(T.c.id.in_(ids))).scalars())
     new = [r for r in {r["id"]: r for r in rows}.values() if r["id"] not in seen]
     if new:
-        conn.execute(insert(T), new)
+        upsert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        conn.execute(upsert(T).on_conflict_do_nothing(index_elements=[T.c.id]), new)
     return len(new)
 
 

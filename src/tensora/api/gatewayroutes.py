@@ -1,0 +1,150 @@
+"""The control API's side of the gateway: the route document it polls, and the usage batches it sends.
+
+Every gateway polls ``GET /v1/gateway/routes`` every second with If-None-Match. The document (endpoints,
+routable replicas, key digests, owners' limits) is built once per change: a poll first reads the store's
+cheap marker (``repo.route_marker``) and, when it equals the one the cached document was built from,
+answers from the cache (304, or the stored bytes) with no rebuild, no serialization and no hashing. The
+cache is per process (each worker of ``serve --workers`` has its own); the version is a hash of the
+content, so every worker gives the same document the same ETag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import Response
+
+from tensora import replicakeys
+from tensora.api.routes import ERRORS, Admin, Svc
+from tensora.api.schemas import UsageBatch, UsageBatchOut
+from tensora.api.services import Services
+from tensora.quotas import effective
+from tensora.storage import SHARED
+from tensora.store import repo
+
+router = APIRouter()
+
+
+@dataclass(frozen=True)
+class Document:
+    version: str
+    body: bytes  # the JSON answered, serialized once
+
+
+@dataclass
+class RouteCache:
+    """The last document built in this process, with the marker it was built at."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    marker: Any = None
+    doc: Document | None = None
+    builds: int = 0
+
+    def get(self, conn: Any, svc: Services) -> Document:
+        """Under the lock, so that a change is built once however many gateways poll at that moment. The
+        marker is read first, the document after it in the same transaction: the document is never older
+        than its marker (at worst newer, and the next poll builds once more)."""
+        with self.lock:
+            marker = (svc.region, svc.replica_secret, svc.owner_defaults, id(svc.catalog),
+                      repo.route_marker(conn, svc.region))
+            if self.doc is None or marker != self.marker:
+                table = routes_table(conn, svc)
+                self.doc = Document(table["version"], orjson.dumps(table))
+                self.marker = marker
+                self.builds += 1
+            return self.doc
+
+
+def route_cache(svc: Services) -> RouteCache:
+    cache: RouteCache = svc.extra.setdefault("gateway_routes", RouteCache())
+    return cache
+
+
+@router.get("/v1/gateway/routes", responses=ERRORS, tags=["gateway"],
+            description="What the region's gateways route by: serving endpoints and their ready replicas, the "
+                        "digests (never secrets) of live keys, and the effective gateway limits of their owners. "
+                        "Admin keys only. Send If-None-Match with the last ETag: 304 when nothing changed.")
+def gateway_routes(request: Request, svc: Svc, _: Admin) -> Response:
+    with svc.db.read() as conn:
+        doc = route_cache(svc).get(conn, svc)
+    etag = f'"{doc.version}"'
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers={"ETag": etag})
+    return Response(doc.body, media_type="application/json", headers={"ETag": etag})
+
+
+@router.post("/v1/gateway/usage", response_model=UsageBatchOut, responses=ERRORS, tags=["gateway"],
+             description="Token usage metered by a gateway, in batches. Record ids are the gateway's own "
+                         "(random); a record whose id was seen before is not counted again (a gateway resends a "
+                         "batch it is not sure arrived). ``client_request_id`` is the caller's X-Request-Id, "
+                         "stored only.")
+def gateway_usage(svc: Svc, _: Admin, body: Annotated[UsageBatch, Body()]) -> dict[str, Any]:
+    rows = [r.model_dump() for r in body.records]
+    with svc.db.write() as conn:
+        new = repo.insert_token_usage(conn, rows)
+    return {"received": len(rows), "new": new}
+
+
+def routes_table(conn: Any, svc: Services) -> dict[str, Any]:
+    """The gateway's route table, built whole: endpoints serving in this region with their routable
+    replicas, live keys, and the effective limits of every owner with a live key."""
+    endpoints = repo.serving_endpoints(conn, svc.region)
+    replicas = repo.replicas_of(conn, [w["id"] for w in endpoints])
+    by_w: dict[str, list[dict[str, Any]]] = {}
+    for r in replicas:
+        if r["state"] == "running" and r["role"] == "primary" and r["url"]:
+            by_w.setdefault(r["workload_id"], []).append(r)
+
+    def is_cpu(cls: str) -> bool:
+        return cls in svc.catalog and svc.catalog[cls].is_cpu
+
+    out = []
+    for w in endpoints:
+        fallback = w["fallback"] or []
+        spec = w["spec"] or {}
+        kind_spec = spec.get("kind_spec") or {}
+        # what the model server answers to: the host path it was started with (a row made before names: its model)
+        upstream = spec.get("model_path") or w["model"]
+        out.append({
+            "id": w["id"], "name": w["name"], "owner": w["owner"], "region": w["region"], "model": _pool_key(w),
+            "requested_cpu": is_cpu(w["requested_class"]),
+            "cpu_fallback": any(c == "cpu" or is_cpu(c) for c in fallback),
+            "fallback_models": spec.get("fallback_models") or [],
+            "allow_cross_region": bool(spec.get("allow_cross_region")),
+            "serverless": bool(kind_spec.get("serverless")), "ttft_s": kind_spec.get("ttft_deadline_s"),
+            "replicas": [{"id": r["id"], "url": r["url"], "cls": r["cls"], "cpu": is_cpu(r["cls"]),
+                          "upstream_model": r["served_model"] or upstream, **_api_key(svc, r["id"])}
+                         for r in sorted(by_w.get(w["id"], []), key=_slot)]})
+    keys = repo.gateway_keys(conn)
+    overrides = repo.owner_limits(conn)
+    owners = []
+    for owner in sorted({k["owner"] for k in keys}):
+        limits = effective(svc.owner_defaults, None, overrides.get(owner)).limits
+        owners.append({"owner": owner, "requests_per_minute": limits.requests_per_minute,
+                       "tokens_per_minute": limits.tokens_per_minute})
+    body = {"region": svc.region, "endpoints": out, "keys": keys, "owners": owners}
+    version = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    return {"version": version, **body}
+
+
+def _pool_key(w: dict[str, Any]) -> str | None:
+    """What the gateway matches an endpoint to the serverless pool by: the host path of a shared model
+    (``shared/<root>/...``), the same file whoever names it. An owner's own files match nothing: two
+    owners' ``tiny`` are different models."""
+    path = (w["spec"] or {}).get("model_path")
+    return path if path and (w["model"] or "").startswith(f"{SHARED}/") else None
+
+
+def _api_key(svc: Services, replica_id: str) -> dict[str, str]:
+    """The replica's API key for the gateway to send upstream, on the local driver. The store does not know a
+    replica's runtime, so every replica's is there: a server that takes no key ignores the header."""
+    return {"api_key": replicakeys.derive(svc.replica_secret, replica_id)} if svc.replica_secret else {}
+
+
+def _slot(r: dict[str, Any]) -> tuple[int, str]:
+    return r["slot"], r["id"]

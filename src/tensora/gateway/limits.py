@@ -254,6 +254,7 @@ class RedisLimiter:
         self.local = MemoryLimiter()
         self.down_since: float | None = None  # monotonic time Redis was lost; None while it answers
         self._probe_at = 0.0
+        self._turn = 0  # one more at each transition: a call that began before one cannot cause another
         self._admit = self.redis.register_script(_ADMIT)
         self._settle = self.redis.register_script(_SETTLE)
 
@@ -274,12 +275,13 @@ class RedisLimiter:
         args: list[int] = [tokens, WINDOW_S * 2]
         for _, q in caller.windows():
             args += [q.rpm, q.tpm]
+        turn = self._turn
         try:
             got = await self._admit(keys=self._keys(caller, w), args=args)
         except Exception as exc:  # every way Redis can fail: down, for us
-            self._lost(exc)
+            self._lost(exc, turn)
             return self._down(caller, tokens, now, reset, w)
-        self._back()
+        self._back(turn)
         return decide(caller, [(int(got[1 + 2 * i]), int(got[2 + 2 * i])) for i in range(len(got) // 2)], tokens,
                       w, reset)
 
@@ -288,16 +290,18 @@ class RedisLimiter:
             return Admission(False, w, caller.quota, 0, 0, reset, Refused.UNAVAILABLE, caller=caller)
         return self.local.admit_now(caller, tokens, now, quota_share=self.replicas)
 
-    def _lost(self, exc: BaseException) -> None:
-        if self.down_since is None:
+    def _lost(self, exc: BaseException, turn: int) -> None:
+        if self.down_since is None and turn == self._turn:
+            self._turn += 1
             self.down_since = self.clock()
             self._probe_at = self.down_since + self.probe_s
             log.warning("rate limits: Redis lost (%s: %s); until it answers again, %s", type(exc).__name__,
                         str(exc)[:200], f"each gateway admits 1/{self.replicas} of each limit on its own"
                         if self.fail_mode is FailMode.LOCAL else "inference is refused with 503")
 
-    def _back(self) -> None:
-        if self.down_since is not None:
+    def _back(self, turn: int) -> None:
+        if self.down_since is not None and turn == self._turn:
+            self._turn += 1
             log.warning("rate limits: Redis back after %.1f s; limits shared again", self.clock() - self.down_since)
             self.down_since = None
 
@@ -307,10 +311,11 @@ class RedisLimiter:
             return
         if adm.caller is None or not adm.ok or used == adm.reserved or self.down_since is not None:
             return  # Redis down: the reservation stays as it was, erring on the safe side
+        turn = self._turn
         try:
             await self._settle(keys=self._keys(adm.caller, adm.window)[1::2], args=[used - adm.reserved])
         except Exception as exc:
-            self._lost(exc)
+            self._lost(exc, turn)
 
     async def close(self) -> None:
         await self.redis.aclose()

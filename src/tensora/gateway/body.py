@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made once a request, and a frozen dataclass is slower to make
 class Body:
     obj: dict[str, Any]  # as it came; passed upstream with ``model`` replaced
     model: str
@@ -80,25 +80,30 @@ def parse(obj: Any, default_max_tokens: int) -> Body | Invalid:
         if n is None:
             return _type("prompt", "a string, an array of strings or an array of token ids", prompt)
         chars += n
-    most = None
-    for name in ("max_completion_tokens", "max_tokens"):
-        v = obj.get(name)
-        if v is not None:
-            if not _int(v):
-                return _type(name, "an integer", v)
-            if v < 1:
-                return Invalid(f"{name} must be at least 1, not {v}", name, "invalid_value")
-            most = most or v
+    most = obj.get("max_completion_tokens") or obj.get("max_tokens")
+    if "max_tokens" in obj or "max_completion_tokens" in obj:
+        for name in ("max_completion_tokens", "max_tokens"):
+            if (bad := _count(obj, name)) is not None:
+                return bad
     answers = 1
-    for name in ("n", "best_of"):
-        v = obj.get(name)
-        if v is not None:
-            if not _int(v):
-                return _type(name, "an integer", v)
-            if v < 1:
-                return Invalid(f"{name} must be at least 1, not {v}", name, "invalid_value")
-            answers = max(answers, v)
+    if "n" in obj or "best_of" in obj:
+        for name in ("n", "best_of"):
+            if (bad := _count(obj, name)) is not None:
+                return bad
+        answers = max(obj.get("n") or 1, obj.get("best_of") or 1)
     return Body(obj, model, stream is True, include_usage, chars // 4 + 1 + answers * (most or default_max_tokens))
+
+
+def _count(obj: dict[str, Any], name: str) -> Invalid | None:
+    """What is wrong with ``obj[name]`` as a count (null or an integer of at least 1), if anything."""
+    v = obj.get(name)
+    if v is None:
+        return None
+    if not _int(v):
+        return _type(name, "an integer", v)
+    if v < 1:
+        return Invalid(f"{name} must be at least 1, not {v}", name, "invalid_value")
+    return None
 
 
 def _prompt_chars(p: Any) -> int | None:

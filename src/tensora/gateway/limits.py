@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -45,11 +45,11 @@ class Caller:
     quota: Quota  # the owner's, shared by all its keys
     key_id: str = ""
     key_quota: Quota | None = None  # the key's own limits, each at most the owner's; None: the owner's only
+    windows: tuple[tuple[str, Quota], ...] = field(init=False, compare=False)  # ("owner" | "key", its quota)
 
-    def windows(self) -> tuple[tuple[str, Quota], ...]:
-        if self.key_quota is None:
-            return (("owner", self.quota),)
-        return (("owner", self.quota), ("key", self.key_quota))
+    def __post_init__(self) -> None:  # once per key and route table: the proxy keeps its callers
+        wins = (("owner", self.quota),) if self.key_quota is None else (("owner", self.quota), ("key", self.key_quota))
+        object.__setattr__(self, "windows", wins)
 
 
 class Refused(StrEnum):
@@ -58,7 +58,7 @@ class Refused(StrEnum):
     UNAVAILABLE = "unavailable"  # the shared limiter is down and fails closed: a 503, not a 429
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made once a request, and a frozen dataclass is slower to make
 class Admission:
     ok: bool
     window: int  # which minute (epoch // 60) the reservation is in
@@ -109,52 +109,60 @@ def _window(now: float) -> tuple[int, float]:
 
 def decide(caller: Caller, used: list[tuple[int, int]], tokens: int, window: int, reset: float,
            local: bool = False) -> Admission:
-    """The admission for ``used`` ((requests, tokens) so far in each of ``caller.windows()``); pure.
-
-    Refused by the first window it does not fit; the headers report, for requests and for tokens
-    apart, the window with less left."""
-    wins = caller.windows()
-    refused: tuple[Refused, str] | None = None
-    for (scope, q), (req, tok) in zip(wins, used, strict=True):
-        if req + 1 > q.rpm:
-            refused = (Refused.REQUESTS, scope)
-        elif tok + tokens > q.tpm:
-            refused = (Refused.TOKENS, scope)
-        if refused:
-            break
-    if refused is None:
-        used = [(req + 1, tok + tokens) for req, tok in used]
-    (_, q0), (req0, tok0) = wins[0], used[0]
-    rpm, req, tpm, tok = q0.rpm, req0, q0.tpm, tok0
-    for (_, q), (r, t) in zip(wins[1:], used[1:], strict=True):
-        if (q.rpm - r, q.rpm) < (rpm - req, rpm):  # less left; the same left: the lower limit
-            rpm, req = q.rpm, r
-        if (q.tpm - t, q.tpm) < (tpm - tok, tpm):
-            tpm, tok = q.tpm, t
-    return Admission(refused is None, window, Quota(rpm, tpm), req, tok, reset,
-                     refused[0] if refused else None, refused[1] if refused else "", caller,
-                     tokens if refused is None else 0, local)
+    """The admission for ``used`` ((requests, tokens) so far in the owner's window, then the key's when it
+    is held lower); pure. Refused by the first window it does not fit, the owner's first; the headers
+    report, for requests and for tokens apart, the window with less left (the same left: the lower limit)."""
+    q, (req, tok) = caller.quota, used[0]
+    kq = caller.key_quota
+    why: Refused | None = None
+    scope = "owner"
+    if req + 1 > q.rpm:
+        why = Refused.REQUESTS
+    elif tok + tokens > q.tpm:
+        why = Refused.TOKENS
+    if kq is None:  # the owner's window alone: the common case, kept short
+        if why is not None:
+            return Admission(False, window, q, req, tok, reset, why, scope, caller, 0, local)
+        return Admission(True, window, q, req + 1, tok + tokens, reset, None, "", caller, tokens, local)
+    kreq, ktok = used[1]
+    if why is None:
+        scope = "key"
+        if kreq + 1 > kq.rpm:
+            why = Refused.REQUESTS
+        elif ktok + tokens > kq.tpm:
+            why = Refused.TOKENS
+    if why is None:
+        req, tok, kreq, ktok = req + 1, tok + tokens, kreq + 1, ktok + tokens
+    rpm, tpm = q.rpm, q.tpm
+    if (kq.rpm - kreq, kq.rpm) < (rpm - req, rpm):
+        rpm, req = kq.rpm, kreq
+    if (kq.tpm - ktok, kq.tpm) < (tpm - tok, tpm):
+        tpm, tok = kq.tpm, ktok
+    return Admission(why is None, window, Quota(rpm, tpm), req, tok, reset, why, scope if why else "", caller,
+                     0 if why else tokens, local)
 
 
 class MemoryLimiter:
     """The windows in this process: one gateway's, or each gateway's share while Redis is down."""
 
     def __init__(self) -> None:
-        self._windows: dict[tuple[str, str], list[int]] = {}  # (owner, key id or "") -> [window, requests, tokens]
+        self._windows: dict[str | tuple[str, str], list[int]] = {}  # owner, or (owner, key id) -> [window,
+        # requests, tokens]
         self._latest = 0
+
+    def _cell(self, i: str | tuple[str, str], w: int) -> list[int]:
+        cur = self._windows.get(i)
+        if cur is None or cur[0] != w:
+            cur = self._windows[i] = [w, 0, 0]
+        return cur
 
     def _cells(self, caller: Caller, w: int) -> list[list[int]]:
         if w > self._latest:  # a new minute: the old windows are done with
             self._windows.clear()
             self._latest = w
-        ids = [(caller.owner, "")] if caller.key_quota is None else [(caller.owner, ""), (caller.owner, caller.key_id)]
-        cells = []
-        for i in ids:
-            cur = self._windows.get(i)
-            if cur is None or cur[0] != w:
-                cur = self._windows[i] = [w, 0, 0]
-            cells.append(cur)
-        return cells
+        if caller.key_quota is None:
+            return [self._cell(caller.owner, w)]
+        return [self._cell(caller.owner, w), self._cell((caller.owner, caller.key_id), w)]
 
     async def admit(self, caller: Caller, tokens: int, now: float) -> Admission:
         return self.admit_now(caller, tokens, now)
@@ -173,12 +181,10 @@ class MemoryLimiter:
         return adm
 
     async def settle(self, adm: Admission, used: int) -> None:
-        if adm.caller is None or not adm.ok or used == adm.reserved:
+        c = adm.caller
+        if c is None or not adm.ok or used == adm.reserved:
             return
-        ids = [(adm.caller.owner, "")]
-        if adm.caller.key_quota is not None:
-            ids.append((adm.caller.owner, adm.caller.key_id))
-        for i in ids:
+        for i in (c.owner,) if c.key_quota is None else (c.owner, (c.owner, c.key_id)):
             cur = self._windows.get(i)
             if cur is not None and cur[0] == adm.window:
                 cur[2] = max(0, cur[2] + used - adm.reserved)
@@ -273,7 +279,7 @@ class RedisLimiter:
                 return self._down(caller, tokens, now, reset, w)
             self._probe_at = t + self.probe_s  # this request probes; the others meanwhile do not
         args: list[int] = [tokens, WINDOW_S * 2]
-        for _, q in caller.windows():
+        for _, q in caller.windows:
             args += [q.rpm, q.tpm]
         turn = self._turn
         try:

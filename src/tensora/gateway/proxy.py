@@ -60,7 +60,7 @@ class Options:
     deadline_s: float = 120.0  # per request, all attempts together
     connect_timeout_s: float = 2.0
     retry_after_s: int = 5  # a 503 with no breaker to wait for
-    rpm: int = 600  # a key's limits unless the key says otherwise
+    rpm: int = 600  # an owner's limits (all its keys together) when the route table does not list the owner
     tpm: int = 1_000_000
     default_max_tokens: int = 256  # reserved when a request gives no max_tokens
     max_body_bytes: int = 8 << 20
@@ -287,7 +287,7 @@ class Gateway:
                               f"retry after {self.o.retry_after_s} s", "server_error", "rate_limiter_unavailable",
                               headers=[(b"retry-after", retry)])
             return
-        q = dict(adm.caller.windows()).get(adm.scope, adm.quota) if adm.caller is not None else adm.quota
+        q = dict(adm.caller.windows).get(adm.scope, adm.quota) if adm.caller is not None else adm.quota
         limit = q.rpm if adm.reason is Refused.REQUESTS else q.tpm
         whose = "this key's own limit" if adm.scope == "key" else "shared by all of this owner's keys"
         await self._error(send, rid, 429, f"Rate limit reached for {adm.reason} per minute: limit {limit}, {whose};"

@@ -19,7 +19,7 @@ from services import redis_server
 from tensora import apikeys
 from tensora.gateway.limits import Admission, Caller, Limiter, MemoryLimiter, Quota, RedisLimiter, Refused, decide
 from tensora.gateway.proxy import Gateway, Options
-from tensora.gateway.routes import RouteTable
+from tensora.gateway.routes import RouteTable, table_from_json
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -186,3 +186,29 @@ def test_two_gateways_sharing_redis_hold_the_owners_limit_across_its_keys(backen
           serving(gateway(table, RedisLimiter(redis_url, prefix, timeout_s=2))) as b):
         codes = [post(url, key).status_code for url, key in [(a, ALICE_1), (b, ALICE_2)] * 5]
     assert codes == [200] * 6 + [429] * 4
+
+
+# -- the route table's owners ---------------------------------------------------------------------------------
+
+def owners_row(**kw: object) -> dict[str, object]:
+    return {"owner": "alice", "requests_per_minute": 60, "tokens_per_minute": 5000, **kw}
+
+
+@pytest.mark.parametrize(("rows", "want"), [
+    (None, {}),  # a control API from before owners' limits: the gateway's defaults apply
+    ([], {}),
+    ([owners_row()], {"alice": (60, 5000)}),
+    ([owners_row(), owners_row(owner="bob", requests_per_minute=1)], {"alice": (60, 5000), "bob": (1, 5000)}),
+], ids=["absent", "empty", "one", "two"])
+def test_owners_in_the_route_table(rows: list[dict[str, object]] | None, want: dict[str, tuple[int, int]]) -> None:
+    doc = {"version": "1", "keys": [], "endpoints": [], **({"owners": rows} if rows is not None else {})}
+    got = table_from_json(doc).owners
+    assert {o: (r.rpm, r.tpm) for o, r in got.items()} == want
+
+
+@pytest.mark.parametrize("bad", [owners_row(requests_per_minute=0), owners_row(tokens_per_minute="many"),
+                                 owners_row(requests_per_minute=True), owners_row(requests_per_minute=None)],
+                         ids=["zero", "a string", "a boolean", "null"])
+def test_a_broken_owners_row_is_refused_not_read_as_no_limit(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="owners"):  # the gateway keeps the table it has
+        table_from_json({"version": "1", "keys": [], "endpoints": [], "owners": [bad]})

@@ -75,14 +75,19 @@ def replica(rid: str, url: str, cpu: bool = False, model: str = "/models/m", api
 
 
 def make_table(endpoints: list[dict[str, Any]], keys: dict[str, tuple[str, list[str]]], region: str = "local",
-               limits: dict[str, tuple[int, int]] | None = None) -> RouteTable:
-    """``keys``: secret -> (owner, scopes); ``limits``: secret -> (rpm, tpm)."""
+               limits: dict[str, tuple[int | None, int | None]] | None = None,
+               owners: dict[str, tuple[int, int]] | None = None) -> RouteTable:
+    """``keys``: secret -> (owner, scopes); ``limits``: secret -> the key's (rpm, tpm); ``owners``: owner ->
+    (rpm, tpm), as the control API's ``owners`` list gives them."""
     limits = limits or {}
     rows = [{"id": f"key_{i}", "digest": apikeys.digest(k), "owner": o, "scopes": s,
              "rpm": limits.get(k, (None, None))[0], "tpm": limits.get(k, (None, None))[1]}
             for i, (k, (o, s)) in enumerate(keys.items())]
     eps = [{"region": region, "model": "/models/m", "cpu_fallback": False, **e} for e in endpoints]
-    return table_from_json({"version": str(time.monotonic()), "region": region, "endpoints": eps, "keys": rows})
+    owner_rows = [{"owner": o, "requests_per_minute": r, "tokens_per_minute": t}
+                  for o, (r, t) in (owners or {}).items()]
+    return table_from_json({"version": str(time.monotonic()), "region": region, "endpoints": eps, "keys": rows,
+                            "owners": owner_rows})
 
 
 @contextlib.contextmanager

@@ -147,24 +147,31 @@ def serving(app: Any) -> Iterator[LiveServer]:
         yield live
 
 
-@contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    """A throwaway Redis (Debian's redis-server) on a free loopback port, nothing saved; yields its URL."""
+def redis_process(port: int) -> subprocess.Popen[bytes]:
+    """Debian's redis-server on loopback ``port``, nothing saved, answering PING when this returns."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server not found: install Debian's redis-server (./scripts/test does)")
-    port = free_port()
     proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return proc
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("redis-server did not start")
+        time.sleep(0.03)
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A throwaway Redis (Debian's redis-server) on a free loopback port, nothing saved; yields its URL."""
+    port = free_port()
+    proc = redis_process(port)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.03)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()

@@ -19,7 +19,7 @@ from services import free_port
 from tensora import apikeys
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Peer
-from tensora.gateway.limits import MemoryLimiter, Quota, RedisLimiter
+from tensora.gateway.limits import Caller, MemoryLimiter, Quota, RedisLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 
@@ -331,15 +331,18 @@ def test_rate_limits_hold_across_two_gateways_sharing_redis(backends: Backends, 
 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
-def test_a_window_ends_on_the_minute_and_a_late_settle_leaves_the_next_alone(kind: str, redis_url: str) -> None:
+@pytest.mark.parametrize("held", [False, True], ids=["owner", "owner+key"])
+def test_a_window_ends_on_the_minute_and_a_late_settle_leaves_the_next_alone(kind: str, held: bool,
+                                                                             redis_url: str) -> None:
     async def go() -> list[tuple[bool, int, int, float]]:
         lim = MemoryLimiter() if kind == "memory" else RedisLimiter(redis_url, f"w{time.monotonic_ns()}")
         q, end = Quota(rpm=2, tpm=1000), 1_800_000_060.0  # a minute's end
+        c = Caller("o", Quota(5, 5000), "k", q) if held else Caller("o", q)
         try:
-            seen = [await lim.admit("k", q, 100, end - t) for t in (30.0, 0.5, 0.1)]  # 2 fit, the 3rd not
-            seen.append(await lim.admit("k", q, 100, end))  # the next window: admitted again
-            await lim.settle("k", seen[0].window, 100, 10)  # the old window's reservation settles late
-            seen.append(await lim.admit("k", q, 100, end + 1))
+            seen = [await lim.admit(c, 100, end - t) for t in (30.0, 0.5, 0.1)]  # 2 fit, the 3rd not
+            seen.append(await lim.admit(c, 100, end))  # the next window: admitted again
+            await lim.settle(seen[0], 10)  # the old window's reservation settles late
+            seen.append(await lim.admit(c, 100, end + 1))
             return [(a.ok, a.requests, a.tokens, round(a.reset_s, 3)) for a in seen]
         finally:
             await lim.close()

@@ -4,7 +4,7 @@ The route table is polled from the control API (``GET /v1/gateway/routes`` with 
 every ``poll_s``), kept in memory and in ``DATA_DIR/gateway/routes.json``; while the control API
 is down the gateway serves from the last table it has (ADR-0008), from disk after a restart.
 Usage goes back in batches (``metering``); rate limits are in memory, or in Redis with
-``redis_url`` so that several gateways share them.
+``redis_url`` so that several gateways share them (``redis_fail_mode`` says what happens while it is down).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Peer
-from tensora.gateway.limits import Limiter, MemoryLimiter, RedisLimiter
+from tensora.gateway.limits import FailMode, Limiter, MemoryLimiter, RedisLimiter
 from tensora.gateway.metering import Meter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable, table_from_json
@@ -60,6 +60,14 @@ class GatewaySettings(BaseModel):
     tokens_per_minute: int = Field(default=1_000_000, ge=1)
     default_max_tokens: int = Field(default=256, ge=1)
     redis_url: str | None = None
+    redis_timeout_s: float = Field(default=0.05, gt=0, description="each Redis call, once connected")
+    redis_connect_timeout_s: float = Field(default=0.05, gt=0)
+    redis_fail_mode: FailMode = Field(default=FailMode.LOCAL, description="Redis unreachable or timing out: "
+                                      "'local' admits against this gateway's own windows at limit / replicas; "
+                                      "'closed' answers 503 with Retry-After")
+    redis_probe_s: float = Field(default=1.0, gt=0, description="while Redis is down, how often to try it again")
+    replicas: int = Field(default=1, ge=1, description="how many gateways share this Redis (this one "
+                          "included): while it is down, each admits this share of every limit")
     breaker_consecutive: int = Field(default=5, ge=1)
     breaker_base_s: float = Field(default=30.0, gt=0)
     breaker_max_s: float = Field(default=300.0, gt=0)
@@ -171,7 +179,12 @@ def build(settings: GatewaySettings) -> Gateway:
 
     meter = Meter(settings.dir / "spool", send_usage, flush_s=settings.usage_flush_s,
                   max_bytes=settings.usage_spool_max_bytes)
-    limiter: Limiter = RedisLimiter(settings.redis_url) if settings.redis_url else MemoryLimiter()
+    limiter: Limiter = MemoryLimiter()
+    if settings.redis_url:
+        limiter = RedisLimiter(settings.redis_url, timeout_s=settings.redis_timeout_s,
+                               connect_timeout_s=settings.redis_connect_timeout_s,
+                               fail_mode=settings.redis_fail_mode, replicas=settings.replicas,
+                               probe_s=settings.redis_probe_s)
     gw = Gateway(settings.options(), lambda: source.table, limiter, meter)
     tasks: list[asyncio.Task[None]] = []
     stopping: list[bool] = []

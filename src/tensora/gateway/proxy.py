@@ -4,8 +4,10 @@ A raw ASGI app (no framework on the hot path: a request costs one JSON parse and
 its body, and one per streamed event). Steps of a request:
 
 1. authenticate (the key's digest against the route table; 401/403 in OpenAI's error shape);
-2. read and check the body; resolve ``model`` to the caller's endpoint or a serverless model;
-3. admit: one request and its token reservation against the key's per-minute windows (429);
+2. read and check the body (``body.parse``: a 400 naming the field); resolve ``model`` to the caller's
+   endpoint or a serverless model;
+3. admit: one request and its token reservation against the per-minute windows of the key's owner,
+   and of the key when it is held lower, in one step (429; 503 when Redis is down and fails closed);
 4. plan the chain (``chain.plan``: pure) and walk it within one deadline budget; every attempt
    has a time-to-first-token deadline, and a failure before the first token moves on;
 5. answer with what really served it (headers, and ``model`` in the body); settle the token
@@ -30,9 +32,10 @@ import orjson
 
 from tensora import apikeys
 from tensora.gateway import chain, sse
+from tensora.gateway.body import Invalid, parse
 from tensora.gateway.breaker import Breaker, Policy, State
 from tensora.gateway.chain import Backend, Peer, ServedBy
-from tensora.gateway.limits import Limiter, Quota
+from tensora.gateway.limits import Admission, Caller, Limiter, Quota, Refused
 from tensora.gateway.metering import Meter
 from tensora.gateway.routes import EndpointRoute, KeyRoute, RouteTable
 from tensora.gateway.upstream import Client, Response, UpstreamError
@@ -57,7 +60,7 @@ class Options:
     deadline_s: float = 120.0  # per request, all attempts together
     connect_timeout_s: float = 2.0
     retry_after_s: int = 5  # a 503 with no breaker to wait for
-    rpm: int = 600  # a key's limits unless the key says otherwise
+    rpm: int = 600  # an owner's limits (all its keys together) when the route table does not list the owner
     tpm: int = 1_000_000
     default_max_tokens: int = 256  # reserved when a request gives no max_tokens
     max_body_bytes: int = 8 << 20
@@ -100,6 +103,8 @@ class Gateway:
         self._turn = 0
         self._tiers_cache: dict[tuple[str, bool], list[list[Backend]]] = {}
         self._tiers_version: str | None = None
+        self._callers: dict[str, Caller] = {}  # by key id, for the route table's version below
+        self._callers_version: str | None = None
         self._keys: dict[bytes, str] = {}  # secret -> digest, for keys seen before (bounded)
         self.on_startup: list[Callable[[], Awaitable[None]]] = []
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
@@ -214,51 +219,42 @@ class Gateway:
                               "invalid_request_error")
             return
         try:
-            body = orjson.loads(raw)
+            parsed: Any = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            body = None
-        if not isinstance(body, dict):
-            await self._error(send, rid, 400, "the body must be a JSON object", "invalid_request_error")
+            parsed = None
+        ask = parse(parsed, self.o.default_max_tokens)
+        if isinstance(ask, Invalid):
+            await self._error(send, rid, 400, ask.message, "invalid_request_error", ask.code, ask.param)
             return
-        name = body.get("model")
-        if not isinstance(name, str) or not name:
-            await self._error(send, rid, 400, "model is required: an endpoint's name", "invalid_request_error",
-                              "missing_model", "model")
-            return
-        endpoint = table.resolve(key.owner, name)
+        endpoint = table.resolve(key.owner, ask.model)
         if endpoint is None:
-            await self._error(send, rid, 404, f"The model '{name}' does not exist or you do not have access to it.",
-                              "invalid_request_error", "model_not_found", "model")
+            await self._error(send, rid, 404, f"The model '{ask.model}' does not exist or you do not have access "
+                              "to it.", "invalid_request_error", "model_not_found", "model")
             return
-        stream = body.get("stream") is True
-        opts = body.get("stream_options")
-        client_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
 
-        # step 3: admission, tokens reserved
-        reserve = _estimate(body, self.o.default_max_tokens)
-        quota = Quota(key.rpm or self.o.rpm, key.tpm or self.o.tpm)
-        if reserve > quota.tpm:
-            await self._error(send, rid, 429, f"this request reserves {reserve} tokens (prompt + max_tokens), more "
-                              f"than this key's {quota.tpm} per minute: lower max_tokens", "tokens",
+        # step 3: admission, tokens reserved in the owner's windows (and the key's, when held lower)
+        caller = self._caller_limits(key, table)
+        reserve = ask.reserve
+        tpm = caller.key_quota.tpm if caller.key_quota is not None else caller.quota.tpm
+        if reserve > tpm:
+            await self._error(send, rid, 429, f"this request reserves {reserve} tokens (prompt + max_tokens x n), "
+                              f"more than the {tpm} per minute {_whose(caller, tpm)}: lower max_tokens", "tokens",
                               "rate_limit_exceeded", "max_tokens")
             return
-        adm = await self.limiter.admit(key.id, quota, reserve, self.wall())
-        limit_headers = adm.headers()
+        adm = await self.limiter.admit(caller, reserve, self.wall())
         if not adm.ok:
-            await self._error(send, rid, 429, f"Rate limit reached for {adm.reason} per minute: limit "
-                              f"{quota.rpm if adm.reason == 'requests' else quota.tpm}; retry after "
-                              f"{adm.retry_after} s", adm.reason, "rate_limit_exceeded",
-                              headers=[(b"retry-after", str(adm.retry_after).encode()), *limit_headers])
+            await self._refuse(send, rid, adm)
             return
+        limit_headers = adm.headers()
 
         # step 4: the chain
         served: Served | None = None
         try:
-            served = await self._walk(scope, send, rid, path, key, endpoint, body, stream, client_usage,
+            served = await self._walk(scope, send, rid, path, key, endpoint, ask.obj, ask.stream, ask.include_usage,
                                       limit_headers)
         finally:
             used = served.prompt_tokens + served.completion_tokens if served is not None else 0
-            await self.limiter.settle(key.id, adm.window, reserve, used)
+            await self.limiter.settle(adm, used)
         if served is not None and self.meter is not None:
             b = served.backend
             product = ("cross-region" if b.peer else "serverless" if served.served_by == ServedBy.SERVERLESS
@@ -269,6 +265,35 @@ class Gateway:
                 "endpoint_id": endpoint.id, "product": product, "answered_by": b.endpoint_id, "model": b.model,
                 "served_by": served.served_by, "region": served.region, "prompt_tokens": served.prompt_tokens,
                 "completion_tokens": served.completion_tokens, "status": served.status})
+
+    def _caller_limits(self, key: KeyRoute, table: RouteTable) -> Caller:
+        """The windows ``key``'s requests count against, kept until the route table changes: its owner's
+        (from the table, else this gateway's defaults), and its own when it is held lower than those."""
+        if table.version != self._callers_version:
+            self._callers.clear()
+            self._callers_version = table.version
+        found = self._callers.get(key.id)
+        if found is None:
+            o = table.owners.get(key.owner)
+            owner = Quota(o.rpm, o.tpm) if o is not None else Quota(self.o.rpm, self.o.tpm)
+            own = Quota(min(key.rpm or owner.rpm, owner.rpm), min(key.tpm or owner.tpm, owner.tpm))
+            found = self._callers[key.id] = Caller(key.owner, owner, key.id, None if own == owner else own)
+        return found
+
+    async def _refuse(self, send: Send, rid: str, adm: Admission) -> None:
+        """A 429 naming the window that refused, or a 503 when the limits cannot be checked (fail closed)."""
+        if adm.reason is Refused.UNAVAILABLE:
+            retry = str(self.o.retry_after_s).encode()
+            await self._error(send, rid, 503, "rate limits cannot be checked now (their store is unreachable); "
+                              f"retry after {self.o.retry_after_s} s", "server_error", "rate_limiter_unavailable",
+                              headers=[(b"retry-after", retry)])
+            return
+        q = dict(adm.caller.windows).get(adm.scope, adm.quota) if adm.caller is not None else adm.quota
+        limit = q.rpm if adm.reason is Refused.REQUESTS else q.tpm
+        whose = "this key's own limit" if adm.scope == "key" else "shared by all of this owner's keys"
+        await self._error(send, rid, 429, f"Rate limit reached for {adm.reason} per minute: limit {limit}, {whose};"
+                          f" retry after {adm.retry_after} s", str(adm.reason), "rate_limit_exceeded",
+                          headers=[(b"retry-after", str(adm.retry_after).encode()), *adm.headers()])
 
     def _tiers(self, endpoint: EndpointRoute, hopped: bool) -> list[list[Backend]]:
         """``chain.tiers`` for this endpoint, kept until the route table changes."""
@@ -508,6 +533,10 @@ def _has_content(choices: Any) -> int:
     return 0
 
 
+def _whose(caller: Caller, tpm: int) -> str:
+    return "this key may use" if caller.quota.tpm != tpm else "this owner's keys may use together"
+
+
 def _int(v: Any) -> int:
     return v if isinstance(v, int) and v >= 0 else 0
 
@@ -546,27 +575,6 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         parts.append(chunk)
         if not msg.get("more_body"):
             return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _estimate(body: dict[str, Any], default_max: int) -> int:
-    """Tokens to reserve: the prompt at ~4 characters a token, plus what the answer may take."""
-    chars = 0
-    msgs = body.get("messages")
-    if isinstance(msgs, list):
-        for m in msgs:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                chars += len(c) + 16
-            elif isinstance(c, list):
-                chars += sum(len(p.get("text", "")) for p in c if isinstance(p, dict)) + 16
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        chars += len(prompt)
-    elif isinstance(prompt, list):
-        chars += sum(len(p) for p in prompt if isinstance(p, str))
-    most = body.get("max_completion_tokens") or body.get("max_tokens")
-    answer = most if isinstance(most, int) and most > 0 else default_max
-    return chars // 4 + 1 + answer
 
 
 __all__ = ["Failed", "Gateway", "Options", "State"]

@@ -47,11 +47,23 @@ class KeyRoute:
 
 
 @dataclass(frozen=True, slots=True)
+class OwnerRoute:
+    """An owner's gateway limits, shared by all its keys (effective values: the control API applied the
+    defaults). An owner missing from the table gets the gateway's own ``requests_per_minute`` /
+    ``tokens_per_minute``, as with a control API from before owners' limits."""
+
+    owner: str
+    rpm: int
+    tpm: int
+
+
+@dataclass(frozen=True, slots=True)
 class RouteTable:
     version: str = ""
     region: str = ""
     endpoints: tuple[EndpointRoute, ...] = ()
     keys: Mapping[str, KeyRoute] = field(default_factory=dict)  # by key digest
+    owners: Mapping[str, OwnerRoute] = field(default_factory=dict)  # by owner
     by_name: Mapping[tuple[str, str], EndpointRoute] = field(default_factory=dict)  # (owner, name)
     serverless: Mapping[str, EndpointRoute] = field(default_factory=dict)  # by public name
     serverless_by_model: Mapping[str, tuple[EndpointRoute, ...]] = field(default_factory=dict)
@@ -78,11 +90,20 @@ def table_from_json(data: Mapping[str, Any]) -> RouteTable:
         for e in data.get("endpoints") or ())
     keys = {k["digest"]: KeyRoute(k["id"], k["owner"], tuple(k["scopes"]), k.get("rpm"), k.get("tpm"))
             for k in data.get("keys") or ()}
+    owners = {o["owner"]: OwnerRoute(o["owner"], _positive(o, "requests_per_minute"), _positive(o, "tokens_per_minute"))
+              for o in data.get("owners") or ()}
     serverless = {e.name: e for e in endpoints if e.serverless}
     by_model: dict[str, list[EndpointRoute]] = {}
     for e in serverless.values():
         if e.model:
             by_model.setdefault(e.model, []).append(e)
     return RouteTable(version=str(data.get("version", "")), region=str(data.get("region", "")), endpoints=endpoints,
-                      keys=keys, by_name={(e.owner, e.name): e for e in endpoints if not e.serverless},
+                      keys=keys, owners=owners, by_name={(e.owner, e.name): e for e in endpoints if not e.serverless},
                       serverless=serverless, serverless_by_model={m: tuple(v) for m, v in by_model.items()})
+
+
+def _positive(row: Mapping[str, Any], name: str) -> int:
+    v = row[name]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"owners: {name} of {row.get('owner')!r} is {v!r}, not a positive integer")
+    return v

@@ -286,7 +286,7 @@ def usage(svc: Svc, p: UsageReader,
 def _key_out(row: dict[str, Any], secret: str | None = None) -> dict[str, Any]:
     return {"id": row["id"], "name": row["name"], "owner": row["owner"], "scopes": row["scopes"],
             "hint": row["hint"], "created_at": iso(row["created_at"]), "key": secret,
-            "requests_per_minute": row.get("rpm"), "tokens_per_minute": row.get("tpm")}
+            "requests_per_minute": row.get("rpm"), "tokens_per_minute": row.get("tpm"), "secret_withheld": False}
 
 
 def _withheld(payload: dict[str, Any]) -> dict[str, Any]:

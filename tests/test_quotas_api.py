@@ -84,6 +84,22 @@ def test_an_admin_sets_an_owners_quotas_and_limits_field_by_field(api: Api) -> N
     assert listed == [o]
 
 
+def test_puts_of_different_fields_at_once_all_land(api: Api) -> None:
+    """Each PUT reads the stored overrides and writes them back merged: under the row's lock, so none is lost."""
+    fields = list(Quotas.model_fields)
+    clients = {f: api.as_(api.stack.admin) for f in fields}
+    lock, todo = threading.Lock(), list(fields)
+
+    def call() -> httpx.Response:
+        with lock:
+            f = todo.pop()
+        return clients[f].put("/v1/owners/carol", json={"quotas": {f: 7}})
+
+    assert _at_once(len(fields), call) == [200] * len(fields)
+    got = api.as_(api.stack.admin).get("/v1/owners/carol").json()
+    assert got["overridden"] == [f"quotas.{f}" for f in fields] and set(got["quotas"].values()) == {7}
+
+
 BAD_PUTS = {
     "a negative quota": ({"quotas": {"keys": -1}}, "quotas.keys"),
     "a fractional key count": ({"quotas": {"keys": 1.5}}, "quotas.keys"),

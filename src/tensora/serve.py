@@ -310,11 +310,11 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     """Open the store (migrating it), the driver and the controller; nothing is served yet."""
     clock = clock or SystemClock()
     catalog = catalog or load_catalog(settings.catalog)
-    private_dir(settings.data_dir)  # before anything is written there: database, keys, spool
     if settings.controller:  # before the store: a bad driver or nodes file leaves no database behind
         driver = driver or make_driver(settings, clock)
-    db = Database(settings.db_url)
+    db = Database(settings.db_url)  # a SQLite file in a new data dir makes that 0700 itself
     db.migrate()
+    private_dir(settings.data_dir)  # the store answers: now the dir of its keys and spool, 0700 before they are
     controller = None
     if settings.controller:
         assert driver is not None

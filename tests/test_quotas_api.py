@@ -103,6 +103,8 @@ def test_puts_of_different_fields_at_once_all_land(api: Api) -> None:
 BAD_PUTS = {
     "a negative quota": ({"quotas": {"keys": -1}}, "quotas.keys"),
     "a fractional key count": ({"quotas": {"keys": 1.5}}, "quotas.keys"),
+    "a boolean as a count": ({"quotas": {"workloads": True}}, "quotas.workloads"),
+    "a number in a string": ({"limits": {"requests_per_minute": "600"}}, "limits.requests_per_minute"),
     "an unknown quota": ({"quotas": {"gpus": 2}}, "quotas.gpus"),
     "a zero rate": ({"limits": {"requests_per_minute": 0}}, "limits.requests_per_minute"),
     "a rate past the bound": ({"limits": {"tokens_per_minute": 10**12}}, "limits.tokens_per_minute"),

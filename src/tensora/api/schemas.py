@@ -129,8 +129,8 @@ def _patch(model: type[BaseModel], doc: str) -> type[BaseModel]:
     fields: dict[str, Any] = {
         name: (Annotated[f.annotation, *f.metadata] | None, Field(default=None, description=f.description))
         for name, f in model.model_fields.items()}
-    patch: type[BaseModel] = create_model(model.__name__ + "Patch", __config__=ConfigDict(extra="forbid"),
-                                          __doc__=doc, **fields)
+    strict = ConfigDict(extra="forbid", strict=True)  # a count is a number: not true, not "20"
+    patch: type[BaseModel] = create_model(model.__name__ + "Patch", __config__=strict, __doc__=doc, **fields)
     return patch
 
 

@@ -15,7 +15,9 @@ from sqlalchemy import text
 
 from stack import stack
 from tensora.store.db import Database
+from test_serve import served
 
+NODES = "nodes:\n  - {name: cpu-1, region: local, allocatable: {cpu: 8, memory: 32Gi}}\n"
 DB_FILES = ("tensora.db", "tensora.db-wal", "tensora.db-shm")
 
 
@@ -81,3 +83,15 @@ def test_a_server_start_leaves_the_data_dir_0700_and_its_database_0600(tmp_path:
         assert loose == []
     finally:
         s.services.db.dispose()
+
+
+def test_a_real_tensora_serve_leaves_nothing_in_its_data_dir_for_others_to_read(tmp_path: Path) -> None:
+    """The real command in a child process (umask 022, as a login shell has): every file it wrote in DATA_DIR
+    (database, -wal, -shm, admin key, lock files) is its user's alone, and so is DATA_DIR."""
+    data = tmp_path / "data"
+    (tmp_path / "nodes.yaml").write_text(NODES)
+    with umask(0o022), served(tmp_path, data, "--nodes", str(tmp_path / "nodes.yaml")):
+        assert mode(data) == 0o700
+        written = {p.name: mode(p) for p in data.iterdir() if p.is_file()}
+    assert {"tensora.db", "tensora.db-wal", "tensora.db-shm", "admin-key"} <= set(written)
+    assert {name: m for name, m in written.items() if m & 0o077} == {}

@@ -50,6 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from services import PgCluster, free_port, pg_cluster
 
+BENCH_WORKLOADS = 100_000
+"""The bench owner's workloads quota (the most an admin may set): a run creates thousands."""
+
 BODY = {"kind": "notebook", "gpu_class": "l40s-48gb", "fallback": ["a100-80gb", "cpu"], "fallback_after": "10m"}
 
 POST_LUA = """
@@ -155,13 +158,13 @@ def wrk(url: str, script: str, connections: int, duration: float, cpus: str | No
 def direct(db_url: str, data_dir: Path, n: int) -> dict[str, Any]:
     """The create path without HTTP: validate, claim, insert, store the response; one at a time."""
     from tensora import workloads
-    from tensora.api.routes import _out
+    from tensora.api.routes import _check_quota, _out
     from tensora.catalog import default_catalog
     from tensora.serve import ServeSettings, build
     from tensora.spec import WorkloadSpec
 
-    services = build(ServeSettings(data_dir=data_dir, database_url=db_url, controller=False),
-                     catalog=default_catalog())
+    services = build(ServeSettings(data_dir=data_dir, database_url=db_url, controller=False,
+                                   quotas={"workloads": BENCH_WORKLOADS}), catalog=default_catalog())
     latencies = []
     t_start = time.perf_counter()
     for i in range(n):
@@ -170,6 +173,7 @@ def direct(db_url: str, data_dir: Path, n: int) -> dict[str, Any]:
         checked = workloads.validate(body, services.catalog, "bench", services.storage)
 
         def action(conn: Any, checked: Any = checked) -> tuple[int, dict[str, Any]]:
+            _check_quota(conn, services, "bench", "workloads")  # as the route does: count under the owner's lock
             row = workloads.create(conn, checked, services.clock.now())
             return 201, _out(row, [], services)
 
@@ -192,6 +196,9 @@ def bench_store(kind: str, workers: int, args: argparse.Namespace, pg: PgCluster
                                  json={"name": "bench", "owner": "bench"}, timeout=10)
             created.raise_for_status()
             key = created.json()["key"]
+            room = httpx.put(url + "/v1/owners/bench", headers={"Authorization": f"Bearer {admin}"},
+                             json={"quotas": {"workloads": BENCH_WORKLOADS}}, timeout=10)  # past the default 50
+            room.raise_for_status()
             one = httpx.post(url + "/v1/workloads", headers={"Authorization": f"Bearer {key}"},
                              json={**BODY, "name": "probe"}, timeout=10)
             one.raise_for_status()

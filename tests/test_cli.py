@@ -194,15 +194,36 @@ def test_keys_scopes_and_revocation(cli: Cli) -> None:
 
 
 def test_an_admin_marks_an_owner_trusted_and_back(cli: Cli) -> None:
-    assert cli.json("owners", "get", "tom") == {"owner": "tom", "trusted": False, "updated_at": None}  # the default
+    tom = cli.json("owners", "get", "tom")
+    assert (tom["owner"], tom["trusted"], tom["updated_at"], tom["overridden"]) == ("tom", False, None, [])
     assert cli.json("owners", "set", "tom", "--trusted") == {
-        "owner": "tom", "trusted": True, "updated_at": cli.json("owners", "get", "tom")["updated_at"]}
+        **tom, "trusted": True, "updated_at": cli.json("owners", "get", "tom")["updated_at"]}
     assert "tom" in cli("owners", "list").stdout
     assert cli.json("owners", "set", "tom", "--untrusted")["trusted"] is False
     assert [o["owner"] for o in cli.json("owners", "list")["data"]] == ["tom"]
-    cli("owners", "set", "tom", code=2)  # --trusted or --untrusted: one must be said
+    cli("owners", "set", "tom", code=2)  # nothing to set: one of the flags must be said
     r = cli("owners", "set", "bad name", "--trusted", code=1)
     assert "422" in r.stderr and "owner" in r.stderr
+
+
+def test_an_admin_sets_an_owners_quotas_and_limits_and_the_owner_reads_them(cli: Cli) -> None:
+    got = cli.json("owners", "set", "uma", "--quota", "keys=3", "--quota", "storage_bytes=50Gi",
+                   "--limit", "requests_per_minute=600")
+    assert (got["quotas"]["keys"], got["quotas"]["storage_bytes"], got["limits"]["requests_per_minute"]) == (
+        3, 50 * 2**30, 600)
+    assert got["overridden"] == ["quotas.keys", "quotas.storage_bytes", "limits.requests_per_minute"]
+    uma = cli.json("keys", "create", "--owner", "uma", "--name", "uma")["key"]
+    shown = cli("owners", "get", "uma", TENSORA_API_KEY=uma).stdout  # the owner reads its own
+    keys_row = next(line for line in shown.splitlines() if line.startswith("quotas.keys"))
+    assert keys_row.split()[:3] == ["quotas.keys", "3", "1"] and "set for this owner" in keys_row
+    assert "50Gi" in shown and "server default" in shown
+    assert cli.json("owners", "set", "uma", "--quota", "keys=default")["overridden"] == [
+        "quotas.storage_bytes", "limits.requests_per_minute"]
+    r = cli("owners", "set", "uma", "--quota", "keys=-1", code=1)
+    assert "422" in r.stderr and "--quota keys" in r.stderr
+    assert "NAME one of" in cli("owners", "set", "uma", "--quota", "gpus=2", code=2).stderr
+    r = cli("owners", "set", "uma", "--limit", "requests_per_minute=9", code=1, TENSORA_API_KEY=uma)
+    assert "403" in r.stderr
 
 
 def test_login_saves_a_private_profile_that_later_commands_use(cli: Cli) -> None:

@@ -23,6 +23,7 @@ import pytest
 
 import services
 from stack import Stack, stack
+from tensora.quotas import OwnerSettings, Quotas
 from tensora.sdk import Client, UnprocessableError
 from tensora.storage import NOT_FOUND, NotFound, Storage, owner_dir
 from tensora.validator import read_model
@@ -50,8 +51,9 @@ class Files:
 @pytest.fixture
 def files(db_url: str, tmp_path: Path) -> Iterator[Files]:
     s = stack(db_url, tmp_path, run_controller=False)
-    storage = Storage(tmp_path / "files", quota=8 * MiB, shared={"pool": tmp_path / "pool"})
+    storage = Storage(tmp_path / "files", shared={"pool": tmp_path / "pool"})
     s.services.storage = storage
+    s.services.owner_defaults = OwnerSettings(quotas=Quotas(storage_bytes=8 * MiB))  # every owner's, small
     with services.serving(s.app) as live:
         try:
             yield Files(s, live.url, storage, tmp_path)

@@ -1,6 +1,7 @@
 """Idempotency-Key over real HTTP, on SQLite and PostgreSQL: concurrent duplicates make one
-workload, replays are byte-identical, keys are scoped by owner and path, failures are not
-stored, and records expire (in-flight claims after 60 s, responses after 24 h) on a fake clock."""
+workload, replays are byte-identical, keys are scoped by calling key and path, failures are not
+stored, a key creation's record keeps no secret, and records expire (in-flight claims after 60 s,
+responses after 24 h) on a fake clock."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from services import LiveServer, serving
 from stack import Stack, stack
-from tensora import workloads
+from tensora import apikeys, workloads
 from tensora.api.idempotency import IN_FLIGHT_S, KEEP_S, MAX_KEY_LEN, fingerprint
 from tensora.spec import parse_spec
 from tensora.store import repo
@@ -54,6 +56,13 @@ def manual(db_url: str, tmp_path: Any) -> Iterator[Live]:
     with serving(s.app) as server:
         yield Live(s, server)
     s.services.db.dispose()
+
+
+def key_id(secret: str, live: Live) -> str:
+    with live.stack.services.db.read() as conn:
+        row = repo.key_by_digest(conn, apikeys.digest(secret))
+    assert row is not None
+    return str(row["id"])
 
 
 def idem(key: str) -> dict[str, str]:
@@ -144,7 +153,7 @@ def test_same_key_with_another_body_is_refused(live: Live) -> None:
     assert len(live.workloads("alice")) == 1
 
 
-def test_key_is_scoped_by_path_and_owner(live: Live) -> None:
+def test_key_is_scoped_by_path_and_calling_key(live: Live) -> None:
     s = live.stack
     with live.client(s.alice) as alice, live.client(s.bob) as bob:
         a = alice.post("/v1/workloads", json=NB, headers=idem("shared"))
@@ -264,7 +273,7 @@ def test_a_final_error_is_stored_and_replayed(live: Live) -> None:
     assert again.status_code == 404 and replayed(again) and again.content == first.content
 
 
-def test_key_creation_replays_the_same_secret(live: Live) -> None:
+def test_a_replayed_key_creation_says_the_key_exists_but_never_its_secret(live: Live) -> None:
     with live.client(live.stack.alice) as c:
         before = len(c.get("/v1/keys").json()["data"])
         body = {"name": "ci", "scopes": ["workloads:read"]}
@@ -272,10 +281,50 @@ def test_key_creation_replays_the_same_secret(live: Live) -> None:
         after = c.get("/v1/keys").json()["data"]
     assert first.status_code == again.status_code == 201
     assert replayed(again) and not replayed(first)
-    assert again.json()["key"] == first.json()["key"]
-    assert again.content == first.content
+    secret = first.json()["key"]
+    assert apikeys.well_formed(secret) and first.json()["secret_withheld"] is False
+    assert again.json() == {**first.json(), "key": None, "secret_withheld": True}
+    assert secret not in again.text
     assert len(after) == before + 1
     assert [k["id"] for k in after if k["name"] == "ci"] == [first.json()["id"]]
+
+
+def test_the_idempotency_store_holds_no_secret(live: Live) -> None:
+    """What is left in the database after keys are made with Idempotency-Keys: no secret in any row, in
+    any column, also when the same key was replayed or raced."""
+    secrets = []
+    with live.client(live.stack.alice) as c:
+        for n in range(3):
+            for _ in range(2):
+                r = c.post("/v1/keys", json={"name": f"k{n}"}, headers=idem(f"secret-{n}"))
+                assert r.status_code == 201, r.text
+                secrets.append(r.json()["key"])
+    made = [s for s in secrets if s is not None]
+    assert len(made) == 3  # one secret per create, none in its replay
+    with live.stack.services.db.read() as conn:
+        rows = [dict(r) for r in conn.execute(text("SELECT * FROM idempotency_records")).mappings()]
+    assert len(rows) == 3 and {r["path"] for r in rows} == {"/v1/keys"}
+    dump = repr(rows)
+    for secret in made:
+        assert secret not in dump
+        assert secret[4:] not in dump  # not even without its prefix
+
+
+def test_another_key_of_the_owner_cannot_replay_a_key_creation(live: Live) -> None:
+    """A weak key of alice's (keys:write only) sends the Idempotency-Key her full key used: it gets no
+    secret and no sight of the first response; it runs its own request (which grants only what it holds)."""
+    body = {"name": "deploy"}
+    with live.client(live.stack.alice) as alice:
+        weak_secret = alice.post("/v1/keys", json={"name": "weak", "scopes": ["keys:write"]}).json()["key"]
+        first = alice.post("/v1/keys", json=body, headers=idem("deploy-1"))
+    with live.client(weak_secret) as weak:
+        theirs = weak.post("/v1/keys", json=body, headers=idem("deploy-1"))
+        again = weak.post("/v1/keys", json=body, headers=idem("deploy-1"))
+    assert first.status_code == theirs.status_code == 201
+    assert not replayed(theirs)
+    assert first.json()["key"] not in theirs.text and first.json()["id"] != theirs.json()["id"]
+    assert theirs.json()["scopes"] == ["keys:write"]  # what the weak key may grant, nothing of the first's
+    assert replayed(again) and again.json()["id"] == theirs.json()["id"] and again.json()["key"] is None
 
 
 # -- expiry on the fake clock -----------------------------------------------------------
@@ -285,7 +334,8 @@ def test_a_crashed_claim_expires_and_is_taken_over(manual: Live) -> None:
     body = parse_spec(NB).model_dump(mode="json")  # what the route fingerprints (region defaulted)
     now = s.clock.now()
     with s.services.db.write() as conn:  # a server that claimed the key, then died
-        repo.claim_idempotency(conn, {"owner": "alice", "method": "POST", "path": "/v1/workloads", "key": "k-crash",
+        repo.claim_idempotency(conn, {"key_id": key_id(s.alice, manual), "method": "POST",
+                                      "path": "/v1/workloads", "key": "k-crash",
                                       "fingerprint": fingerprint("POST", "/v1/workloads", body),
                                       "state": "in_flight", "status": None, "body": None,
                                       "created_at": now, "expires_at": now + IN_FLIGHT_S})
@@ -305,7 +355,7 @@ def test_a_crashed_claim_expires_and_is_taken_over(manual: Live) -> None:
 
 def test_a_stored_response_is_kept_24h_then_forgotten(manual: Live) -> None:
     s = manual.stack
-    pk = {"owner": "alice", "method": "POST", "path": "/v1/workloads", "key": "k-day"}
+    pk = {"key_id": key_id(s.alice, manual), "method": "POST", "path": "/v1/workloads", "key": "k-day"}
 
     def record() -> dict[str, Any] | None:
         with s.services.db.read() as conn:

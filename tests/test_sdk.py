@@ -22,6 +22,7 @@ import services
 from flaky import DROP, LOST, FlakyProxy, flaky, stall, status
 from stack import T0, Stack, stack
 from tensora import AsyncClient, Client
+from tensora.apikeys import digest
 from tensora.clock import FakeClock
 from tensora.sdk import (
     APIConnectionError,
@@ -29,6 +30,7 @@ from tensora.sdk import (
     AuthenticationError,
     ConflictError,
     NotFoundError,
+    PermissionDeniedError,
     RateLimitError,
     RetryBudget,
     RetryPolicy,
@@ -40,6 +42,7 @@ from tensora.sdk import (
 from tensora.sdk.errors import APIError, for_status
 from tensora.sdk.retry import Retry, Stop, decide, retryable, server_wait
 from tensora.spec import WorkloadSpec
+from tensora.store import repo
 
 # -- the decision, pure ---------------------------------------------------------------------------
 
@@ -286,7 +289,10 @@ def test_a_real_in_flight_idempotency_conflict_is_retried_then_raised(sqlite_api
     api, sleeps = sqlite_api, Sleeps()
     body = {"kind": "notebook", "name": "nb", "gpu_class": "l40s-48gb", "fallback": [], "region": "local"}
     dumped = WorkloadSpec.model_validate(body).model_dump(mode="json")
-    claim = Claim({"owner": "alice", "method": "POST", "path": "/v1/workloads", "key": "mine-1"},
+    with api.stack.services.db.read() as conn:
+        alice_key = repo.key_by_digest(conn, digest(api.stack.alice))
+    assert alice_key is not None
+    claim = Claim({"key_id": alice_key["id"], "method": "POST", "path": "/v1/workloads", "key": "mine-1"},
                   fingerprint("POST", "/v1/workloads", dumped))
     assert api.stack.services.idempotency._claim(claim) is None  # in flight now, for 60 s
     with flaky(api.url) as proxy, client(proxy.url, api.stack.alice, sleeps) as c:
@@ -432,6 +438,43 @@ def test_every_route_reads_back_typed(sqlite_api: Api) -> None:
         with pytest.raises(NotFoundError):
             c.get_workload(w.id)
         assert c.ready()["status"] == "ready"
+
+
+def test_a_key_create_whose_answer_was_lost_is_replayed_without_its_secret(sqlite_api: Api) -> None:
+    """The retry of a create whose first answer was lost replays it: the key exists (one key, the same id), and
+    the SDK says its secret was withheld instead of handing out a copy kept somewhere."""
+    api, sleeps = sqlite_api, Sleeps()
+    with flaky(api.url, LOST) as proxy, client(proxy.url, api.stack.alice, sleeps, max_retries=2) as c:
+        k = c.create_key("ci", scopes=["workloads:read"])
+        assert len(attempts(proxy, "/v1/keys")) == 2
+        assert (k.key, k.secret_withheld) == (None, True)
+        assert [x.id for x in c.list_keys() if x.name == "ci"] == [k.id]
+
+
+def test_owners_settings_through_the_sdk(sqlite_api: Api) -> None:
+    api = sqlite_api
+    with Client(api.stack.admin, api.url) as admin, Client(api.stack.alice, api.url) as alice:
+        o = admin.set_owner("alice", quotas={"keys": 2, "storage_bytes": 2**30}, limits={"tokens_per_minute": 5})
+        assert (o.quotas.keys, o.limits.tokens_per_minute, o.trusted) == (2, 5, False)
+        mine = alice.get_owner("alice")
+        assert mine == o and mine.in_use.keys == 1
+        alice.create_key("second")
+        with pytest.raises(PermissionDeniedError) as full:
+            alice.create_key("third")
+        assert full.value.type == "quota_exceeded" and full.value.message == "owner quota: 2 of 2 keys in use"
+        with pytest.raises(PermissionDeniedError) as refused:
+            alice.set_owner("alice", quotas={"keys": 100})
+        assert refused.value.status == 403
+        o = admin.set_owner("alice", quotas={"keys": None}, trusted=True)
+        assert o.overridden == ["quotas.storage_bytes", "limits.tokens_per_minute"] and o.trusted
+        assert [x.owner for x in admin.list_owners()] == ["alice"]
+
+    async def main() -> None:
+        async with AsyncClient(api.stack.admin, api.url) as admin:
+            got = await admin.set_owner("alice", limits={"tokens_per_minute": None})
+            assert got.overridden == ["quotas.storage_bytes"]
+
+    asyncio.run(main())
 
 
 def test_the_openai_helper_points_at_the_gateway_with_this_key() -> None:

@@ -74,7 +74,7 @@ def test_lease_is_per_region_and_released_on_request(db: Database) -> None:
 
 
 def test_idempotency_claim_is_an_atomic_insert(db: Database) -> None:
-    pk = {"owner": "alice", "method": "POST", "path": "/v1/workloads", "key": "k1"}
+    pk = {"key_id": "key_alice", "method": "POST", "path": "/v1/workloads", "key": "k1"}
     row = {**pk, "fingerprint": "f", "state": "in_flight", "status": None, "body": None, "created_at": 0.0,
            "expires_at": 60.0}
     with db.write() as conn:
@@ -124,7 +124,8 @@ def test_two_first_sets_of_an_owner_at_once_both_succeed(db: Database) -> None:
     other.join(timeout=10)
     assert "error" not in second, second.get("error")
     with db.read() as conn:
-        assert repo.list_owners(conn) == [{"owner": "dave", "trusted": False, "updated_at": 2.0}]
+        assert repo.list_owners(conn) == [{"owner": "dave", "trusted": False, "updated_at": 2.0, "quotas": None,
+                                           "limits": None}]
 
 
 def test_migration_0006_keeps_no_owner_trusted_that_an_admin_did_not_mark_trusted(db_url: str) -> None:
@@ -150,8 +151,9 @@ def test_migration_0006_keeps_no_owner_trusted_that_an_admin_did_not_mark_truste
                               "('mallory', :t, 1.0), ('dave', :f, 2.0)"), {"t": True, "f": False})
         to("head")
         with database.read() as conn:
-            assert repo.list_owners(conn) == [{"owner": "dave", "trusted": False, "updated_at": 2.0},
-                                              {"owner": "mallory", "trusted": False, "updated_at": 1.0}]
+            assert repo.list_owners(conn) == [
+                {"owner": "dave", "trusted": False, "updated_at": 2.0, "quotas": None, "limits": None},
+                {"owner": "mallory", "trusted": False, "updated_at": 1.0, "quotas": None, "limits": None}]
             assert repo.trusted_owners(conn) == set()  # nobody: "erin", with no row, neither
         with database.write() as conn:
             repo.set_owner(conn, "dave", True, 3.0)  # an admin means it now

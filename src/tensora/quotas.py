@@ -51,3 +51,21 @@ def effective(defaults: OwnerSettings, quotas: Mapping[str, Any] | None,
         return defaults
     return OwnerSettings(quotas=defaults.quotas.model_copy(update=dict(quotas or {})),
                          limits=defaults.limits.model_copy(update=dict(limits or {})))
+
+
+def overlay(stored: Mapping[str, Any] | None, changes: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Stored overrides with a PUT's changes laid over them: a value sets a field, None returns it to the
+    default (drops the override); fields not in ``changes`` keep theirs. None when nothing is overridden."""
+    out = dict(stored or {})
+    for name, value in changes.items():
+        if value is None:
+            out.pop(name, None)
+        else:
+            out[name] = value
+    return out or None
+
+
+def overridden(quotas: Mapping[str, Any] | None, limits: Mapping[str, Any] | None) -> list[str]:
+    """The overridden fields as dotted names (``quotas.keys``), in the models' field order."""
+    return ([f"quotas.{n}" for n in Quotas.model_fields if n in (quotas or {})]
+            + [f"limits.{n}" for n in Limits.model_fields if n in (limits or {})])

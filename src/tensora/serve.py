@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tensora import replicakeys, yamlsource
 from tensora.api.auth import KeyChecker, create_key
@@ -42,7 +42,7 @@ from tensora.hardware import NodeOverrides, offered
 from tensora.quotas import Limits, OwnerSettings, Quotas
 from tensora.storage import Storage
 from tensora.store import repo
-from tensora.store.db import Database
+from tensora.store.db import Database, private_dir
 from tensora.units import parse_memory
 
 ADMIN_KEY_FILE = "admin-key"
@@ -110,8 +110,9 @@ class ServeSettings(BaseModel):
                                     "and tensora up read them here), e.g. {port: 8701, redis_url: ...}")
     gateway_port: int | None = Field(default=None, ge=0, le=65535, description="tensora up: the gateway's port "
                                      "(default 8701); the gateway runs beside the API in its own process")
-    storage_quota: str = Field(default="20Gi", pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
-                               description="the most bytes each owner's files (tensora files) may take")
+    storage_quota: str | None = Field(default=None, pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
+                                      description="the older name of quotas.storage_bytes (e.g. 20Gi): when set, "
+                                      "the default of every owner's files quota; set one of the two")
     quotas: Quotas = Field(default_factory=Quotas, description="what each owner may hold unless an admin set "
                            "otherwise for it (PUT /v1/owners/{owner}): keys, workloads, running_gpus, running_cpu, "
                            "storage_bytes")
@@ -128,7 +129,16 @@ class ServeSettings(BaseModel):
         "only the admin owner's workloads run. 'none' runs every owner's replicas unsandboxed, as Tensora's user")
 
     def owner_defaults(self) -> OwnerSettings:
-        return OwnerSettings(quotas=self.quotas, limits=self.limits)
+        quotas = self.quotas
+        if self.storage_quota is not None:
+            quotas = quotas.model_copy(update={"storage_bytes": parse_memory(self.storage_quota)})
+        return OwnerSettings(quotas=quotas, limits=self.limits)
+
+    @model_validator(mode="after")
+    def _one_storage_quota(self) -> ServeSettings:
+        if self.storage_quota is not None and "storage_bytes" in self.quotas.model_fields_set:
+            raise ValueError("storage_quota is the older name of quotas.storage_bytes: set one of the two")
+        return self
 
     @field_validator("shared_models")
     @classmethod
@@ -302,8 +312,9 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     catalog = catalog or load_catalog(settings.catalog)
     if settings.controller:  # before the store: a bad driver or nodes file leaves no database behind
         driver = driver or make_driver(settings, clock)
-    db = Database(settings.db_url)
+    db = Database(settings.db_url)  # a SQLite file in a new data dir makes that 0700 itself
     db.migrate()
+    private_dir(settings.data_dir)  # the store answers: now the dir of its keys and spool, 0700 before they are
     controller = None
     if settings.controller:
         assert driver is not None
@@ -313,8 +324,7 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
                                 owner_defaults=settings.owner_defaults())
         if settings.driver == "kubernetes" and hasattr(driver, "watch"):  # react to objects at once
             driver.watch(controller.wake)
-    storage = Storage(settings.data_dir / "files", quota=parse_memory(settings.storage_quota),
-                      shared=dict(settings.shared_models))
+    storage = Storage(settings.data_dir / "files", shared=dict(settings.shared_models))
     isolation, why = isolation_of(settings)
     replica_secret = replicakeys.ensure_secret(settings.data_dir) if settings.driver == "local" else None
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
@@ -528,7 +538,7 @@ def claim_up(settings: ServeSettings, gateway_port: int) -> IO[str]:
     for port, flag in ((settings.port, "--port"), (gateway_port, "--gateway-port")):
         _check_port(settings.host, port, flag)
     # 3. take the lock and say who holds it
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.data_dir)
     f = path.open("a+")  # not inherited by children (close-on-exec): replicas never hold it
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

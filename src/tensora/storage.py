@@ -40,7 +40,6 @@ MAX_DEPTH = 32
 SHARED = "shared"
 """The first segment that names an operator's shared root instead of the owner's files."""
 NOT_FOUND = "not found in your files or the shared models"
-DEFAULT_QUOTA = 20 * 2**30
 UPLOAD_PREFIX = ".upload-"
 """Temp files of uploads in flight; no name can start with '.', so none can collide with a file."""
 
@@ -248,10 +247,10 @@ class Upload:
 
 @dataclass
 class Storage:
-    """Where owners' files live, the quota each gets, and the operator's shared read-only roots."""
+    """Where owners' files live and the operator's shared read-only roots. How many bytes each owner may
+    keep is its ``storage_bytes`` quota (``tensora.quotas``), which the API reads per owner."""
 
     root: Path
-    quota: int = DEFAULT_QUOTA
     shared: dict[str, Path] = field(default_factory=dict)
 
     def dir_of(self, owner: str) -> Path:

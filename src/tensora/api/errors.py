@@ -24,6 +24,10 @@ _TYPES = {400: "invalid_request", 401: "authentication_error", 403: "permission_
           405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
           422: "invalid_request", 429: "rate_limited", 503: "service_unavailable"}
 
+QUOTA_EXCEEDED = "quota_exceeded"
+"""The type of a 403 for a create past an owner's quota (keys, workloads): an answer that depends on what the
+owner holds now, so it is never stored for Idempotency-Key replays."""
+
 # FastAPI's 400 for a body it could not read at all (not UTF-8): the same 422 as malformed JSON.
 _FASTAPI_BODY_ERROR = "There was an error parsing the body"
 

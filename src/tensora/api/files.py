@@ -24,7 +24,7 @@ from starlette.convertors import PathConvertor, register_url_convertor
 
 from tensora.api.auth import Principal
 from tensora.api.errors import ApiError
-from tensora.api.routes import ERRORS, Svc, caller, iso
+from tensora.api.routes import ERRORS, Svc, caller, iso, owner_settings
 from tensora.api.services import Services
 from tensora.storage import (
     BadName,
@@ -92,10 +92,10 @@ async def put_file(path: str, request: Request, svc: Svc, p: Writer) -> JSONResp
     name = _name(path)
     storage = _storage(svc)
     # 1. room: the quota less the owner's other files (a file replaced frees its own size)
-    room, used = await run_in_threadpool(_room, svc, storage, p.owner, name)
+    room, used, quota = await run_in_threadpool(_room, svc, storage, p.owner, name)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > room:
-        raise _over(storage, used)
+        raise _over(quota, used)
     # 2. stream the body to a temp file, hashing as it goes
     await run_in_threadpool(storage.sweep, p.owner, STALE_UPLOAD_S, time.time())
     upload = await run_in_threadpool(storage.begin, p.owner)
@@ -103,7 +103,7 @@ async def put_file(path: str, request: Request, svc: Svc, p: Writer) -> JSONResp
         pending = bytearray()
         async for chunk in request.stream():
             if upload.size + len(pending) + len(chunk) > room:
-                raise _over(storage, used)
+                raise _over(quota, used)
             pending += chunk
             if len(pending) >= WRITE_BATCH:
                 await run_in_threadpool(upload.write, bytes(pending))
@@ -122,16 +122,22 @@ async def put_file(path: str, request: Request, svc: Svc, p: Writer) -> JSONResp
     return JSONResponse(_out(row), status_code=200 if replaced else 201)
 
 
-def _room(svc: Services, storage: Storage, owner: str, name: str) -> tuple[int, int]:
-    """(bytes this upload may take, bytes the owner's other files take)."""
+def _quota(conn: Any, svc: Services, owner: str) -> int:
+    """The owner's ``storage_bytes`` quota: an admin's override, else the server's default."""
+    return owner_settings(conn, svc, owner).quotas.storage_bytes
+
+
+def _room(svc: Services, storage: Storage, owner: str, name: str) -> tuple[int, int, int]:
+    """(bytes this upload may take, bytes the owner's other files take, its quota)."""
     with svc.db.read() as conn:
         old = repo.get_file(conn, owner, name)
         used = repo.storage_used(conn, owner) - (old.size if old else 0)
-    return max(0, storage.quota - used), used
+        quota = _quota(conn, svc, owner)
+    return max(0, quota - used), used, quota
 
 
-def _over(storage: Storage, used: int) -> ApiError:
-    return ApiError(413, str(OverQuota(storage.quota, used)))
+def _over(quota: int, used: int) -> ApiError:
+    return ApiError(413, str(OverQuota(quota, used)))
 
 
 def _commit(svc: Services, storage: Storage, owner: str, name: str, upload: Upload) -> tuple[repo.FileRow, bool]:
@@ -144,8 +150,9 @@ def _commit(svc: Services, storage: Storage, owner: str, name: str, upload: Uplo
                            f"{blocker!r} is a file, so {name!r} cannot be inside it", field="path")
         old = repo.get_file(conn, owner, name)
         used = repo.storage_used(conn, owner) - (old.size if old else 0)
-        if used + upload.size > storage.quota:
-            raise _over(storage, used)
+        quota = _quota(conn, svc, owner)  # as of now: an admin may have lowered it during the upload
+        if used + upload.size > quota:
+            raise _over(quota, used)
         row = repo.FileRow(owner, name, upload.size, upload.sha256, svc.clock.now())
         replaced = repo.put_file(conn, row)
         try:
@@ -161,13 +168,14 @@ def _commit(svc: Services, storage: Storage, owner: str, name: str, upload: Uplo
 def list_files(svc: Svc, p: Reader,
                prefix: Annotated[str | None, Query(max_length=512, description="a file or directory name")] = None,
                ) -> dict[str, Any]:
-    storage = _storage(svc)
+    _storage(svc)  # 503 where this server keeps no files
     if prefix is not None:
         _name(prefix, "prefix")
     with svc.db.read() as conn:
         files = repo.list_files(conn, p.owner, prefix)
         used = repo.storage_used(conn, p.owner)
-    return {"data": [_out(f) for f in files], "used": used, "quota": storage.quota}
+        quota = _quota(conn, svc, p.owner)
+    return {"data": [_out(f) for f in files], "used": used, "quota": quota}
 
 
 @router.delete("/v1/files/{path:file_name}", response_model=FileList, responses=ERRORS,
@@ -185,4 +193,5 @@ def delete_file(path: str, svc: Svc, p: Writer) -> dict[str, Any]:
         repo.delete_files(conn, p.owner, [f.path for f in files])
         storage.remove(p.owner, [f.path for f in files])
         used = repo.storage_used(conn, p.owner)
-    return {"data": [_out(f) for f in files], "used": used, "quota": storage.quota}
+        quota = _quota(conn, svc, p.owner)
+    return {"data": [_out(f) for f in files], "used": used, "quota": quota}

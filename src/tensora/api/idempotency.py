@@ -5,9 +5,12 @@ of the body. It is claimed by an atomic INSERT (never check-then-insert): the lo
 race reads the winner's record. While the first request runs, the claim expires after
 ``in_flight_s`` (60 s: a request's timeout scale, so a crash does not lock the key for
 long); once its response is stored, the record is kept ``keep_s`` (24 h) and then
-forgotten. Validation failures (422), server errors and answers that ask for a retry
-(``Retry-After``, e.g. a 409 "still stopping") are not stored, so a corrected or retried
-request runs afresh.
+forgotten. Validation failures (422), server errors, answers that ask for a retry
+(``Retry-After``, e.g. a 409 "still stopping") and quota refusals are not stored, so a
+corrected or retried request runs afresh.
+
+A record never holds a secret: ``replay`` says what of a response is kept for replays (a
+key creation keeps all but the new key's secret), and a replay answers that.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import orjson
 from fastapi.responses import JSONResponse, Response
 
-from tensora.api.errors import ApiError
+from tensora.api.errors import QUOTA_EXCEEDED, ApiError
 from tensora.clock import Clock
 from tensora.errors import Conflict
 from tensora.store import repo
@@ -47,8 +50,10 @@ class Idempotency:
         self.db, self.clock, self.in_flight_s, self.keep_s = db, clock, in_flight_s, keep_s
 
     def run(self, key_id: str, method: str, path: str, key: str | None, body: Any,
-            action: Callable[[Any], tuple[int, dict[str, Any]]], on_done: Callable[[], None] | None = None) -> Response:
-        """Run ``action(conn)`` -> (status, body) once per key; replay or refuse duplicates."""
+            action: Callable[[Any], tuple[int, dict[str, Any]]], on_done: Callable[[], None] | None = None,
+            replay: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Response:
+        """Run ``action(conn)`` -> (status, body) once per key; replay or refuse duplicates. ``replay(body)``:
+        what is stored and replayed instead of the body (the first caller alone gets the whole body)."""
         if key is None:
             with self.db.write() as conn:
                 status, payload = action(conn)
@@ -60,17 +65,19 @@ class Idempotency:
                            field="Idempotency-Key")
         claim = Claim({"key_id": key_id, "method": method, "path": path, "key": key},
                       fingerprint(method, path, body))
-        replay = self._claim(claim)
-        if replay is not None:
-            return replay
+        replayed = self._claim(claim)
+        if replayed is not None:
+            return replayed
         try:
             with self.db.write() as conn:
                 status, payload = action(conn)
                 text = orjson.dumps(payload).decode()
                 if 200 <= status < 300:
-                    repo.complete_idempotency(conn, claim.pk, status, text, self.clock.now() + self.keep_s)
+                    kept = orjson.dumps(replay(payload)).decode() if replay else text
+                    repo.complete_idempotency(conn, claim.pk, status, kept, self.clock.now() + self.keep_s)
         except ApiError as exc:
-            if exc.status in (422, 400) or exc.status >= 500 or "Retry-After" in exc.headers:
+            if (exc.status in (422, 400) or exc.status >= 500 or "Retry-After" in exc.headers
+                    or exc.type == QUOTA_EXCEEDED):
                 self._release(claim)
             else:
                 self._store_error(claim, exc)

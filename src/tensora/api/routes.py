@@ -15,9 +15,9 @@ from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from tensora import workloads
+from tensora import quotas, workloads
 from tensora.api.auth import Principal, create_key
-from tensora.api.errors import ApiError
+from tensora.api.errors import QUOTA_EXCEEDED, ApiError
 from tensora.api.schemas import (
     OWNER_PATTERN,
     CatalogOut,
@@ -139,6 +139,7 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
     checked = workloads.validate(body, svc.catalog, owner, svc.storage)
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
+        _check_quota(conn, svc, owner, "workloads")
         row = workloads.create(conn, checked, svc.clock.now())
         return 201, _out(row, [], svc)
 
@@ -280,17 +281,31 @@ def usage(svc: Svc, p: UsageReader,
 def _key_out(row: dict[str, Any], secret: str | None = None) -> dict[str, Any]:
     return {"id": row["id"], "name": row["name"], "owner": row["owner"], "scopes": row["scopes"],
             "hint": row["hint"], "created_at": iso(row["created_at"]), "key": secret,
-            "requests_per_minute": row.get("rpm"), "tokens_per_minute": row.get("tpm")}
+            "requests_per_minute": row.get("rpm"), "tokens_per_minute": row.get("tpm"), "secret_withheld": False}
+
+
+def _withheld(payload: dict[str, Any]) -> dict[str, Any]:
+    """What a key creation's Idempotency-Key record keeps for replays: everything but the secret."""
+    return {**payload, "key": None, "secret_withheld": True}
 
 
 @router.post("/v1/keys", status_code=201, response_model=KeyOut, responses=ERRORS, tags=["keys"],
-             description="The secret ``key`` is in this response only; only its SHA-256 is stored.")
+             description="The secret ``key`` is in this response only; only its SHA-256 is stored. A replay (the "
+                         "same Idempotency-Key and body, from the same key) answers the same status and body "
+                         "except ``key: null`` and ``secret_withheld: true``: the key exists, its secret was "
+                         "shown once and is kept nowhere (if that first response was lost, revoke the key and "
+                         "create another). Past the owner's ``keys`` quota: 403 ``quota_exceeded``. "
+                         "``requests_per_minute`` / ``tokens_per_minute``: admin keys only.")
 def create_api_key(svc: Svc, p: KeyAdmin, body: Annotated[KeyCreate | None, Body()] = None,
                    idem: IdemKey = None) -> Response:
     body = body or KeyCreate()
     owner = body.owner or p.owner
     if owner != p.owner and not p.is_admin:
         raise ApiError(403, "only admin keys may create keys for another owner", field="owner")
+    for limit in ("requests_per_minute", "tokens_per_minute"):
+        if getattr(body, limit) is not None and not p.is_admin:
+            raise ApiError(403, f"only admin keys may set {limit} (the owner's limits hold across its keys)",
+                           field=limit)
     # no scopes given: the defaults this caller may grant (a key never grants what it lacks)
     scopes = list(body.scopes) if body.scopes is not None else [s for s in DEFAULT_SCOPES if allows(p.scopes, s)]
     for s in scopes:
@@ -298,11 +313,13 @@ def create_api_key(svc: Svc, p: KeyAdmin, body: Annotated[KeyCreate | None, Body
             raise ApiError(403, f"a key cannot grant the {s!r} scope it lacks", field="scopes")
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
+        _check_quota(conn, svc, owner, "keys")
         secret, row = create_key(conn, owner, body.name, scopes, svc.clock.now(), rpm=body.requests_per_minute,
                                  tpm=body.tokens_per_minute)
         return 201, _key_out(row, secret)
 
-    return svc.idempotency.run(p.key_id, "POST", "/v1/keys", idem, body.model_dump(mode="json"), action)
+    return svc.idempotency.run(p.key_id, "POST", "/v1/keys", idem, body.model_dump(mode="json"), action,
+                               replay=_withheld)
 
 
 @router.get("/v1/keys", response_model=KeyList, responses=ERRORS, tags=["keys"])
@@ -326,36 +343,74 @@ Admin = Annotated[Principal, Depends(caller("admin"))]
 OwnerName = Annotated[str, Path(min_length=1, max_length=128, pattern=OWNER_PATTERN)]
 
 
-def _owner_out(owner: str, row: dict[str, Any] | None) -> dict[str, Any]:
-    """An owner never set has the defaults (untrusted) and no ``updated_at``."""
-    if row is None:
-        return {"owner": owner, "trusted": False, "updated_at": None}
-    return {"owner": owner, "trusted": bool(row["trusted"]), "updated_at": iso(row["updated_at"])}
+def owner_settings(conn: Any, svc: Services, owner: str) -> quotas.OwnerSettings:
+    """The owner's effective quotas and limits: its stored overrides over the server's defaults."""
+    row = repo.get_owner(conn, owner)
+    return quotas.effective(svc.owner_defaults, row and row["quotas"], row and row["limits"])
+
+
+def _check_quota(conn: Any, svc: Services, owner: str, what: str) -> None:
+    """403 quota_exceeded when ``owner`` already holds its quota of ``what`` (keys, workloads). Counted in
+    the transaction that inserts, under the owner's quota lock: two creates cannot both take the last slot."""
+    repo.lock_owner_quota(conn, owner)
+    quota = getattr(owner_settings(conn, svc, owner).quotas, what)
+    held = repo.count_keys(conn, owner) if what == "keys" else repo.count_workloads(conn, owner)
+    if held >= quota:
+        raise ApiError(403, f"owner quota: {held} of {quota} {what} in use", type_=QUOTA_EXCEEDED)
+
+
+def _owner_out(svc: Services, owner: str, row: dict[str, Any] | None, held: dict[str, int]) -> dict[str, Any]:
+    """An owner never set is untrusted, has the defaults and no ``updated_at``."""
+    row = row or {"trusted": False, "updated_at": None, "quotas": None, "limits": None}
+    eff = quotas.effective(svc.owner_defaults, row["quotas"], row["limits"])
+    return {"owner": owner, "trusted": bool(row["trusted"]), "updated_at": iso(row["updated_at"]),
+            "quotas": eff.quotas.model_dump(), "limits": eff.limits.model_dump(),
+            "overridden": quotas.overridden(row["quotas"], row["limits"]), "in_use": held}
 
 
 @router.get("/v1/owners", response_model=OwnerList, responses=ERRORS, tags=["owners"],
-            description="The owners an operator has set flags on. Admin keys only.")
+            description="The owners an operator has set something on (flags, quotas, limits), with their "
+                        "effective quotas and limits and what they hold. Admin keys only.")
 def list_owners(svc: Svc, _: Admin) -> dict[str, Any]:
     with svc.db.read() as conn:
-        return {"data": [_owner_out(r["owner"], r) for r in repo.list_owners(conn)]}
+        rows = repo.list_owners(conn)
+        held = repo.holdings(conn, [r["owner"] for r in rows])
+    return {"data": [_owner_out(svc, r["owner"], r, held[r["owner"]]) for r in rows]}
 
 
 @router.get("/v1/owners/{owner}", response_model=OwnerOut, responses=ERRORS, tags=["owners"],
-            description="An owner's flags: any owner may read its own; admin keys anyone's.")
+            description="An owner's flags, effective quotas and limits (the server's defaults with an admin's "
+                        "overrides, named in ``overridden``) and what it holds now (``in_use``): any owner may "
+                        "read its own; admin keys anyone's.")
 def get_owner(owner: OwnerName, svc: Svc, p: Reader) -> dict[str, Any]:
     if owner != p.owner and not p.is_admin:
         raise ApiError(404, f"no owner {owner!r}")
     with svc.db.read() as conn:
-        return _owner_out(owner, repo.get_owner(conn, owner))
+        return _owner_out(svc, owner, repo.get_owner(conn, owner), repo.holdings(conn, [owner])[owner])
 
 
 @router.put("/v1/owners/{owner}", response_model=OwnerOut, responses=ERRORS, tags=["owners"],
-            description="Set an owner's flags (admin keys only). Every owner's new notebook and endpoint "
+            description="Set an owner's flags, quotas and limits (admin keys only). Only the fields named "
+                        "change: an absent field keeps its value, a field set to null returns to the server's "
+                        "default (``\"quotas\": null``: every quota). Every owner's new notebook and endpoint "
                         "replicas run under ``runtimeClassName: kata`` on Kubernetes unless ``trusted`` is true. "
-                        "Idempotent as PUT is.")
+                        "A lower quota refuses new creates past it and removes nothing. Idempotent as PUT is.")
 def set_owner(owner: OwnerName, svc: Svc, _: Admin, body: Annotated[OwnerUpdate, Body()]) -> dict[str, Any]:
+    if not body.model_fields_set:
+        raise ApiError(422, "nothing to set: give trusted, quotas or limits")
+    now = svc.clock.now()
     with svc.db.write() as conn:
-        return _owner_out(owner, repo.set_owner(conn, owner, body.trusted, svc.clock.now()))
+        row = repo.owner_for_update(conn, owner, now)
+        values: dict[str, Any] = {"updated_at": now}
+        if body.trusted is not None:
+            values["trusted"] = body.trusted
+        for part in ("quotas", "limits"):
+            if part in body.model_fields_set:
+                patch = getattr(body, part)
+                values[part] = (None if patch is None else
+                                quotas.overlay(row[part], {f: getattr(patch, f) for f in patch.model_fields_set}))
+        repo.write_owner(conn, owner, values)
+        return _owner_out(svc, owner, {**row, **values}, repo.holdings(conn, [owner])[owner])
 
 
 # -- the gateway's side (its routes and usage batches: ``gatewayroutes``) -------------

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from tensora.apikeys import SCOPES
+from tensora.quotas import Limits, Quotas
 
 
 class ErrorDetail(BaseModel):
@@ -114,25 +115,61 @@ class KeyCreate(BaseModel):
         description="default: the default scopes (workloads, usage, inference) that the calling key holds")
     requests_per_minute: int | None = Field(
         default=None, ge=1, le=2_000_000_000,
-        description="the gateway's limit for this key; default: the gateway's own setting")
+        description="admin keys only: the gateway's limit for this key, under its owner's (which holds across all "
+                    "the owner's keys); default: the owner's")
     tokens_per_minute: int | None = Field(
         default=None, ge=1, le=2_000_000_000,
-        description="tokens (prompt + max_tokens reserved, settled to what was used) per minute at the gateway")
+        description="admin keys only: tokens (prompt + max_tokens reserved, settled to what was used) per minute "
+                    "at the gateway, under its owner's")
+
+
+def _patch(model: type[BaseModel], doc: str) -> type[BaseModel]:
+    """``model`` with every field optional and the same bounds: a partial override, where null (as opposed to
+    absent) returns a field to the server's default."""
+    fields: dict[str, Any] = {
+        name: (Annotated[f.annotation, *f.metadata] | None, Field(default=None, description=f.description))
+        for name, f in model.model_fields.items()}
+    strict = ConfigDict(extra="forbid", strict=True)  # a count is a number: not true, not "20"
+    patch: type[BaseModel] = create_model(model.__name__ + "Patch", __config__=strict, __doc__=doc, **fields)
+    return patch
+
+
+QuotasPatch = _patch(Quotas, "Quotas to override (absent: unchanged; null: the server's default).")
+LimitsPatch = _patch(Limits, "Gateway limits to override (absent: unchanged; null: the server's default).")
 
 
 class OwnerUpdate(BaseModel):
+    """A PUT changes only what it names: a field absent keeps its stored value, a field set to null returns it
+    to the server's default (``"quotas": null``: every quota). ``{"trusted": true}`` alone works as before."""
+
     model_config = ConfigDict(extra="forbid")
 
-    trusted: bool = Field(description="true: this owner's notebook and endpoint pods run without the Kata "
-                                      "runtime (Kubernetes driver). Every owner is untrusted (Kata) unless an "
-                                      "admin sets this; VMs are isolated either way. New replicas only: a restart "
-                                      "moves a running workload")
+    trusted: bool | None = Field(default=None, description="true: this owner's notebook and endpoint pods run "
+                                 "without the Kata runtime (Kubernetes driver). Every owner is untrusted (Kata) "
+                                 "unless an admin sets this; VMs are isolated either way. New replicas only: a "
+                                 "restart moves a running workload. Absent or null: unchanged")
+    quotas: QuotasPatch | None = Field(  # type: ignore[valid-type]
+        default=None, description="keys, workloads, running_gpus, running_cpu, storage_bytes: any subset")
+    limits: LimitsPatch | None = Field(  # type: ignore[valid-type]
+        default=None, description="requests_per_minute, tokens_per_minute (the gateway's, across all the owner's "
+                                  "keys): any subset")
+
+
+class InUse(BaseModel):
+    keys: int = Field(description="live API keys")
+    workloads: int = Field(description="workloads not deleted")
+    storage_bytes: int = Field(description="bytes of its files")
 
 
 class OwnerOut(BaseModel):
     owner: str
     trusted: bool = Field(description="false (the default for every owner): its pods run under Kata on Kubernetes")
     updated_at: str | None = Field(description="when the operator last set it; null: never (the defaults)")
+    quotas: Quotas = Field(description="what it may hold: its overrides over the server's defaults")
+    limits: Limits = Field(description="its gateway limits across all its keys: overrides over the defaults")
+    overridden: list[str] = Field(description="the fields an admin set for this owner, e.g. quotas.keys; the "
+                                              "rest follow the server's defaults")
+    in_use: InUse = Field(description="what it holds now, counted against its quotas")
 
 
 class OwnerList(BaseModel):
@@ -149,6 +186,9 @@ class KeyOut(BaseModel):
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     key: str | None = Field(default=None, description="the secret: shown once, in the response that creates it")
+    secret_withheld: bool = Field(default=False, description="true in a replay of a create (the same "
+                                  "Idempotency-Key): the key exists, its secret was shown once, in the first "
+                                  "response, and is stored nowhere; if that response was lost, revoke the key")
 
 
 class KeyList(BaseModel):

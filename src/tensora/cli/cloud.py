@@ -37,6 +37,7 @@ from tensora.cli.common import (
     table,
 )
 from tensora.errors import ConfigError
+from tensora.quotas import Limits, Quotas
 from tensora.sdk import (
     APIConnectionError,
     APIError,
@@ -48,7 +49,7 @@ from tensora.sdk import (
 )
 from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL
 from tensora.storage import NOT_FOUND
-from tensora.units import parse_duration
+from tensora.units import format_memory, parse_duration, parse_memory
 
 POLL_S = 0.5  # --wait: how often the state is read (one cheap GET)
 
@@ -210,7 +211,9 @@ LIST_FLAGS = {"kind": "--kind", "state": "--state"}
 USAGE_FLAGS = {"group_by": "--group-by", "since": "--since", "until": "--since", "owner": "--owner"}
 KEY_FLAGS = {"name": "--name", "scopes": "--scope", "owner": "--owner", "requests_per_minute": "--rpm",
              "tokens_per_minute": "--tpm", "Idempotency-Key": "--idempotency-key"}
-OWNER_FLAGS = {"owner": "OWNER", "trusted": "--trusted/--untrusted"}
+OWNER_FLAGS = {"owner": "OWNER", "trusted": "--trusted/--untrusted", "quotas": "--quota", "limits": "--limit",
+               **{f"quotas.{n}": f"--quota {n}" for n in Quotas.model_fields},
+               **{f"limits.{n}": f"--limit {n}" for n in Limits.model_fields}}
 
 
 def _spec(items: Sequence[str] | None) -> dict[str, Any] | None:
@@ -493,7 +496,10 @@ def keys_create(ctx: typer.Context, name: Annotated[str, typer.Option(help="a la
         dump(k)
         return
     out.print(f"{k.id} ({k.name}, owner {k.owner}): {', '.join(k.scopes)}", markup=False)
-    out.print(k.key or "", markup=False)
+    if k.key is None:  # a retry whose first answer was lost: the key exists, its secret went with that answer
+        raise fail(f"key {k.id} was created but its secret was lost on the way (it is shown once): revoke it "
+                   f"with tensora keys revoke {k.id} and create another", API_ERROR)
+    out.print(k.key, markup=False)
     err.print("[yellow]the key is shown once: keep it now[/yellow]")
 
 
@@ -521,24 +527,60 @@ def keys_revoke(ctx: typer.Context, key_id: Annotated[str, typer.Argument(help="
 
 # -- owners -------------------------------------------------------------------------------------
 
-owners_app = typer.Typer(help="Owners' flags (admin keys): every owner's pods run under Kata on Kubernetes "
-                              "unless it is marked trusted.",
+owners_app = typer.Typer(help="Owners' flags, quotas and gateway limits (set by admin keys; each owner reads its "
+                              "own): every owner's pods run under Kata on Kubernetes unless it is marked trusted.",
                          no_args_is_help=True)
 app.add_typer(owners_app, name="owners", rich_help_panel="Use Tensora")
+
+
+def _amount(name: str, value: float) -> str:
+    if name == "storage_bytes":
+        return format_memory(int(value))
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def _print_owners(owners: list[Any], output: str, *, one: bool = True) -> None:
     if output == "json":
         dump(owners[0] if one else owners)
         return
-    emit(table(["owner", "trusted", "updated"],
-               [(o.owner, "yes" if o.trusted else "no", local_time(o.updated_at) if o.updated_at else "-")
-                for o in owners]))
+    if not one:
+        emit(table(["owner", "trusted", "overridden", "updated"],
+                   [(o.owner, "yes" if o.trusted else "no", ", ".join(o.overridden) or "-",
+                     local_time(o.updated_at) if o.updated_at else "-") for o in owners]))
+        return
+    o = owners[0]
+    emit(fields([("owner", o.owner), ("trusted", "yes" if o.trusted else "no"),
+                 ("updated", local_time(o.updated_at) if o.updated_at else "-")]))
+    held = o.in_use.model_dump()
+    rows = [(f"quotas.{n}", _amount(n, v), _amount(n, held[n]) if n in held else "-")
+            for n, v in o.quotas.model_dump().items()]
+    rows += [(f"limits.{n}", _amount(n, v), "-") for n, v in o.limits.model_dump().items()]
+    emit(table(["setting", "value", "in use", "from"],
+               [(*r, "set for this owner" if r[0] in o.overridden else "server default") for r in rows]))
+
+
+def _settings(items: list[str] | None, flag: str, model: type[Quotas] | type[Limits]) -> dict[str, Any] | None:
+    """``NAME=VALUE`` items as a PUT's partial dict: ``default`` is null (back to the server's default), a
+    storage size may be written 50Gi; the server checks the bounds (and names the flag if one is out)."""
+    if not items:
+        return None
+    got: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in model.model_fields:
+            raise fail(f"{flag} {item!r}: expected NAME=VALUE (or NAME=default), NAME one of "
+                       f"{', '.join(model.model_fields)}")
+        try:
+            got[name] = (None if raw == "default" else parse_memory(raw) if name == "storage_bytes"
+                         else json.loads(raw))
+        except ValueError:
+            raise fail(f"{flag} {item!r}: {raw!r} is not a number") from None
+    return got
 
 
 @owners_app.command("list")
 def owners_list(ctx: typer.Context, output: Output = "table") -> None:
-    """The owners that have flags set."""
+    """The owners that an admin has set something on."""
     check_output(output)
     with session(ctx) as c:
         owners = c.list_owners()
@@ -548,7 +590,8 @@ def owners_list(ctx: typer.Context, output: Output = "table") -> None:
 @owners_app.command("get")
 def owners_get(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="the owner")],
                output: Output = "table") -> None:
-    """One owner's flags (your own, or anyone's with an admin key)."""
+    """One owner's flags, quotas and limits (effective: the server's defaults where no admin set one) and what
+    it holds now. Your own, or anyone's with an admin key."""
     check_output(output)
     with session(ctx, OWNER_FLAGS) as c:
         _print_owners([c.get_owner(owner)], output)
@@ -556,14 +599,24 @@ def owners_get(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="th
 
 @owners_app.command("set")
 def owners_set(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="the owner")],
-               trusted: Annotated[bool, typer.Option(
+               trusted: Annotated[bool | None, typer.Option(
                    "--trusted/--untrusted", help="--trusted: its new notebook and endpoint pods run without Kata; "
-                   "--untrusted: under Kata again, as every owner's do by default")],
+                   "--untrusted: under Kata again, as every owner's do by default")] = None,
+               quota: Annotated[list[str] | None, typer.Option(
+                   "--quota", help="NAME=VALUE, repeatable: keys, workloads, running_gpus, running_cpu, "
+                   "storage_bytes (e.g. 50Gi); NAME=default: back to the server's default")] = None,
+               limit: Annotated[list[str] | None, typer.Option(
+                   "--limit", help="NAME=VALUE, repeatable: requests_per_minute, tokens_per_minute (the gateway's, "
+                   "across all the owner's keys); NAME=default: back to the server's default")] = None,
                output: Output = "table") -> None:
-    """Mark an owner trusted (or untrusted again). Applies to replicas started from now on."""
+    """Set an owner's flag, quotas and limits (admin keys); what is not named keeps its value. Trust applies to
+    replicas started from now on; a lower quota refuses new creates past it and removes nothing."""
     check_output(output)
+    quotas, limits = _settings(quota, "--quota", Quotas), _settings(limit, "--limit", Limits)
+    if trusted is None and quotas is None and limits is None:
+        raise fail("nothing to set: give --trusted/--untrusted, --quota or --limit")
     with session(ctx, OWNER_FLAGS) as c:
-        _print_owners([c.set_owner(owner, trusted=trusted)], output)
+        _print_owners([c.set_owner(owner, trusted=trusted, quotas=quotas, limits=limits)], output)
 
 
 # -- login --------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ a route's path, parameters and response model are written once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
@@ -156,9 +156,13 @@ def list_owners() -> Call[list[OwnerOut]]:
     return Call("GET", "/v1/owners", lambda body: OwnerList.model_validate(body).data)
 
 
-def set_owner(owner: str, *, trusted: bool) -> Call[OwnerOut]:
-    """A PUT: the same body twice is the same state, so it is retried like a GET."""
-    return Call("PUT", f"/v1/owners/{_id(owner, 'owner')}", OwnerOut.model_validate, json={"trusted": trusted})
+def set_owner(owner: str, *, trusted: bool | None = None, quotas: Mapping[str, Any] | None = None,
+              limits: Mapping[str, Any] | None = None) -> Call[OwnerOut]:
+    """A PUT of what is given only: a quota or limit set to None goes back to the server's default. The same
+    body twice is the same state, so it is retried like a GET."""
+    body = _params(trusted=trusted, quotas=dict(quotas) if quotas is not None else None,
+                   limits=dict(limits) if limits is not None else None)
+    return Call("PUT", f"/v1/owners/{_id(owner, 'owner')}", OwnerOut.model_validate, json=body)
 
 
 def ready() -> Call[dict[str, Any]]:

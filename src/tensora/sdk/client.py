@@ -19,7 +19,7 @@ import random
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 from urllib.parse import quote
@@ -263,7 +263,9 @@ class Client(_Base):
         return self.run(calls.token_usage(since, until))
 
     def create_key(self, name: str = "key", **more: Any) -> Key:
-        """``more``: scopes, owner, requests_per_minute, tokens_per_minute, idempotency_key."""
+        """``more``: scopes, owner, requests_per_minute, tokens_per_minute (admin keys), idempotency_key.
+        The secret is in ``key``, once: a replay of the create (a retry whose first answer was lost) has
+        ``key`` None and ``secret_withheld`` True; the key exists, and only revoking it helps."""
         return self.run(calls.create_key(name, **more))
 
     def list_keys(self) -> list[Key]:
@@ -278,10 +280,13 @@ class Client(_Base):
     def list_owners(self) -> list[Owner]:
         return self.run(calls.list_owners())
 
-    def set_owner(self, owner: str, *, trusted: bool) -> Owner:
-        """Admin keys: mark ``owner`` trusted (its new pods run without Kata on Kubernetes), or untrusted
-        again, as every owner is by default."""
-        return self.run(calls.set_owner(owner, trusted=trusted))
+    def set_owner(self, owner: str, *, trusted: bool | None = None, quotas: Mapping[str, Any] | None = None,
+                  limits: Mapping[str, Any] | None = None) -> Owner:
+        """Admin keys: mark ``owner`` trusted (its new pods run without Kata on Kubernetes) or untrusted again,
+        and override some of its quotas (keys, workloads, running_gpus, running_cpu, storage_bytes) and gateway
+        limits (requests_per_minute, tokens_per_minute); what is not given keeps its value, a field given as
+        None goes back to the server's default. ``get_owner`` reads them back, effective."""
+        return self.run(calls.set_owner(owner, trusted=trusted, quotas=quotas, limits=limits))
 
     def ready(self) -> dict[str, Any]:
         return self.run(calls.ready())
@@ -499,8 +504,9 @@ class AsyncClient(_Base):
     async def list_owners(self) -> list[Owner]:
         return await self.run(calls.list_owners())
 
-    async def set_owner(self, owner: str, *, trusted: bool) -> Owner:
-        return await self.run(calls.set_owner(owner, trusted=trusted))
+    async def set_owner(self, owner: str, *, trusted: bool | None = None, quotas: Mapping[str, Any] | None = None,
+                        limits: Mapping[str, Any] | None = None) -> Owner:
+        return await self.run(calls.set_owner(owner, trusted=trusted, quotas=quotas, limits=limits))
 
     async def ready(self) -> dict[str, Any]:
         return await self.run(calls.ready())

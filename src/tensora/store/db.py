@@ -1,7 +1,7 @@
 """The database: one engine per URL, transactions, migrations, and the one place where
 SQLAlchemy's exceptions become Tensora's.
 
-SQLite (the default, a file in the data dir) runs in WAL mode; write transactions take
+SQLite (the default, a file in the data dir, mode 0600 like its -wal and -shm) runs in WAL mode; write transactions take
 the write lock at ``BEGIN IMMEDIATE`` so that two writers queue on ``busy_timeout``
 instead of failing when one upgrades a read lock. PostgreSQL is used by URL
 (``postgresql://...``, driven by psycopg 3).
@@ -54,7 +54,7 @@ class Database:
         kwargs: dict[str, Any] = {"pool_timeout": connect_timeout_s, "pool_recycle": 3600}
         if self.is_sqlite:
             if parsed.database and parsed.database != ":memory:":
-                Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+                private_file(Path(parsed.database))
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": busy_timeout_ms / 1000}
             kwargs.update(pool_size=pool_size, max_overflow=pool_size)
         else:
@@ -140,6 +140,31 @@ class Database:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def private_dir(path: Path) -> Path:
+    """A dir only Tensora's user may enter (DATA_DIR: the database, the admin key, the spool): made 0700, and
+    an older one with group or other bits taken back to 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def private_file(db: Path) -> None:
+    """The SQLite file made 0600 before SQLite opens it (its dir 0700 if made here), and an older one with
+    its -wal and -shm taken back to 0600. SQLite creates -wal and -shm with the mode of the database file,
+    so no copy of the data is ever readable by anyone else, not even for an instant."""
+    if not db.parent.exists():
+        private_dir(db.parent)
+    fd = os.open(db, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for side in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(f"{db}{side}", 0o600)
 
 
 def _json_dumps(value: Any) -> str:

@@ -331,6 +331,59 @@ def set_owner(conn: Connection, owner: str, trusted: bool, at: float) -> dict[st
     return values
 
 
+def owner_for_update(conn: Connection, owner: str, at: float) -> dict[str, Any]:
+    """The owner's row, made if missing (untrusted, no overrides) and locked until the transaction ends
+    (PostgreSQL: FOR UPDATE; SQLite's write transactions take turns already), so that two PUTs of
+    different fields at once both land: each reads the other's result, never a stale copy."""
+    upsert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    conn.execute(upsert(O).values(owner=owner, trusted=False, updated_at=at).on_conflict_do_nothing())
+    return dict(conn.execute(select(O).where(O.c.owner == owner).with_for_update()).mappings().one())
+
+
+def write_owner(conn: Connection, owner: str, values: dict[str, Any]) -> None:
+    conn.execute(update(O).where(O.c.owner == owner).values(**values))
+
+
+def lock_owner_quota(conn: Connection, owner: str) -> None:
+    """Until the transaction ends, this owner's creates of keys and workloads wait for this one, so that
+    the count against a quota and the insert it allows are one step (two creates at once cannot both take
+    the last slot). PostgreSQL: a transaction-scoped advisory lock; SQLite: its writes already take turns."""
+    if conn.dialect.name == "postgresql":
+        key = int.from_bytes(hashlib.sha256(b"tensora-quota:" + owner.encode()).digest()[:8], "big", signed=True)
+        conn.execute(select(func.pg_advisory_xact_lock(key)))
+
+
+_COUNT_KEYS = select(func.count()).select_from(K).where(K.c.owner == bindparam("b_owner"), K.c.revoked_at.is_(None))
+_COUNT_W = select(func.count()).select_from(W).where(W.c.owner == bindparam("b_owner"), W.c.deleted_at.is_(None))
+
+
+def count_keys(conn: Connection, owner: str) -> int:
+    """The owner's live (not revoked) keys."""
+    return int(conn.execute(_COUNT_KEYS, {"b_owner": owner}).scalar_one())
+
+
+def count_workloads(conn: Connection, owner: str) -> int:
+    """The owner's workloads not deleted, in any state."""
+    return int(conn.execute(_COUNT_W, {"b_owner": owner}).scalar_one())
+
+
+def holdings(conn: Connection, owners: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Per owner: live keys, workloads not deleted, bytes of files (three grouped counts for any number)."""
+    out = {o: {"keys": 0, "workloads": 0, "storage_bytes": 0} for o in owners}
+    if not owners:
+        return out
+    names = list(owners)
+    for what, q in (
+            ("keys", select(K.c.owner, func.count()).where(K.c.owner.in_(names), K.c.revoked_at.is_(None))
+             .group_by(K.c.owner)),
+            ("workloads", select(W.c.owner, func.count()).where(W.c.owner.in_(names), W.c.deleted_at.is_(None))
+             .group_by(W.c.owner)),
+            ("storage_bytes", select(F.c.owner, func.sum(F.c.size)).where(F.c.owner.in_(names)).group_by(F.c.owner))):
+        for owner, n in conn.execute(q):
+            out[owner][what] = int(n or 0)
+    return out
+
+
 # -- gateway: routes and token usage ------------------------------------------------
 
 def gateway_keys(conn: Connection) -> list[dict[str, Any]]:

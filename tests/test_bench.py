@@ -48,3 +48,11 @@ def test_gateway_benchmark_quick_run(tmp_path: Path) -> None:
         assert r["c1"]["errors"] == 0 and r["c32"]["errors"] == 0 and r["c32"]["requests"] > 0, name
         assert 0 < r["stream20"]["first_p50_ms"] <= r["stream20"]["total_p50_ms"], name
     assert results["tensora"]["added_over_direct"]["p50_ms"] > 0
+
+
+@pytest.mark.slow
+def test_controller_benchmark_quick_run() -> None:
+    out = subprocess.run([sys.executable, str(BENCH / "controller.py"), "--quick"], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "spec bytes read by the snapshot: 0" in out.stdout, out.stdout

@@ -552,3 +552,15 @@ def test_owners_running_quotas_come_from_the_store_and_starting_replicas_count(d
     c.run_once()
     c.run_once()
     assert get(db, second)["state"] == "starting"
+
+
+def test_a_bad_quotas_row_costs_its_owner_the_override_not_every_owner_the_cycle(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, _ = make(db, clock)
+    _quotas(db, "mallory", {"running_gpus": "lots", "running_cpu": [1]})
+    _quotas(db, "alice", {"running_gpus": 0})
+    theirs = submit(db, clock, owner="mallory", kind="notebook", name="m", gpu_class="l40s-48gb")
+    mine = submit(db, clock, owner="alice", kind="notebook", name="a", gpu_class="a100-80gb")
+    assert c.run_once().leader
+    assert get(db, theirs)["state"] == "starting"  # the defaults (2 GPUs) apply to mallory
+    assert get(db, mine)["reason"] == "waiting for a100-80gb (owner quota: no GPUs allowed); no fallback accepted"

@@ -46,7 +46,7 @@ from tensora.catalog import Catalog
 from tensora.clock import Clock, SystemClock
 from tensora.drivers.base import Driver, ReplicaSpec, ReplicaState, ReplicaStatus
 from tensora.errors import Conflict, StoreUnavailable
-from tensora.quotas import OwnerSettings, effective
+from tensora.quotas import OwnerSettings, Quotas
 from tensora.store import repo
 from tensora.store.db import Database
 
@@ -403,7 +403,12 @@ class Controller:
         what its replicas hold now in every region: per replica slot, the most of its primary and of a move's
         candidate (a move back replaces a replica; while both run, the larger counts)."""
         defaults = self.owner_defaults
-        by_owner = {o: effective(defaults, q, None).quotas for o, q in repo.owner_quotas(conn).items()}
+        by_owner: dict[str, Quotas] = {}
+        for owner, stored in repo.owner_quotas(conn).items():
+            try:  # effective(), validated: a bad row must cost its owner the override, not every owner the cycle
+                by_owner[owner] = Quotas.model_validate({**defaults.quotas.model_dump(), **dict(stored)})
+            except (TypeError, ValueError) as exc:
+                log.warning("owner %r: its stored quotas are not valid, the defaults apply: %s", owner, exc)
         slots: dict[tuple[str, str, int], tuple[float, float]] = {}
         for r in repo.held_replicas(conn):
             cls = self.catalog.get(r["cls"])

@@ -546,12 +546,13 @@ def test_owners_running_quotas_come_from_the_store_and_starting_replicas_count(d
     assert [get(db, b)["state"] for b in bobs] == ["starting", "starting", "queued"]
     assert get(db, bobs[2])["reason"].startswith("waiting for l40s-48gb (owner quota: 2 of 2 GPUs in use)")
     c.stop(release=False)
-    with db.write() as conn:  # alice stops her first: her quota frees
+    with db.write() as conn:  # alice stops her first: her quota frees once its replica is gone, not before
         workloads.stop(conn, get(db, first), clock.now())
     clock.advance(2)
     c.run_once()
+    assert (replicas(db, first)[0]["state"], get(db, second)["state"]) == ("stopping", "queued")
     c.run_once()
-    assert get(db, second)["state"] == "starting"
+    assert (replicas(db, first), get(db, second)["state"]) == ([], "starting")
 
 
 def test_a_bad_quotas_row_costs_its_owner_the_override_not_every_owner_the_cycle(db: Database) -> None:

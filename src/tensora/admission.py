@@ -147,8 +147,8 @@ class Policy:
 @dataclass(frozen=True, slots=True)
 class OwnerQuotas:
     """Each owner's running quotas: ``by_owner``, else ``default`` (None: no quota for it). ``held``: what
-    each owner's replicas hold now, as (GPUs, vCPUs of CPU classes), counting starting replicas and a move's
-    candidate too; None: what ``running`` holds (enough for a caller with no starting replicas)."""
+    each owner's replicas hold now, as (GPUs, vCPUs of CPU classes), starting and stopping ones too; None:
+    what ``running`` holds (enough for a caller with no starting or stopping replicas)."""
 
     default: Quotas | None = None
     by_owner: Mapping[str, Quotas] = field(default_factory=dict)

@@ -400,8 +400,9 @@ class Controller:
 
     def _quotas(self, conn: Any) -> OwnerQuotas:
         """Each owner's running quotas (the admins' overrides over the server's defaults, in one read) and
-        what its replicas hold now in every region: per replica slot, the most of its primary and of a move's
-        candidate (a move back replaces a replica; while both run, the larger counts)."""
+        what its replicas hold now in every region, starting and stopping ones too: per replica slot, the
+        largest of its replicas (a move back or a restart replaces one; while both exist, the larger counts,
+        so no sequence of moves or restarts holds more than one replica's worth per slot against the quota)."""
         defaults = self.owner_defaults
         by_owner: dict[str, Quotas] = {}
         for owner, stored in repo.owner_quotas(conn).items():

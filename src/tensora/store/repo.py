@@ -324,10 +324,9 @@ def owner_quotas(conn: Connection) -> dict[str, dict[str, Any]]:
 
 
 def held_replicas(conn: Connection) -> list[dict[str, Any]]:
-    """The replicas that count against their owners' running quotas, in every region: those starting or
-    running as a primary, or as the candidate of a move back (not the stopping, not the draining)."""
+    """Every replica that holds capacity, in every region, with its workload's owner (running quotas)."""
     q = (select(W.c.owner, R.c.workload_id, R.c.slot, R.c.cls).join(W, W.c.id == R.c.workload_id)
-         .where(R.c.state.in_(("pending", "starting", "running")), R.c.role.in_(("primary", "candidate"))))
+         .where(R.c.state.in_(ACTIVE_REPLICA)))
     return [dict(r) for r in conn.execute(q).mappings()]
 
 

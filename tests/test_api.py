@@ -168,7 +168,7 @@ def test_a_created_workload_shows_its_policy_and_where_it_will_run(api: Api) -> 
     alice = api.as_(api.stack.alice)
     model, params = own_model(api, alice)
     ep = created(alice, kind="endpoint", name="chat", gpu_class="l40s-48gb", fallback=["a100-80gb", "cpu"],
-                 fallback_after="10m", model=model, replicas=2, spec={"max_model_len": 4096})
+                 fallback_after="10m", model=model, replicas=2, spec={"ttft_deadline_s": 10})
     assert ep["id"].startswith("wl_")
     assert (ep["state"], ep["kind"], ep["owner"], ep["region"]) == ("queued", "endpoint", "alice", "local")
     assert ep["gpu_class"] == ep["requested_class"] == "l40s-48gb"
@@ -179,7 +179,7 @@ def test_a_created_workload_shows_its_policy_and_where_it_will_run(api: Api) -> 
     assert ep["created_at"] == iso(T0)
     assert ep["replicas"] == [] and ep.get("access") is None
     assert ep["model_params"] == params  # read from the safetensors header by the server
-    assert (ep["model"], ep["spec"]) == ("tiny.safetensors", {"max_model_len": 4096})  # the name, not a host path
+    assert (ep["model"], ep["spec"]) == ("tiny.safetensors", {"ttft_deadline_s": 10})  # the name, not a host path
     assert "10-50x slower" in ep["warning"]
 
     # what GET returns agrees with what POST returned

@@ -59,3 +59,11 @@ def test_routes_benchmark_quick_run(tmp_path: Path) -> None:
     r = json.loads(figures.read_text())["results"]["sqlite"]
     assert min(r["document_bytes"], r["unchanged_poll_ms"], r["full_build_ms"], r["ratio"]) > 0
     assert "full/unchanged" in out.stdout
+
+
+@pytest.mark.slow
+def test_controller_benchmark_quick_run() -> None:
+    out = subprocess.run([sys.executable, str(BENCH / "controller.py"), "--quick"], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "spec bytes read by the snapshot: 0" in out.stdout, out.stdout

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from stack import T0, fleet
+from stack import GI, T0, fleet
 from tensora import workloads
+from tensora.capacity import Node
 from tensora.catalog import default_catalog
 from tensora.clock import FakeClock, SystemClock
 from tensora.controller import Controller
@@ -474,3 +475,93 @@ def test_a_new_workload_is_placed_at_once_not_at_the_next_tick(db: Database) -> 
         c.stop()
     with db.read() as conn:
         assert repo.lease_holder(conn, "controller/local", clock.now()) is None  # released on a clean stop
+
+
+# -- a cycle reads no queue's specs; owners' running quotas -------------------------------
+
+def _endpoint(db: Database, clock: FakeClock, name: str, owner: str, model_path: str) -> str:
+    """An endpoint whose row's spec holds ``model_path`` (what the API resolves an owner's model to)."""
+    spec = parse_spec({"kind": "endpoint", "name": name, "gpu_class": "l40s-48gb", "model_params": "1B",
+                       "spec": {"ttft_deadline_s": 5}})
+    with db.write() as conn:
+        return str(workloads.create(conn, workloads.Checked(spec, owner, model_path), clock.now())["id"])
+
+
+def test_a_cycle_reads_the_spec_only_of_what_it_starts(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(T0)
+    c, sim = make(db, clock)
+    ids = [_endpoint(db, clock, f"e{i}", f"owner{i}", f"/models/m{i}") for i in range(3)]  # one L40S for three
+    read: list[set[str]] = []
+    real = repo.workload_specs
+
+    def spy(conn: Any, wids: Any) -> dict[str, dict[str, Any]]:
+        read.append(set(wids))
+        return real(conn, wids)
+
+    monkeypatch.setattr(repo, "workload_specs", spy)
+    c.run_once()
+    c.run_once()
+    assert read == [{ids[0]}, set()]  # the placed one, once; never the two still queued
+    with db.read() as conn:
+        rows = c._snapshot(conn, fleet())[3]
+    assert set(rows) == set(ids) and not any("spec" in w for w in rows.values())
+    assert [(s.workload_id, s.model) for s in sim.specs()] == [(ids[0], "/models/m0")]
+
+
+def test_a_start_redone_after_a_crash_reads_its_spec(db: Database) -> None:
+    clock = FakeClock(T0)
+    sim = SimulatedDriver(fleet(), clock)
+    a, _ = make(db, clock, CrashingDriver(sim), holder="a")
+    wid = _endpoint(db, clock, "e", "alice", "/models/m")
+    with pytest.raises(Crash):
+        a.run_once()
+    assert sim.specs() == []
+    clock.advance(16)
+    b, _ = make(db, clock, sim, holder="b")
+    b.run_once()  # reconcile: recorded starting, unknown to the driver -> started now, with its spec
+    assert [(s.workload_id, s.model) for s in sim.specs()] == [(wid, "/models/m")]
+
+
+def _quotas(db: Database, owner: str, quotas: dict[str, Any]) -> None:
+    with db.write() as conn:  # what PUT /v1/owners/{owner} stores: a partial dict over the defaults
+        conn.execute(repo.O.insert().values(owner=owner, trusted=False, updated_at=T0, quotas=quotas))
+
+
+def test_owners_running_quotas_come_from_the_store_and_starting_replicas_count(db: Database) -> None:
+    clock = FakeClock(T0)
+    nodes = [Node("g1", "local", 64, 512 * GI, {"L40S": 4})]
+    c, _ = make(db, clock, SimulatedDriver(nodes, clock, start_delay_s=60))
+    _quotas(db, "alice", {"running_gpus": 1})
+    first = submit(db, clock, kind="notebook", name="a1", gpu_class="l40s-48gb")
+    c.run_once()
+    assert get(db, first)["state"] == "starting"
+    second = submit(db, clock, owner="alice", kind="notebook", name="a2", gpu_class="l40s-48gb")
+    bobs = [submit(db, clock, owner="bob", kind="notebook", name=f"b{i}", gpu_class="l40s-48gb") for i in range(3)]
+    clock.advance(2)
+    c.run_once()  # alice's first is still starting: it holds her one GPU all the same
+    w = get(db, second)
+    assert w["state"] == "queued"
+    assert w["reason"] == "waiting for l40s-48gb (owner quota: 1 of 1 GPU in use); no fallback accepted"
+    # bob has the server's default (2 GPUs): two of his start, the third waits; alice never held him up
+    assert [get(db, b)["state"] for b in bobs] == ["starting", "starting", "queued"]
+    assert get(db, bobs[2])["reason"].startswith("waiting for l40s-48gb (owner quota: 2 of 2 GPUs in use)")
+    c.stop(release=False)
+    with db.write() as conn:  # alice stops her first: her quota frees once its replica is gone, not before
+        workloads.stop(conn, get(db, first), clock.now())
+    clock.advance(2)
+    c.run_once()
+    assert (replicas(db, first)[0]["state"], get(db, second)["state"]) == ("stopping", "queued")
+    c.run_once()
+    assert (replicas(db, first), get(db, second)["state"]) == ([], "starting")
+
+
+def test_a_bad_quotas_row_costs_its_owner_the_override_not_every_owner_the_cycle(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, _ = make(db, clock)
+    _quotas(db, "mallory", {"running_gpus": "lots", "running_cpu": [1]})
+    _quotas(db, "alice", {"running_gpus": 0})
+    theirs = submit(db, clock, owner="mallory", kind="notebook", name="m", gpu_class="l40s-48gb")
+    mine = submit(db, clock, owner="alice", kind="notebook", name="a", gpu_class="a100-80gb")
+    assert c.run_once().leader
+    assert get(db, theirs)["state"] == "starting"  # the defaults (2 GPUs) apply to mallory
+    assert get(db, mine)["reason"] == "waiting for a100-80gb (owner quota: no GPUs allowed); no fallback accepted"

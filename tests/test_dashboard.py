@@ -40,7 +40,9 @@ WAIT_MS = 20_000
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
     tmp = tmp_path_factory.mktemp("dash")
     write_tiny_model(tmp / "tiny")
-    with served(tmp, tmp / "data") as proc:
+    # the story runs one owner's three workloads, two of them on CPU classes of up to 32 vCPUs each
+    (tmp / "config.yaml").write_text("quotas: {running_cpu: 128}\n")
+    with served(tmp, tmp / "data", "--config", str(tmp / "config.yaml")) as proc:
         yield proc.url, (tmp / "data" / "admin-key").read_text().strip(), tmp
 
 

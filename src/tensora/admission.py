@@ -20,6 +20,13 @@ The passes, in order (each is why the next cannot starve it):
    waiting requester wants. Notebooks and VMs never move; they get
    ``RestartAvailable`` instead, which takes no capacity.
 
+Running quotas (``OwnerQuotas``, input like the rest): a workload that would take its owner past
+``running_gpus`` (GPUs of GPU classes) or ``running_cpu`` (vCPUs of CPU classes: a GPU class's host vCPUs
+come with its GPUs, which ``running_gpus`` already bounds) is not placed on that class, and waits with
+``owner quota: 2 of 2 GPUs in use`` if no other class of its list fits. It neither holds a node (pass 1) nor
+holds its class against fallbacks, so it never keeps another owner waiting. A GPU class over quota may still
+fall back to a CPU class within ``running_cpu``. A move back replaces a replica: only what it adds counts.
+
 Priority order: with ``owner_fairness`` (the default, because a free cloud has no
 price to ration it), owners take turns: a workload's rank is how many workloads its
 owner already runs plus how many of its owner's are queued before it; then oldest
@@ -29,12 +36,13 @@ first (``queued_since``), then id. Without it, plain FIFO by ``queued_since``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from tensora.capacity import Capacity
-from tensora.catalog import CPU_WORD, ComputeClass
+from tensora.catalog import CPU_WORD, Catalog, ComputeClass
+from tensora.quotas import Quotas
 from tensora.units import format_clock, format_duration, format_memory, format_params
 
 GIB = 2**30
@@ -92,6 +100,7 @@ class Outcome(StrEnum):
     HELD_FOR_REQUESTERS = "held for its requesters"
     UNKNOWN_CLASS = "unknown class"
     NO_NODE = "no node is big enough"
+    OWNER_QUOTA = "owner quota"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +142,72 @@ class Policy:
         if not model_bytes:
             return 0
         return int(model_bytes * self.cpu_memory_factor) + self.cpu_memory_overhead
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerQuotas:
+    """Each owner's running quotas: ``by_owner``, else ``default`` (None: no quota for it). ``held``: what
+    each owner's replicas hold now, as (GPUs, vCPUs of CPU classes), starting and stopping ones too; None:
+    what ``running`` holds (enough for a caller with no starting or stopping replicas)."""
+
+    default: Quotas | None = None
+    by_owner: Mapping[str, Quotas] = field(default_factory=dict)
+    held: Mapping[str, tuple[float, float]] | None = None
+
+
+def share(cls: ComputeClass) -> tuple[float, float]:
+    """What one replica of ``cls`` counts against its owner's quotas: (GPUs, vCPUs of a CPU class)."""
+    return (0.0, cls.cpu) if cls.is_cpu else (float(cls.gpu_count), 0.0)
+
+
+class _Ledger:
+    """What each owner holds as this cycle's decisions are made, checked against its quotas."""
+
+    def __init__(self, quotas: OwnerQuotas | None, running: Sequence[Running], catalog: Catalog) -> None:
+        self.quotas = quotas
+        self.use: dict[str, list[float]] = {}
+        if quotas is None:
+            return
+        if quotas.held is not None:
+            self.use = {o: list(h) for o, h in quotas.held.items()}
+            return
+        for r in running:
+            cls = catalog.get(r.placed_class)
+            if cls is not None:
+                self.add(r.owner, cls)
+
+    def over(self, owner: str, cls: ComputeClass, entry: str | None = None,
+             replaces: ComputeClass | None = None) -> Attempt | None:
+        """Why ``cls`` would take ``owner`` past a quota (None: it would not)."""
+        if self.quotas is None:
+            return None
+        quota = self.quotas.by_owner.get(owner, self.quotas.default)
+        if quota is None:
+            return None
+        use = self.use.get(owner, [0.0, 0.0])
+        old = share(replaces) if replaces is not None else (0.0, 0.0)
+        for i, (need, limit, unit) in enumerate(zip(share(cls), (quota.running_gpus, quota.running_cpu),
+                                                    ("GPU", "vCPU"), strict=True)):
+            if need > old[i] and use[i] - old[i] + need > limit:
+                return Attempt(cls.name, Outcome.OWNER_QUOTA, use[i], need, unit, entry,
+                               _quota_text(use[i], limit, need, unit))
+        return None
+
+    def add(self, owner: str, cls: ComputeClass, replaces: ComputeClass | None = None) -> None:
+        if self.quotas is None:
+            return
+        use = self.use.setdefault(owner, [0.0, 0.0])
+        old = share(replaces) if replaces is not None else (0.0, 0.0)
+        for i, need in enumerate(share(cls)):
+            use[i] += need - old[i]
+
+
+def _quota_text(used: float, limit: float, need: float, unit: str) -> str:
+    """``owner quota: 2 of 2 GPUs in use``; ``owner quota: 30 of 32 vCPUs in use, 4 needed`` when some is left."""
+    if limit == 0:
+        return f"owner quota: no {unit}s allowed"
+    text = f"owner quota: {used:g} of {limit:g} {unit}{'' if limit == 1 else 's'} in use"
+    return text + (f", {need:g} needed" if used < limit else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,12 +289,14 @@ def decide(
     running: Iterable[Running] = (),
     now: float = 0.0,
     policy: Policy | None = None,
+    quotas: OwnerQuotas | None = None,
 ) -> list[Decision]:
     """Decide placements for one cycle; ``capacity`` is left unchanged (a copy is used)."""
     policy = policy or Policy()
     cap = capacity.copy()
     running = list(running)
     ordered = _priority_order(queue, running, policy)
+    ledger = _Ledger(quotas, running, cap.catalog)
     waiting_for: dict[tuple[str, str], int] = {}
 
     # 1. requested class first, for everyone
@@ -232,9 +309,15 @@ def decide(
             state.attempts.append(Attempt(w.gpu_class, Outcome.UNKNOWN_CLASS))
             pending.append(state)
             continue
+        over = ledger.over(w.owner, cls)
+        if over is not None:  # holds no node and no class: its owner's quota, not capacity, keeps it waiting
+            state.attempts.append(over)
+            pending.append(state)
+            continue
         node = cap.find(w.region, cls)
         if node is not None:
             cap.take(node, cls)
+            ledger.add(w.owner, cls)
             free = cap.free(w.region, cls)
             attempt = Attempt(cls.name, Outcome.FIT, free.free + free.need, free.need, free.unit)
             placed[w.id] = Place(w, cls.name, cap.nodes[node].name, (attempt,), now)
@@ -260,7 +343,7 @@ def decide(
                 state.attempts.append(Attempt(entry, Outcome.NOT_ELIGIBLE_YET, entry=entry))
             waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
             continue
-        result = _try_list(cap, w, w.fallback, state.attempts, waiting_for, policy, take=True,
+        result = _try_list(cap, w, w.fallback, state.attempts, waiting_for, policy, ledger, take=True,
                            skip={w.gpu_class})
         if result is None:
             waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
@@ -285,8 +368,8 @@ def decide(
             r.id, r.kind, r.gpu_class, r.owner, r.region, r.fallback, 0.0, 0.0, r.model_params, r.model_bytes
         )
         is_endpoint = r.kind == WorkloadKind.ENDPOINT
-        result = _try_list(cap, as_queued, targets, attempts, waiting_for, policy, take=is_endpoint,
-                           skip={r.placed_class})
+        result = _try_list(cap, as_queued, targets, attempts, waiting_for, policy, ledger, take=is_endpoint,
+                           skip={r.placed_class}, replaces=cap.catalog.get(r.placed_class))
         if result is None:
             continue
         cls, node = result
@@ -352,9 +435,11 @@ def _try_list(
     attempts: list[Attempt],
     waiting_for: dict[tuple[str, str], int],
     policy: Policy,
+    ledger: _Ledger,
     *,
     take: bool,
     skip: frozenset[str] | set[str] = frozenset(),
+    replaces: ComputeClass | None = None,
 ) -> tuple[ComputeClass, int] | None:
     """Try ``entries`` in order; record an attempt for each class tried; take the first fit."""
     for entry in entries:
@@ -375,7 +460,7 @@ def _try_list(
         for cls in expanded:
             if cls.name in skip:
                 continue
-            outcome = _eligible(cls, w, entry, waiting_for, policy)
+            outcome = _eligible(cls, w, entry, waiting_for, policy) or ledger.over(w.owner, cls, entry, replaces)
             if outcome is not None:
                 attempts.append(outcome)
                 continue
@@ -390,6 +475,7 @@ def _try_list(
             attempts.append(Attempt(cls.name, Outcome.FIT, free.free, free.need, free.unit, entry))
             if take:
                 cap.take(node, cls)
+                ledger.add(w.owner, cls, replaces)
             return cls, node
     return None
 
@@ -427,6 +513,8 @@ def _free_text(a: Attempt) -> str:
 
 
 def _failure(a: Attempt) -> str:
+    if a.outcome is Outcome.OWNER_QUOTA:
+        return f"{a.cls} ({a.detail})"
     if a.outcome is Outcome.NO_NODE:
         return f"{a.cls} (no node here is big enough for it)"
     if a.outcome is Outcome.NO_CAPACITY:
@@ -442,7 +530,9 @@ def render_place(p: Place) -> str:
     if not p.fallback:
         return f"placed on {p.cls}"
     tried = _failures(p.attempts[1:])
-    text = f"placed on {p.cls}: {p.workload.gpu_class} {render_unavailable(p)}"
+    head = p.attempts[0]
+    why = f"({head.detail})" if head.outcome is Outcome.OWNER_QUOTA else render_unavailable(p)
+    text = f"placed on {p.cls}: {p.workload.gpu_class} {why}"
     if tried:
         text += "; also tried " + ", ".join(tried)
     return text
@@ -466,6 +556,8 @@ def render_wait(wt: Wait) -> str:
     head, rest = wt.attempts[0], wt.attempts[1:]
     if head.outcome is Outcome.UNKNOWN_CLASS:
         text = f"waiting: {head.cls} is not in the catalog"
+    elif head.outcome is Outcome.OWNER_QUOTA:
+        text = f"waiting for {head.cls} ({head.detail})"
     elif head.outcome is Outcome.NO_NODE:
         text = f"waiting for {head.cls}: no node here is big enough for it (a bigger node must join)"
     else:
@@ -483,15 +575,18 @@ def render_wait(wt: Wait) -> str:
 
 def _failures(attempts: Sequence[Attempt]) -> list[str]:
     """One phrase per failed attempt. The CPU classes tried for the word ``cpu`` that had no room
-    are one phrase, naming the smallest of them (the nearest miss) and counting the others."""
+    (or were over the owner's quota) are one phrase, naming the smallest of them (the nearest miss)
+    and counting the others."""
     out: list[str] = []
-    cpu_full = [a for a in attempts if a.entry == CPU_WORD and a.outcome is Outcome.NO_CAPACITY]
+    groups = {o: [a for a in attempts if a.entry == CPU_WORD and a.outcome is o]
+              for o in (Outcome.NO_CAPACITY, Outcome.OWNER_QUOTA)}
     for a in attempts:
         if a.outcome is Outcome.FIT:
             continue
-        if a in cpu_full:
-            if a is cpu_full[0]:
-                out.append(_cpu_full(cpu_full))
+        group = groups.get(a.outcome, [])
+        if a in group:
+            if a is group[0]:
+                out.append(_cpu_full(group))
             continue
         out.append(_failure(a))
     return out

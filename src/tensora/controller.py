@@ -28,13 +28,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensora.admission import Place, Policy, Promote, Queued, RestartAvailable, Running, Wait, WorkloadKind, decide
+from tensora.admission import (
+    OwnerQuotas,
+    Place,
+    Policy,
+    Promote,
+    Queued,
+    RestartAvailable,
+    Running,
+    Wait,
+    WorkloadKind,
+    decide,
+    share,
+)
 from tensora.capacity import Capacity, GpuReserve, Node, Placed
 from tensora.catalog import Catalog
 from tensora.clock import Clock, SystemClock
 from tensora.drivers.base import Driver, ReplicaSpec, ReplicaState, ReplicaStatus
 from tensora.errors import Conflict, StoreUnavailable
-from tensora.quotas import OwnerSettings
+from tensora.quotas import OwnerSettings, Quotas
 from tensora.store import repo
 from tensora.store.db import Database
 
@@ -171,8 +183,9 @@ class Controller:
         #    so capacity can only have grown since)
         with self.db.read() as conn:
             capacity, queue, running, rows = self._snapshot(conn, nodes)
+            quotas = self._quotas(conn)
         # 5. decide: the pure admission decision
-        decisions = decide(queue, capacity, running, now, self.policy)
+        decisions = decide(queue, capacity, running, now, self.policy, quotas)
         # 6. apply: record intents (fenced, one transaction, each conditional on the state the
         #    snapshot saw: a workload stopped meanwhile is left alone), then tell the driver
         effects = _Effects()
@@ -230,7 +243,8 @@ class Controller:
         # the workloads that hold replicas (failed or deleted ones too: their replicas still drain),
         # and those asked to stop; queued workloads have nothing to reconcile and are not read here
         held = {r["workload_id"] for r in replicas}
-        workloads = {w["id"]: w for w in repo.workloads_by_id_or_state(conn, held, self.region, ("stopping",))}
+        workloads = {w["id"]: w for w in repo.workloads_by_id_or_state(conn, held, self.region, ("stopping",),
+                                                                        without=_NOT_READ)}
         transitions = 0
         by_workload: dict[str, list[dict[str, Any]]] = {}
         for r in replicas:
@@ -356,7 +370,7 @@ class Controller:
         placed = [Placed(r["node"], r["cls"], r["workload_id"]) for r in replicas]
         capacity = Capacity([n for n in nodes if n.region == self.region], placed, self.catalog, self.reserves)
         rows = {w["id"]: w for w in repo.workloads_in(conn, self.region, ("queued", "starting", "running"),
-                                                      without=("name", "restart_reason"))}
+                                                      without=_NOT_READ)}
         by_slot: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for r in replicas:
             by_slot.setdefault((r["workload_id"], r["slot"]), []).append(r)
@@ -384,6 +398,32 @@ class Controller:
                                            w["model_params"], w["model_bytes"], moving))
         return capacity, queue, running, rows
 
+    def _quotas(self, conn: Any) -> OwnerQuotas:
+        """Each owner's running quotas (the admins' overrides over the server's defaults, in one read) and
+        what its replicas hold now in every region, starting and stopping ones too: per replica slot, the
+        largest of its replicas (a move back or a restart replaces one; while both exist, the larger counts,
+        so no sequence of moves or restarts holds more than one replica's worth per slot against the quota)."""
+        defaults = self.owner_defaults
+        by_owner: dict[str, Quotas] = {}
+        for owner, stored in repo.owner_quotas(conn).items():
+            try:  # effective(), validated: a bad row must cost its owner the override, not every owner the cycle
+                by_owner[owner] = Quotas.model_validate({**defaults.quotas.model_dump(), **dict(stored)})
+            except (TypeError, ValueError) as exc:
+                log.warning("owner %r: its stored quotas are not valid, the defaults apply: %s", owner, exc)
+        slots: dict[tuple[str, str, int], tuple[float, float]] = {}
+        for r in repo.held_replicas(conn):
+            cls = self.catalog.get(r["cls"])
+            if cls is None:
+                continue
+            key = (r["owner"], r["workload_id"], r["slot"])
+            was, now = slots.get(key, (0.0, 0.0)), share(cls)
+            slots[key] = (max(was[0], now[0]), max(was[1], now[1]))
+        held: dict[str, tuple[float, float]] = {}
+        for (owner, _, _), (gpus, cpu) in slots.items():
+            total = held.get(owner, (0.0, 0.0))
+            held[owner] = (total[0] + gpus, total[1] + cpu)
+        return OwnerQuotas(defaults.quotas, by_owner, held)
+
     # -- 6. apply -----------------------------------------------------------------------
 
     def _apply(self, conn: Any, decisions: Sequence[Any], rows: dict[str, dict[str, Any]], now: float,
@@ -391,6 +431,9 @@ class Controller:
         restart: dict[str, RestartAvailable] = {}
         events: list[dict[str, Any]] = []
         waits: list[dict[str, Any]] = []
+        starting = {_split(d.workload.id)[0] for d in decisions if isinstance(d, Place | Promote)}
+        for wid, spec in repo.workload_specs(conn, starting).items():  # only what starts: never a queue's specs
+            rows[wid]["spec"] = spec
         for d in decisions:
             if isinstance(d, Place):
                 wid, slot = _split(d.workload.id)
@@ -454,7 +497,9 @@ class Controller:
             self._trusted = repo.trusted_owners(conn)
         # the host paths the API resolved the owner's names to (workloads.validate), never a client's value:
         # a row without them (made before names) starts with no model or image
-        spec = w.get("spec") or {}
+        if "spec" not in w:  # a start the reconcile redoes (rare): its spec alone
+            w["spec"] = repo.workload_specs(conn, [w["id"]]).get(w["id"], {})
+        spec = w["spec"] or {}
         first, last = self.sandbox_uids  # the owner's sandbox uid, allocated on its first replica
         uid = repo.owner_uid(conn, w["owner"], self.clock.now(), first=first, last=last)
         return ReplicaSpec(r["id"], w["id"], WorkloadKind(w["kind"]), r["cls"], r["node"], spec.get("model_path"),
@@ -485,6 +530,10 @@ class Controller:
             else:
                 report.released.append(workload_id)
                 self._released.append(workload_id)
+
+
+_NOT_READ = ("name", "restart_reason", "model", "spec")
+"""Columns a cycle's bulk reads leave out: ``spec`` (up to 16 KiB each) is read only for workloads that start."""
 
 
 def _split(slot_id: str) -> tuple[str, int]:

@@ -168,10 +168,11 @@ def set_wait_reasons(conn: Connection, rows: list[dict[str, Any]]) -> None:
                                  for r in rows])
 
 
-def workloads_by_id_or_state(conn: Connection, ids: Iterable[str], region: str,
-                             states: Iterable[str]) -> list[dict[str, Any]]:
-    """Workloads named in ``ids`` (deleted ones too), and the region's workloads in ``states``."""
-    q = select(W).where(or_(W.c.id.in_(bindparam("ids", expanding=True)),
+def workloads_by_id_or_state(conn: Connection, ids: Iterable[str], region: str, states: Iterable[str],
+                             without: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Workloads named in ``ids`` (deleted ones too), and the region's workloads in ``states``;
+    ``without`` names columns not to read."""
+    q = select(*(c for c in W.c if c.name not in without)).where(or_(W.c.id.in_(bindparam("ids", expanding=True)),
                             and_(W.c.region == region, W.c.state.in_(bindparam("states", expanding=True)))))
     return [dict(r) for r in conn.execute(q, {"ids": list(ids), "states": list(states)}).mappings()]
 
@@ -314,6 +315,25 @@ def get_owner(conn: Connection, owner: str) -> dict[str, Any] | None:
 def trusted_owners(conn: Connection) -> set[str]:
     """The owners an admin marked trusted; everyone else is untrusted."""
     return set(conn.execute(select(O.c.owner).where(O.c.trusted.is_(True))).scalars())
+
+
+def owner_quotas(conn: Connection) -> dict[str, dict[str, Any]]:
+    """Every owner's quota overrides an admin set (partial dicts, ``tensora.quotas.effective``), in one read."""
+    q = select(O.c.owner, O.c.quotas).where(O.c.quotas.is_not(None))
+    return {owner: quotas for owner, quotas in conn.execute(q) if quotas}
+
+
+def held_replicas(conn: Connection) -> list[dict[str, Any]]:
+    """Every replica that holds capacity, in every region, with its workload's owner (running quotas)."""
+    q = (select(W.c.owner, R.c.workload_id, R.c.slot, R.c.cls).join(W, W.c.id == R.c.workload_id)
+         .where(R.c.state.in_(ACTIVE_REPLICA)))
+    return [dict(r) for r in conn.execute(q).mappings()]
+
+
+def workload_specs(conn: Connection, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The ``spec`` of each workload in ``ids``: read only for those being started, never for a whole queue."""
+    q = select(W.c.id, W.c.spec).where(W.c.id.in_(bindparam("ids", expanding=True)))
+    return {wid: spec or {} for wid, spec in conn.execute(q, {"ids": list(ids)})}
 
 
 def list_owners(conn: Connection) -> list[dict[str, Any]]:

@@ -24,7 +24,8 @@ class Quotas(BaseModel):
     keys: int = Field(default=20, ge=0, le=10_000, description="live API keys")
     workloads: int = Field(default=50, ge=0, le=100_000, description="workloads not deleted, in any state")
     running_gpus: int = Field(default=2, ge=0, le=100_000, description="GPUs held by running replicas")
-    running_cpu: float = Field(default=32, ge=0, le=1_000_000, description="vCPUs held by running replicas")
+    running_cpu: float = Field(default=32, ge=0, le=1_000_000, description="vCPUs of CPU classes held by "
+                             "running replicas (a GPU class's vCPUs come with its GPUs)")
     storage_bytes: int = Field(default=20 * GIB, ge=0, le=2**62, description="bytes of the owner's files")
 
 

@@ -133,9 +133,6 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
     if svc.isolation == "admin-only" and not (p.is_admin and owner == p.owner):
         raise ApiError(403, f"this host cannot sandbox workloads ({svc.isolation_reason}), so it runs the admin "
                             "owner's only; its operator may set isolation: none to run every owner's unsandboxed")
-    ttft = body.spec.get("ttft_deadline_s")
-    if ttft is not None and (not isinstance(ttft, int | float) or isinstance(ttft, bool) or not 0 < ttft <= 600):
-        raise ApiError(422, "ttft_deadline_s must be a number of seconds in (0, 600]", field="spec.ttft_deadline_s")
     checked = workloads.validate(body, svc.catalog, owner, svc.storage)
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:

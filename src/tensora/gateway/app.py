@@ -140,6 +140,11 @@ class RouteSource:
                     if warned:
                         log.warning("control API back: routes %s", self.table.version)
                     warned, quiet_until = False, 0.0
+                except (ValueError, KeyError, TypeError) as exc:  # it answered, with a table this gateway refuses
+                    if not warned:
+                        log.error("control API's route table refused (%s: %s): serving routes %s from memory",
+                                  type(exc).__name__, exc, self.table.version or "(none yet)")
+                        warned = True
                 except Exception as exc:
                     if not warned and loop.time() >= quiet_until:
                         log.warning("control API unreachable (%s): serving routes %s from memory",

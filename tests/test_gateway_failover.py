@@ -6,6 +6,7 @@ passed through, never retried). Fake clock where timing is the rule; one real-ti
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import logging
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from gateway_harness import Backends, FakeClock, chat, make_table, replica, serving, sse_payloads
@@ -22,7 +24,7 @@ from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Backend, Peer, ServedBy
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.probe import Prober, probe_url
-from tensora.gateway.proxy import Gateway, Options
+from tensora.gateway.proxy import Gateway, Options, context_exceeded, retry_after
 from tensora.gateway.routes import RouteTable
 
 pytestmark = pytest.mark.timeout(120)
@@ -91,6 +93,59 @@ def probe_round(p: Prober) -> int:
         async with httpx.AsyncClient() as client:
             return await p.round(client)
     return asyncio.run(go())
+
+
+# -- pure decisions ------------------------------------------------------------------------------
+
+
+def _err(obj: dict[str, Any], top: bool = False) -> bytes:
+    return orjson.dumps(obj if top else {"error": obj})
+
+
+CONTEXT = [
+    ("openai's code", _err(OPENAI_CONTEXT), True),
+    ("vllm's message", _err(VLLM_CONTEXT), True),
+    ("vllm before 0.8: its fields at the top", _err({"object": "error", **VLLM_CONTEXT}, top=True), True),
+    ("vllm v1's message", _err(VLLM_V1_CONTEXT), True),
+    ("max_tokens too large for the context", _err({"message": "'max_tokens' or 'max_completion_tokens' is too "
+                                                  "large: 8000. This model's maximum context length is 4096 tokens "
+                                                  "and your request has 2778 input tokens", "code": 400}), True),
+    ("a content filter", _err({"message": "rejected by our safety system", "code": "content_filter"}), False),
+    ("an invalid request", _err({"message": "temperature must be <= 2", "code": None}), False),
+    ("the words, but in the param, not the message", _err({"message": "bad", "param": "maximum context length"}),
+     False),
+    ("not json", b"maximum context length exceeded, in plain text", False),
+    ("a list", b'["maximum context length"]', False),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "expected"), CONTEXT, ids=[c[0] for c in CONTEXT])
+def test_what_counts_as_a_context_length_error(name: str, body: bytes, expected: bool) -> None:
+    assert context_exceeded(body) is expected, name
+
+
+RETRY = [
+    ("none", {}, None),
+    ("seconds", {b"retry-after": b"2"}, 2.0),
+    ("fractional seconds", {b"retry-after": b" 0.25 "}, 0.25),
+    ("ms first", {b"retry-after-ms": b"1500", b"retry-after": b"9"}, 1.5),
+    ("bad ms: the seconds", {b"retry-after-ms": b"soon", b"retry-after": b"9"}, 9.0),
+    ("negative", {b"retry-after": b"-3"}, None),
+    ("not a number", {b"retry-after": b"inf"}, None),
+    ("garbage", {b"retry-after": b"whenever"}, None),
+    ("a date in the past", {b"retry-after": b"Wed, 21 Oct 2015 07:28:00 GMT"}, 0.0),
+]
+
+
+@pytest.mark.parametrize(("name", "headers", "expected"), RETRY, ids=[c[0] for c in RETRY])
+def test_how_long_a_429_asks_to_wait(name: str, headers: dict[bytes, bytes], expected: float | None) -> None:
+    assert retry_after(headers.get) == expected, name
+
+
+def test_a_retry_after_date_in_the_future() -> None:
+    when = email.utils.formatdate(time.time() + 60, usegmt=True).encode()
+    got = retry_after({b"retry-after": when}.get)
+    assert got is not None and 58 <= got <= 60
 
 
 # -- 1. active probes ------------------------------------------------------------------------------

@@ -463,7 +463,7 @@ class Gateway:
         if status >= 500:
             raise Failed(f"http_{status}")
         if status == 429:  # busy, not broken: move on, without counting against its breaker
-            raise Failed("http_429", breaker=False, retry_s=retry_after(resp))
+            raise Failed("http_429", breaker=False, retry_s=retry_after(resp.header))
         # a client error (400, 422...): the same request fails everywhere; pass it through as is, unless
         # it is too long for this model, and a fallback model may take it
         headers, served_by, region = self._headers(b, resp, attempts, f"http_{status}", limit_headers)
@@ -593,16 +593,16 @@ def context_exceeded(data: bytes) -> bool:
     return isinstance(message, str) and _CONTEXT.search(message.encode()) is not None
 
 
-def retry_after(resp: Response) -> float | None:
+def retry_after(header: Callable[[bytes], bytes | None]) -> float | None:
     """Seconds a backend's 429 asks to wait: ``retry-after-ms`` (OpenAI's, finer), else ``Retry-After`` in
     seconds or as an HTTP date; None when it says nothing usable."""
-    ms = resp.header(b"retry-after-ms")
+    ms = header(b"retry-after-ms")
     if ms is not None:
         with contextlib.suppress(ValueError):
             v = float(ms) / 1000
             if math.isfinite(v) and v >= 0:
                 return v
-    raw = resp.header(b"retry-after")
+    raw = header(b"retry-after")
     if raw is None:
         return None
     text = raw.decode("latin-1").strip()

@@ -45,8 +45,9 @@ class Backends:
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}/v1"
 
-    def mode(self, name: str, mode: str) -> None:
-        r = httpx.post(f"http://127.0.0.1:{self.ports[name]}/_mode", json={"mode": mode}, timeout=5)
+    def mode(self, name: str, mode: str, **knobs: Any) -> None:
+        """``knobs``: ``headers`` (added to an ``http_*`` answer), ``error`` (the error object it carries)."""
+        r = httpx.post(f"http://127.0.0.1:{self.ports[name]}/_mode", json={"mode": mode, **knobs}, timeout=5)
         assert r.status_code == 200
 
     def requests(self, name: str) -> int:
@@ -56,6 +57,10 @@ class Backends:
         """The Authorization header of the last completion request it got (None: there was none)."""
         value: str | None = httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["authorization"]
         return value
+
+    def probes(self, name: str) -> int:
+        """How many GET /v1/models it got."""
+        return int(httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["probes"])
 
     def reset(self) -> None:
         for n in self.ports:

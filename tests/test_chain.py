@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tensora.gateway.chain import Peer, ServedBy, plan
+from tensora.gateway.chain import Peer, ServedBy, longer_context, order, plan, tiers
 from tensora.gateway.routes import RouteTable, table_from_json
 
 
@@ -25,6 +25,8 @@ def table(**main: Any) -> RouteTable:
          "replicas": [rep("f1", cpu=True)]},
         {"id": "wl_bob", "name": "small", "owner": "bob", "region": "eu", "model": "/models/s",
          "replicas": [rep("b1")]},
+        {"id": "wl_big", "name": "big", "owner": "alice", "region": "eu", "model": "/models/b",
+         "replicas": [rep("g1")]},
     ]
     return table_from_json({"version": "1", "region": "eu", "endpoints": endpoints, "keys": []})
 
@@ -95,3 +97,33 @@ def test_names_resolve_to_the_callers_own_endpoint_then_the_pool() -> None:
     assert (shared := t.resolve("carol", "m-shared")) is not None and shared.id == "wl_pool"
     assert t.resolve("carol", "my-llm") is None  # another owner's endpoint is not visible
     assert [e.name for e in t.visible("bob")] == ["small", "m-shared"]
+
+
+def test_rate_limited_backends_are_skipped_apart_from_open_breakers() -> None:
+    t = table()
+    e = t.resolve("alice", "my-llm")
+    assert e is not None
+    opened, limited = {"my-llm/r1": 50.0}, {"my-llm/r1": 5.0, "my-llm/c1": 40.0}
+    p = order(tiers(e, t, PEERS, hopped=False), opened.get, 0, limited.get)
+    assert [b.key for b in p.attempts] == ["my-llm/r2", "m-shared/s1"]
+    assert [b.key for b in p.skipped] == ["my-llm/r1"] and [b.key for b in p.limited] == ["my-llm/c1"]
+    assert p.retry_after == 40.0
+
+
+LONGER = [  # (who said it is too long, what was left, what is left after)
+    ("the primary: its other replicas, cpu, pool and peers are the same model", "my-llm/r1",
+     ["my-llm/r2", "my-llm/c1", "m-shared/s1", "small/f1", "big/g1", "peer:us"], ["small/f1", "big/g1"]),
+    ("a fallback model: the next one, in listed order", "small/f1", ["big/g1", "peer:us"], ["big/g1"]),
+    ("the pool (the same model): the fallback models", "m-shared/s1", ["small/f1", "big/g1"], ["small/f1", "big/g1"]),
+    ("no fallback model left: nothing", "big/g1", ["peer:us"], []),
+]
+
+
+@pytest.mark.parametrize(("name", "failed", "left", "after"), LONGER, ids=[c[0] for c in LONGER])
+def test_after_a_context_length_error_only_the_fallback_models_are_left(name: str, failed: str, left: list[str],
+                                                                        after: list[str]) -> None:
+    t = table(fallback_models=["small", "big"], allow_cross_region=True)
+    e = t.resolve("alice", "my-llm")
+    assert e is not None
+    every = {b.key: b for b in plan(e, t, PEERS, lambda k: None).attempts}
+    assert [b.key for b in longer_context([every[k] for k in left], every[failed])] == after, name

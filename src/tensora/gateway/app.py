@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Peer
 from tensora.gateway.limits import FailMode, Limiter, MemoryLimiter, RedisLimiter
 from tensora.gateway.metering import Meter
+from tensora.gateway.probe import Prober
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable, table_from_json
 
@@ -71,6 +73,11 @@ class GatewaySettings(BaseModel):
     breaker_consecutive: int = Field(default=5, ge=1)
     breaker_base_s: float = Field(default=30.0, gt=0)
     breaker_max_s: float = Field(default=300.0, gt=0)
+    probe_interval_s: float = Field(default=2.0, gt=0, description="how often a backend whose breaker is open "
+                                    "is probed (GET /v1/models), less up to a quarter at random")
+    probe_successes: int = Field(default=2, ge=1, description="good probes in a row that close its breaker")
+    rate_limit_backoff_s: float = Field(default=1.0, gt=0, description="a backend's 429 without Retry-After: "
+                                        "how long it is skipped (times 0.5 to 1.5 at random)")
     usage_flush_s: float = Field(default=1.0, gt=0)
     usage_spool_max_bytes: int = Field(default=256 << 20, ge=1 << 16)
     peers: list[PeerSetting] = Field(default_factory=list)
@@ -81,7 +88,8 @@ class GatewaySettings(BaseModel):
                        connect_timeout_s=self.connect_timeout_s, retry_after_s=self.retry_after_s,
                        rpm=self.requests_per_minute, tpm=self.tokens_per_minute,
                        default_max_tokens=self.default_max_tokens,
-                       breaker=Policy(self.breaker_consecutive, self.breaker_base_s, self.breaker_max_s),
+                       breaker=Policy(self.breaker_consecutive, self.breaker_base_s, self.breaker_max_s,
+                                      self.probe_successes), rate_limit_backoff_s=self.rate_limit_backoff_s,
                        peers=tuple(Peer(p.region, p.url.rstrip("/")) for p in self.peers))
 
     @property
@@ -194,27 +202,31 @@ def build(settings: GatewaySettings) -> Gateway:
     tasks: list[asyncio.Task[None]] = []
     stopping: list[bool] = []
 
-    def start_sender() -> None:
-        """The usage sender logs and goes on after errors of its own; should it end anyway, it is said
-        loudly and started again (else usage would pile up in the spool, unsent, unnoticed)."""
+    prober = Prober(gw, settings.probe_interval_s, settings.connect_timeout_s)
+
+    def supervised(name: str, run: Callable[[], Coroutine[Any, Any, None]], restart_s: float) -> None:
+        """The usage sender and the prober log and go on after errors of their own; should one end anyway,
+        it is said loudly and started again (else usage would pile up in the spool, unsent, or an ejected
+        backend would wait out its whole cooldown, unnoticed)."""
         if stopping:
             return
-        task = asyncio.create_task(meter.run())
+        task = asyncio.create_task(run())
         tasks.append(task)
 
         def ended(t: asyncio.Task[None]) -> None:
             if t.cancelled() or stopping:
                 return
             exc = t.exception()
-            log.critical("the usage sender stopped (%r); starting it again", exc or "returned", exc_info=exc)
-            asyncio.get_running_loop().call_later(settings.usage_flush_s, start_sender)
+            log.critical("the %s stopped (%r); starting it again", name, exc or "returned", exc_info=exc)
+            asyncio.get_running_loop().call_later(restart_s, supervised, name, run, restart_s)
 
         task.add_done_callback(ended)
 
     async def startup() -> None:
         client["c"] = httpx.AsyncClient(timeout=10.0)
         tasks.append(asyncio.create_task(source.run()))
-        start_sender()
+        supervised("usage sender", meter.run, settings.usage_flush_s)
+        supervised("prober", prober.run, settings.probe_interval_s)
 
     async def shutdown() -> None:
         stopping.append(True)
@@ -231,6 +243,7 @@ def build(settings: GatewaySettings) -> Gateway:
     gw.on_startup.append(startup)
     gw.on_shutdown.append(shutdown)
     gw.source = source  # type: ignore[attr-defined]
+    gw.prober = prober  # type: ignore[attr-defined]
     return gw
 
 

@@ -8,8 +8,10 @@
    hopped, so two regions cannot bounce a request between them);
 6. nothing left: the proxy answers 503 with Retry-After (``Plan.retry_after``).
 
-A backend whose breaker is open is left out at once and listed in ``Plan.skipped``. Within a tier
-the replicas are rotated by ``turn`` so that load spreads. Nothing here does I/O or reads a clock.
+A backend whose breaker is open is left out at once and listed in ``Plan.skipped``; one that said
+in its 429 not to be sent requests before a time, in ``Plan.limited``. Within a tier the replicas
+are rotated by ``turn`` so that load spreads. A request too long for the model (``longer_context``)
+goes on to the fallback models only. Nothing here does I/O or reads a clock.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class Peer:
 class Plan:
     attempts: tuple[Backend, ...]
     skipped: tuple[Backend, ...]  # breaker open
-    retry_after: float | None  # the soonest time a skipped backend takes requests again
+    retry_after: float | None  # the soonest time a skipped or limited backend takes requests again
+    limited: tuple[Backend, ...] = ()  # rate limited by the backend's own 429, until its Retry-After
 
 
 def _rotate(items: Sequence[Backend], turn: int) -> list[Backend]:
@@ -101,19 +104,32 @@ def plan(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], open
     return order(tiers(endpoint, table, peers, hopped=hopped), open_until, turn)
 
 
-def order(all_tiers: Sequence[Sequence[Backend]], open_until: Callable[[str], float | None], turn: int = 0) -> Plan:
+def order(all_tiers: Sequence[Sequence[Backend]], open_until: Callable[[str], float | None], turn: int = 0,
+          limited_until: Callable[[str], float | None] | None = None) -> Plan:
     """Rotate each tier by ``turn`` (the peers' tier stays in its configured order), then leave out
-    the backends whose breakers are open."""
+    the backends whose breakers are open, and those rate limited (``limited_until(key)``: until when)."""
     attempts: list[Backend] = []
     skipped: list[Backend] = []
+    limited: list[Backend] = []
     soonest: float | None = None
     last = len(all_tiers) - 1
     for i, tier in enumerate(all_tiers):
         for b in (tier if i == last else _rotate(tier, turn)):
             until = open_until(b.key)
+            out = skipped
+            if until is None and limited_until is not None:
+                until, out = limited_until(b.key), limited
             if until is None:
                 attempts.append(b)
             else:
-                skipped.append(b)
+                out.append(b)
                 soonest = until if soonest is None else min(soonest, until)
-    return Plan(tuple(attempts), tuple(skipped), soonest)
+    return Plan(tuple(attempts), tuple(skipped), soonest, tuple(limited))
+
+
+def longer_context(remaining: Sequence[Backend], failed: Backend) -> list[Backend]:
+    """What is left to try after ``failed`` said the request is longer than its model's context: the
+    same model cannot take it anywhere (its other replicas, CPU, the pool, peers), so only the fallback
+    models, those other than the one that said so. They keep their listed order: the route table knows
+    no model's context length, so a larger one cannot be put first."""
+    return [b for b in remaining if b.served_by is ServedBy.FALLBACK_MODEL and b.endpoint_id != failed.endpoint_id]

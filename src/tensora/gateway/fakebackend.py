@@ -5,9 +5,12 @@
 on purpose by mode: ``http_500``, ``http_503``, ``http_429``, ``http_400``, ``close`` (drops the
 connection), ``stall_head`` (never answers), ``stall_after_headers`` (a 200 stream with no event),
 ``die_mid_stream`` (three content events, then the connection drops), ``no_done`` (a stream with
-no ``[DONE]``, as transformers serve sends). With ``VLLM_API_KEY`` in its environment it answers 401 to
+no ``[DONE]``, as transformers serve sends), ``down`` (503 to every ``/v1`` request, ``/v1/models``
+too: a server whose engine is dead). With ``VLLM_API_KEY`` in its environment it answers 401 to
 a ``/v1`` request without ``Authorization: Bearer <that key>``, as vLLM does. ``POST /_mode {"mode": ...}``
-changes the mode live; ``GET /_stats`` counts requests and shows the last completion's Authorization
+changes the mode live, and may also give ``headers`` (added to an ``http_*`` answer, e.g. Retry-After)
+and ``error`` (the error object it carries, e.g. a context-length 400); ``GET /_stats`` counts requests
+(and probes: ``GET /v1/models``) and shows the last completion's Authorization
 header (what the gateway sent upstream); ``POST /v1/gateway/usage`` takes usage batches (a sink for a
 gateway under benchmark) and other paths are 404. Raw asyncio and httptools: it must be much faster than what it
 is put behind, or the benchmark measures it.
@@ -25,7 +28,7 @@ import httptools
 import orjson
 
 MODES = ("ok", "http_500", "http_503", "http_429", "http_400", "close", "stall_head", "stall_after_headers",
-         "die_mid_stream", "no_done")
+         "die_mid_stream", "no_done", "down")
 
 
 class State:
@@ -33,6 +36,9 @@ class State:
         self.name, self.mode, self.chunks, self.api_key = name, mode, chunks, api_key
         self.requests = 0
         self.authorization: str | None = None  # the last completion request's
+        self.headers: dict[str, str] = {}  # extra headers of an http_* answer
+        self.error: dict[str, Any] | None = None  # the error object of an http_* answer
+        self.probes = 0  # GET /v1/models
 
 
 def _json(status: int, obj: Any, extra: bytes = b"") -> bytes:
@@ -92,12 +98,13 @@ class _Proto(asyncio.Protocol):
     async def handle(self, method: bytes, url: bytes, body: bytes, auth: bytes | None = None) -> None:
         s = self.state
         if url == b"/_mode":
-            s.mode = orjson.loads(body)["mode"]
+            knobs = orjson.loads(body)
+            s.mode, s.headers, s.error = knobs["mode"], knobs.get("headers") or {}, knobs.get("error")
             self.write(_json(200, {"mode": s.mode}))
             return
         if url == b"/_stats":
             self.write(_json(200, {"requests": s.requests, "mode": s.mode, "name": s.name,
-                                   "authorization": s.authorization}))
+                                   "authorization": s.authorization, "probes": s.probes}))
             return
         if url.startswith(b"/v1/") and s.api_key and auth != b"Bearer " + s.api_key.encode():
             self.write(_json(401, {"error": "Unauthorized"}))
@@ -105,7 +112,13 @@ class _Proto(asyncio.Protocol):
         if url in (b"/health", b"/healthz"):
             self.write(_json(200, {"status": "ok"}))
             return
+        if url.startswith(b"/v1/") and s.mode == "down":
+            s.probes += url == b"/v1/models"
+            s.requests += url != b"/v1/models"
+            self.write(_json(503, {"error": {"message": f"{s.name} is down", "type": "server_error"}}))
+            return
         if url == b"/v1/models":
+            s.probes += 1
             self.write(_json(200, {"object": "list", "data": [{"id": s.name, "object": "model"}]}))
             return
         if url == b"/v1/gateway/usage":  # a usage sink for a gateway under benchmark: takes every batch
@@ -127,8 +140,9 @@ class _Proto(asyncio.Protocol):
             return
         if mode.startswith("http_"):
             code = int(mode[5:])
-            self.write(_json(code, {"error": {"message": f"{s.name} says {code}", "type": "server_error",
-                                              "code": code}}))
+            error = s.error or {"message": f"{s.name} says {code}", "type": "server_error", "code": code}
+            extra = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in s.headers.items())
+            self.write(_json(code, {"error": error}, extra))
             return
         req = orjson.loads(body) if body else {}
         model = req.get("model", s.name)

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import itertools
 import logging
 import math
+import random
 import re
 import secrets
 import time
@@ -65,15 +67,18 @@ class Options:
     default_max_tokens: int = 256  # reserved when a request gives no max_tokens
     max_body_bytes: int = 8 << 20
     breaker: Policy = field(default_factory=Policy)
+    rate_limit_backoff_s: float = 1.0  # a backend's 429 without Retry-After: skip it this long (x0.5-1.5)
     peers: tuple[Peer, ...] = ()
 
 
 class Failed(Exception):
-    """An attempt that did not work out; the chain moves on."""
+    """An attempt that did not work out; the chain moves on. ``retry_s``: the backend's 429 said when to
+    come back; ``reply``: the answer to pass through should nothing be left to try (a context error)."""
 
-    def __init__(self, kind: str, *, breaker: bool = True) -> None:
+    def __init__(self, kind: str, *, breaker: bool = True, retry_s: float | None = None,
+                 reply: tuple[list[tuple[bytes, bytes]], bytes, Served] | None = None) -> None:
         super().__init__(kind)
-        self.kind, self.breaker = kind, breaker
+        self.kind, self.breaker, self.retry_s, self.reply = kind, breaker, retry_s, reply
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> bytes:
@@ -100,6 +105,7 @@ class Gateway:
         self.clock, self.wall = clock, wall
         self.client = Client(options.connect_timeout_s)
         self.breakers: dict[str, Breaker] = {}
+        self.ejected: dict[str, Backend] = {}  # whose breakers opened: what ``probe.Prober`` probes
         self._turn = 0
         self._tiers_cache: dict[tuple[str, bool], list[list[Backend]]] = {}
         self._tiers_version: str | None = None
@@ -319,6 +325,32 @@ class Gateway:
             return b.retry_at(now) if b is not None else None
         return open_until
 
+    def _limited_until(self, now: float) -> Callable[[str], float | None]:
+        def limited_until(key: str) -> float | None:
+            b = self.breakers.get(key)
+            return b.limited_until(now) if b is not None else None
+        return limited_until
+
+    def _failed(self, b: Backend, breaker: Breaker, f: Failed, hints: list[float]) -> None:
+        """Tell the backend's breaker how the attempt went. A 429 makes it skipped until its Retry-After
+        (bounded by the breaker's ``max_s``), or for a short jittered backoff when it gave none; a peer's
+        429 is about this caller's own limits there, so it is only remembered for this answer."""
+        now = self.clock()
+        if f.breaker:
+            breaker.failure(now)
+            if breaker.open_until is not None:
+                self.ejected[b.key] = b
+        elif f.kind == "http_429":
+            wait = f.retry_s if f.retry_s is not None else self.o.rate_limit_backoff_s * (0.5 + random.random())
+            until = now + min(wait, self.o.breaker.max_s)
+            hints.append(until)
+            if b.peer:
+                breaker.release()
+            else:
+                breaker.rate_limited(until)
+        else:
+            breaker.release()
+
     async def _walk(self, scope: Scope, send: Send, rid: str, path: str, key: KeyRoute, endpoint: EndpointRoute,
                     body: dict[str, Any], stream: bool, client_usage: bool,
                     limit_headers: list[tuple[bytes, bytes]]) -> Served | None:
@@ -326,17 +358,22 @@ class Gateway:
         deadline = start + self.o.deadline_s
         self._turn += 1
         plan = chain.order(self._tiers(endpoint, _header(scope, HOP) is not None), self._open_until(start),
-                           self._turn)
+                           self._turn, self._limited_until(start))
         attempts = [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
+        attempts += [f"{b.key}:rate_limited" for b in plan.limited]
         auth = _header(scope, b"authorization") or b""
-        for b in plan.attempts:
+        todo, i = list(plan.attempts), 0
+        hints: list[float] = []  # when the 429s of this request said to come back
+        while i < len(todo):
+            b = todo[i]
+            i += 1
             now = self.clock()
             if now >= deadline:
                 attempts.append(f"{b.key}:deadline")
                 break
             breaker = self._breaker(b.key)
-            if not breaker.allow(now):  # opened meanwhile, or half-open with its one probe out
-                attempts.append(f"{b.key}:breaker_open")
+            if not breaker.allow(now):  # opened or rate limited meanwhile, or half-open with its one probe out
+                attempts.append(f"{b.key}:{'rate_limited' if breaker.limited_until(now) else 'breaker_open'}")
                 continue
             ttft = min(b.ttft_s or self.o.ttft_s, deadline - now)
             try:
@@ -344,23 +381,38 @@ class Gateway:
                                              deadline, auth, limit_headers)
             except Failed as f:
                 attempts.append(f"{b.key}:{f.kind}")
-                if f.breaker:
-                    breaker.failure(self.clock())
-                else:
-                    breaker.release()
+                self._failed(b, breaker, f, hints)
+                if f.reply is not None:  # too long for this model: only the fallback models are left
+                    todo, i = chain.longer_context(todo[i:], b), 0
+                    if not todo:  # none: the model server's own 400, as it said it
+                        return await self._pass(send, rid, attempts, *f.reply)
                 continue
             breaker.success(self.clock())
             return served
         now = self.clock()
-        soonest = [t for t in (self.breakers[b.key].retry_at(now) for b in (*plan.attempts, *plan.skipped)
-                               if b.key in self.breakers) if t is not None]
-        retry = max(1, math.ceil(min(soonest) - now)) if soonest else self.o.retry_after_s
+        soonest = [t for t in (self.breakers[b.key].retry_at(now) or self.breakers[b.key].limited_until(now)
+                               for b in (*plan.attempts, *plan.skipped, *plan.limited) if b.key in self.breakers)
+                   if t is not None] + [t for t in hints if t > now]
+        wait = min(soonest) - now if soonest else float(self.o.retry_after_s)
+        retry = max(1, math.ceil(wait))
         what = "no replica of it is ready" if not attempts else "every backend failed or is cooling down"
         await self._error(send, rid, 503, f"{endpoint.name} cannot serve now: {what}; retry after {retry} s",
                           "server_error", "service_unavailable", headers=[
-                              (b"retry-after", str(retry).encode()), (b"x-tensora-fallback", b"false"),
-                              (b"x-tensora-attempts", ",".join(attempts).encode()), *limit_headers])
+                              (b"retry-after", str(retry).encode()), (b"retry-after-ms", b"%d" % max(1, wait * 1000)),
+                              (b"x-tensora-fallback", b"false"), (b"x-tensora-attempts", ",".join(attempts).encode()),
+                              *limit_headers])
         return None
+
+    async def _pass(self, send: Send, rid: str, attempts: list[str], headers: list[tuple[bytes, bytes]], data: bytes,
+                    served: Served) -> Served:
+        """Pass a backend's client error through unchanged (its status and body), with the whole trail."""
+        trail = (b"x-tensora-attempts", ",".join(attempts).encode())
+        await send({"type": "http.response.start", "status": served.status, "headers": [
+            _JSON, (b"content-length", str(len(data)).encode()), (b"x-request-id", rid.encode()),
+            (b"x-tensora-region", served.region.encode()),
+            *(trail if k == b"x-tensora-attempts" else (k, v) for k, v in headers)]})
+        await send({"type": "http.response.body", "body": data})
+        return served
 
     async def _attempt(self, send: Send, rid: str, path: str, b: Backend, body: dict[str, Any], stream: bool,
                        client_usage: bool, attempts: list[str], ttft: float, deadline: float, auth: bytes,
@@ -411,14 +463,14 @@ class Gateway:
         if status >= 500:
             raise Failed(f"http_{status}")
         if status == 429:  # busy, not broken: move on, without counting against its breaker
-            raise Failed("http_429", breaker=False)
-        # a client error (400, 422...): the same request fails everywhere; pass it through as is
+            raise Failed("http_429", breaker=False, retry_s=retry_after(resp.header))
+        # a client error (400, 422...): the same request fails everywhere; pass it through as is, unless
+        # it is too long for this model, and a fallback model may take it
         headers, served_by, region = self._headers(b, resp, attempts, f"http_{status}", limit_headers)
-        await send({"type": "http.response.start", "status": status, "headers": [
-            _JSON, (b"content-length", str(len(data)).encode()), (b"x-request-id", rid.encode()),
-            (b"x-tensora-region", region.encode()), *headers]})
-        await send({"type": "http.response.body", "body": data})
-        return Served(b, served_by, region, status=status)
+        served = Served(b, served_by, region, status=status)
+        if status == 400 and context_exceeded(data):
+            raise Failed("context_length_exceeded", breaker=False, reply=(headers, data, served))
+        return await self._pass(send, rid, [*attempts, f"{b.key}:http_{status}"], headers, data, served)
 
     async def _whole(self, send: Send, rid: str, b: Backend, resp: Response, attempts: list[str], deadline: float,
                      limit_headers: list[tuple[bytes, bytes]]) -> Served:
@@ -516,6 +568,51 @@ class Gateway:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": not done})
         served.completion_tokens = served.completion_tokens or counted
         return served
+
+
+_CONTEXT = re.compile(rb"maximum context length|maximum model length|context_length_exceeded", re.I)
+
+
+def context_exceeded(data: bytes) -> bool:
+    """Does a backend's 400 say the request is longer than the model's context? OpenAI says it with
+    ``code: context_length_exceeded``; vLLM only in its message ("This model's maximum context length
+    is 4096 tokens...", or V1's "...is longer than the maximum model length of 4096")."""
+    if _CONTEXT.search(data) is None:  # cheap first: most 400s are something else
+        return False
+    try:
+        err = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    if isinstance(err, dict) and isinstance(err.get("error"), dict):
+        err = err["error"]  # OpenAI's shape, and vLLM's since 0.8; before, vLLM's fields were at the top
+    if not isinstance(err, dict):
+        return False
+    if err.get("code") == "context_length_exceeded":
+        return True
+    message = err.get("message")
+    return isinstance(message, str) and _CONTEXT.search(message.encode()) is not None
+
+
+def retry_after(header: Callable[[bytes], bytes | None]) -> float | None:
+    """Seconds a backend's 429 asks to wait: ``retry-after-ms`` (OpenAI's, finer), else ``Retry-After`` in
+    seconds or as an HTTP date; None when it says nothing usable."""
+    ms = header(b"retry-after-ms")
+    if ms is not None:
+        with contextlib.suppress(ValueError):
+            v = float(ms) / 1000
+            if math.isfinite(v) and v >= 0:
+                return v
+    raw = header(b"retry-after")
+    if raw is None:
+        return None
+    text = raw.decode("latin-1").strip()
+    with contextlib.suppress(ValueError):
+        v = float(text)
+        return v if math.isfinite(v) and v >= 0 else None
+    with contextlib.suppress(TypeError, ValueError, IndexError):
+        when = email.utils.parsedate_to_datetime(text)
+        return max(0.0, when.timestamp() - time.time())
+    return None
 
 
 def _has_content(choices: Any) -> int:

@@ -135,7 +135,8 @@ def test_a_kept_alive_connection_closed_while_it_idled_is_replaced_before_the_re
     assert backends.requests("r1") - before == 3
 
 
-def test_a_write_that_fails_at_once_goes_again_on_a_fresh_connection(backends: Backends,
+@pytest.mark.parametrize("run", LOOPS.values(), ids=LOOPS.keys())
+def test_a_write_that_fails_at_once_goes_again_on_a_fresh_connection(backends: Backends, run: Callable[[Any], Any],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing reached the upstream (the socket takes no more writes): the one case besides a close seen
     before writing where the request may go again, and it does, once."""
@@ -154,7 +155,7 @@ def test_a_write_that_fails_at_once_goes_again_on_a_fresh_connection(backends: B
             c.close()
 
     before = backends.requests("r1")
-    assert asyncio.run(go()) == 200
+    assert run(go()) == 200
     assert backends.requests("r1") - before == 2
 
 

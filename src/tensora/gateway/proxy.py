@@ -564,7 +564,7 @@ class Gateway:
 
 def _alone(tiers: list[list[Backend]], b: Backend) -> bool:
     """Is ``b`` the only backend of its tier? A peer gateway never is: it makes its own retries."""
-    return not b.peer and any(len(t) == 1 and t[0] is b for t in tiers)
+    return not b.peer and any(len(t) == 1 and t[0].key == b.key for t in tiers)
 
 
 def _has_content(choices: Any) -> int:

@@ -16,6 +16,8 @@ import httpx
 import orjson
 import pytest
 import uvloop
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway_harness import Backends, FakeClock, chat, make_table, replica, serving, sse_payloads
 from tensora import apikeys
@@ -289,3 +291,32 @@ def test_a_stream_with_events_within_the_idle_limit_is_not_cut(backends: Backend
     events = sse_payloads(r.text)
     assert r.status_code == 200 and events[-1] == "[DONE]" and "error" not in r.text
     assert not gw.breakers["my-llm/r1"].open_until
+
+
+# -- the invariant, over any mix of faults -----------------------------------------------------------------
+
+
+FAULTS = ["ok", "http_500", "http_503", "http_429", "http_400", "close", "hold_reset", "stall_mid_stream"]
+
+
+def test_every_request_a_backend_saw_is_in_the_attempts_once_whatever_the_faults(backends: Backends) -> None:
+    """Whatever r1 and f1 do (and for how many requests), each request that reached one of them is listed
+    in X-Tensora-Attempts, and no backend is listed more than twice (the one retry)."""
+    keys = {"r1": "my-llm/r1", "f1": "small/f1"}
+    with serving(gateway(lone(backends, stream_idle_s=0.2), retry_delay_s=0.02)) as url:
+
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(faults=st.fixed_dictionaries({n: st.tuples(st.sampled_from(FAULTS), st.sampled_from([None, 1]))
+                                             for n in keys}), stream=st.booleans())
+        def one(faults: dict[str, tuple[str, int | None]], stream: bool) -> None:
+            for n, (m, times) in faults.items():
+                mode(backends, n, m, hold_s=0.05, **({"times": times} if times else {}))
+            before = {n: backends.requests(n) for n in keys}
+            r = post(url, chat(stream=stream))
+            listed = tried(r)
+            for n, key in keys.items():
+                mine = [a for a in listed if a.startswith(key + ":") and not a.endswith(":breaker_open")]
+                assert backends.requests(n) - before[n] == len(mine), (n, faults, listed)
+                assert len(mine) <= 2, listed
+
+        one()

@@ -95,23 +95,20 @@ async def _send(c: Client, url: str) -> int:
 def test_a_request_reset_after_the_upstream_held_it_is_never_sent_again(backends: Backends,
                                                                           run: Callable[[Any], Any]) -> None:
     """The model server read it and worked on it: sending it again on a fresh connection would run it twice."""
-    async def go() -> tuple[str, float]:
+    async def go() -> str:
         c = Client()
         try:
             assert await _send(c, backends.url("r1")) == 200  # leaves a kept-alive connection in the pool
             mode(backends, "r1", "hold_reset", hold_s=0.3)
-            t = time.monotonic()
             with pytest.raises(UpstreamError) as exc:
                 await _send(c, backends.url("r1"))
-            return exc.value.kind, time.monotonic() - t
+            return exc.value.kind
         finally:
             c.close()
 
     before = backends.requests("r1")
-    kind, took = run(go())
-    assert kind == "reset"
+    assert run(go()) == "reset"
     assert backends.requests("r1") - before == 2  # the warm-up and the one that was reset: no third
-    assert took < 0.6  # one hold, not two
 
 
 @pytest.mark.parametrize("run", LOOPS.values(), ids=LOOPS.keys())

@@ -46,7 +46,8 @@ class Backends:
         return f"http://127.0.0.1:{self.ports[name]}/v1"
 
     def mode(self, name: str, mode: str, **knobs: Any) -> None:
-        """``knobs``: ``headers`` (added to an ``http_*`` answer), ``error`` (the error object it carries)."""
+        """``knobs``: ``headers`` (added to an ``http_*`` answer), ``error`` (the error object it carries),
+        ``hold_s`` (``hold_reset``), ``times`` (completion requests in this mode before it is ``ok`` again)."""
         r = httpx.post(f"http://127.0.0.1:{self.ports[name]}/_mode", json={"mode": mode, **knobs}, timeout=5)
         assert r.status_code == 200
 

@@ -13,6 +13,7 @@ import pytest
 import services
 from stack import T0, Stack, stack
 from tensora import apikeys, replicakeys
+from tensora.gateway.routes import table_from_json
 from tensora.store import repo
 
 _clients: list[httpx.Client] = []
@@ -48,7 +49,7 @@ def test_routes_are_for_admin_keys_name_ready_replicas_and_only_key_digests(s: t
     made = alice.post("/v1/workloads", json={"kind": "endpoint", "name": "chat", "gpu_class": "l40s-48gb",
                                              "fallback": ["cpu"], "fallback_after": 0, "model_params": "1B",
                                              "fallback_models": ["small"],
-                                             "spec": {"ttft_deadline_s": 7}})
+                                             "spec": {"ttft_deadline_s": 7, "stream_idle_s": 4.5}})
     assert made.status_code == 201, made.text
     assert alice.get("/v1/gateway/routes").status_code == 403
     first = admin.get("/v1/gateway/routes")
@@ -63,6 +64,7 @@ def test_routes_are_for_admin_keys_name_ready_replicas_and_only_key_digests(s: t
     (ep,) = table.json()["endpoints"]
     assert (ep["name"], ep["owner"], ep["cpu_fallback"], ep["requested_cpu"]) == ("chat", "alice", True, False)
     assert ep["fallback_models"] == ["small"] and ep["ttft_s"] == 7 and ep["serverless"] is False
+    assert ep["stream_idle_s"] == 4.5 and table_from_json(table.json()).endpoints[0].stream_idle_s == 4.5
     (r,) = ep["replicas"]
     assert r["url"] == "http://127.0.0.1:9/v1" and r["cls"] == "l40s-48gb" and r["cpu"] is False
     keys = table.json()["keys"]
@@ -133,6 +135,10 @@ def test_keys_carry_their_gateway_limits_into_the_routes(s: tuple[Stack, str]) -
     ("alice", {"ttft_deadline_s": 0}, 422, "spec.ttft_deadline_s"),
     ("alice", {"ttft_deadline_s": "fast"}, 422, "spec.ttft_deadline_s"),
     ("alice", {"ttft_deadline_s": 2.5}, 201, None),
+    ("alice", {"stream_idle_s": 0}, 422, "spec.stream_idle_s"),
+    ("alice", {"stream_idle_s": 601}, 422, "spec.stream_idle_s"),
+    ("alice", {"stream_idle_s": True}, 422, "spec.stream_idle_s"),
+    ("alice", {"stream_idle_s": 600}, 201, None),
 ])
 def test_endpoint_gateway_settings(s: tuple[Stack, str], who: str, spec: dict[str, Any], status: int,
                                    field: str | None) -> None:

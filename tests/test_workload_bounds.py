@@ -49,6 +49,10 @@ BAD = {  # name -> (body, the field the 422 names, a piece of its message)
     "free-form padding in a notebook's spec": ({**NB, "spec": {"pad": "x" * 100}}, "spec.pad", "unknown field"),
     "serverless not a boolean": ({**EP, "spec": {"serverless": 0}}, "spec.serverless", "boolean"),
     "ttft_deadline_s a string": ({**EP, "spec": {"ttft_deadline_s": "fast"}}, "spec.ttft_deadline_s", ""),
+    "stream_idle_s past 600": ({**EP, "spec": {"stream_idle_s": 601}}, "spec.stream_idle_s", "600"),
+    "stream_idle_s of 0": ({**EP, "spec": {"stream_idle_s": 0}}, "spec.stream_idle_s", "0"),
+    "stream_idle_s on a notebook": ({**NB, "spec": {"stream_idle_s": 5}}, "spec.stream_idle_s",
+                                    "unknown field for a notebook"),
     "name of 64 characters": ({**NB, "name": "n" * 64}, "name", "pattern"),
     "name not a DNS label": ({**NB, "name": "My_Notebook"}, "name", "pattern"),
     "gpu_class of 300 characters": ({**NB, "gpu_class": "x" * 300}, "gpu_class", "pattern"),
@@ -80,6 +84,7 @@ def test_a_bad_create_body_is_a_422_naming_the_field_and_writes_nothing(
 GOOD = {
     "an endpoint's spec keys": {**EP, "spec": {"serverless": False, "ttft_deadline_s": 10}},
     "ttft_deadline_s at its bound": {**EP, "spec": {"ttft_deadline_s": 600}},
+    "stream_idle_s at its bound": {**EP, "spec": {"stream_idle_s": 600, "ttft_deadline_s": 0.5}},
     "8 fallback classes": {**NB, "fallback": NINE[:8]},
     "4 fallback models, 16 replicas": {**EP, "fallback_models": ["a", "b", "c", "d"], "replicas": 16},
     "a 63-character name": {**NB, "name": "n" * 63},

@@ -44,6 +44,9 @@ class EndpointSpec(BaseModel):
                                                         "pool, which every owner's requests for its model may reach")
     ttft_deadline_s: float | None = Field(default=None, gt=0, le=600, description=(
         "seconds to the first token before the gateway tries the next backend"))
+    stream_idle_s: float | None = Field(default=None, gt=0, le=600, description=(
+        "seconds a stream may go without an event after its first token before the gateway ends it with "
+        "an error event (the gateway's default: 30)"))
 
 
 class NoSpec(BaseModel):
@@ -105,8 +108,8 @@ class WorkloadSpec(BaseModel):
 
     replicas: int = Field(default=1, ge=1, le=16, description="endpoints: how many replicas to run")
     spec: dict[str, Any] = Field(default_factory=dict, description=(
-        "kind-specific settings (kept as given), at most 16 KiB of JSON: endpoints take serverless and "
-        "ttft_deadline_s; notebooks and vms take none"))
+        "kind-specific settings (kept as given), at most 16 KiB of JSON: endpoints take serverless, "
+        "ttft_deadline_s and stream_idle_s; notebooks and vms take none"))
 
     @field_validator("spec")
     @classmethod

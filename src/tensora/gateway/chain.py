@@ -42,6 +42,7 @@ class Backend:
     ttft_s: float | None = None
     peer: bool = False
     api_key: str | None = None  # a replica's own key (the proxy sends it as Authorization); None for peers
+    stream_idle_s: float | None = None  # the endpoint's own limit on a stream's silence after its first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +68,7 @@ def _rotate(items: Sequence[Backend], turn: int) -> list[Backend]:
 
 def _replicas(e: EndpointRoute, served_by: ServedBy, *, cpu: bool | None, model: str) -> list[Backend]:
     return [Backend(f"{e.name}/{r.id}", r.url, r.upstream_model, model, served_by, e.id, e.region, e.ttft_s,
-                    api_key=r.api_key)
+                    api_key=r.api_key, stream_idle_s=e.stream_idle_s)
             for r in e.replicas if cpu is None or r.cpu == cpu]
 
 
@@ -93,7 +94,7 @@ def tiers(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], *,
     remote: list[Backend] = []
     if e.allow_cross_region and not hopped:
         remote = [Backend(f"peer:{p.region}", p.url, e.name, e.name, ServedBy.REPLICA, e.id, p.region, e.ttft_s,
-                          peer=True) for p in peers if p.region != e.region]
+                          peer=True, stream_idle_s=e.stream_idle_s) for p in peers if p.region != e.region]
     return [own, cpu, pool, *fallbacks, remote]
 
 

@@ -4,16 +4,20 @@
 ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE) and ``GET /v1/models``, and misbehaves
 on purpose by mode: ``http_500``, ``http_503``, ``http_429``, ``http_400``, ``close`` (drops the
 connection), ``stall_head`` (never answers), ``stall_after_headers`` (a 200 stream with no event),
-``die_mid_stream`` (three content events, then the connection drops), ``no_done`` (a stream with
-no ``[DONE]``, as transformers serve sends), ``down`` (503 to every ``/v1`` request, ``/v1/models``
-too: a server whose engine is dead). With ``VLLM_API_KEY`` in its environment it answers 401 to
-a ``/v1`` request without ``Authorization: Bearer <that key>``, as vLLM does. ``POST /_mode {"mode": ...}``
-changes the mode live, and may also give ``headers`` (added to an ``http_*`` answer, e.g. Retry-After)
-and ``error`` (the error object it carries, e.g. a context-length 400); ``GET /_stats`` counts requests
-(and probes: ``GET /v1/models``) and shows the last completion's Authorization
-header (what the gateway sent upstream); ``POST /v1/gateway/usage`` takes usage batches (a sink for a
-gateway under benchmark) and other paths are 404. Raw asyncio and httptools: it must be much faster than what it
-is put behind, or the benchmark measures it.
+``die_mid_stream`` (three content events, then the connection drops), ``stall_mid_stream`` (three
+content events, then nothing while the connection stays open), ``no_done`` (a stream with no ``[DONE]``,
+as transformers serve sends), ``hold_reset`` (reads the request, holds it ``hold_s`` seconds, then resets
+the connection: work done, answer lost), ``close_idle`` (answers, then closes the kept-alive connection
+at once, as a server with a short idle timeout does), ``down`` (503 to every ``/v1`` request,
+``/v1/models`` too: a server whose engine is dead). With ``VLLM_API_KEY`` in its environment it answers
+401 to a ``/v1`` request without ``Authorization: Bearer <that key>``, as vLLM does.
+``POST /_mode {"mode": ...}`` changes the mode live, and may also give ``headers`` (added to an
+``http_*`` answer, e.g. Retry-After), ``error`` (the error object it carries, e.g. a context-length 400),
+``hold_s`` (default 0.3) and ``times`` (the mode serves that many completion requests, then ``ok``
+again); ``GET /_stats`` counts requests (and probes: ``GET /v1/models``) and shows the last completion's
+Authorization header (what the gateway sent upstream); ``POST /v1/gateway/usage`` takes usage batches (a
+sink for a gateway under benchmark) and other paths are 404. Raw asyncio and httptools: it must be much
+faster than what it is put behind, or the benchmark measures it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
+import struct
 import time
 from typing import Any
 
@@ -28,13 +34,15 @@ import httptools
 import orjson
 
 MODES = ("ok", "http_500", "http_503", "http_429", "http_400", "close", "stall_head", "stall_after_headers",
-         "die_mid_stream", "no_done", "down")
+         "die_mid_stream", "no_done", "down", "stall_mid_stream", "hold_reset", "close_idle")
 
 
 class State:
     def __init__(self, name: str, mode: str, chunks: int, api_key: str | None = None) -> None:
         self.name, self.mode, self.chunks, self.api_key = name, mode, chunks, api_key
         self.requests = 0
+        self.hold_s = 0.3  # hold_reset: how long a request is held before the reset
+        self.left: int | None = None  # completion requests left in this mode before it turns ok (None: no end)
         self.authorization: str | None = None  # the last completion request's
         self.headers: dict[str, str] = {}  # extra headers of an http_* answer
         self.error: dict[str, Any] | None = None  # the error object of an http_* answer
@@ -91,6 +99,14 @@ class _Proto(asyncio.Protocol):
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
+    def reset(self) -> None:
+        """Drop the connection with an RST, not a FIN."""
+        if self.transport is not None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()
+
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
@@ -100,6 +116,7 @@ class _Proto(asyncio.Protocol):
         if url == b"/_mode":
             knobs = orjson.loads(body)
             s.mode, s.headers, s.error = knobs["mode"], knobs.get("headers") or {}, knobs.get("error")
+            s.hold_s, s.left = float(knobs.get("hold_s", 0.3)), knobs.get("times")
             self.write(_json(200, {"mode": s.mode}))
             return
         if url == b"/_stats":
@@ -131,12 +148,20 @@ class _Proto(asyncio.Protocol):
         s.requests += 1
         s.authorization = auth.decode("latin-1") if auth is not None else None
         mode = s.mode
+        if s.left is not None:
+            s.left -= 1
+            if s.left <= 0:
+                s.mode, s.left = "ok", None
         if mode == "close":
             assert self.transport is not None
             self.transport.close()
             return
         if mode == "stall_head":
             await asyncio.sleep(3600)
+            return
+        if mode == "hold_reset":
+            await asyncio.sleep(s.hold_s)
+            self.reset()
             return
         if mode.startswith("http_"):
             code = int(mode[5:])
@@ -159,6 +184,8 @@ class _Proto(asyncio.Protocol):
                                    "created": created, "model": model, "choices": [choice],
                                    "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}},
                              b"x-backend: " + s.name.encode() + b"\r\n"))
+            if mode == "close_idle" and self.transport is not None:
+                self.transport.close()
             return
         self.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
                    b"x-backend: " + s.name.encode() + b"\r\n\r\n")
@@ -183,6 +210,9 @@ class _Proto(asyncio.Protocol):
         if chat:
             chunk(delta(None, role=True))
         for i in range(n):
+            if mode == "stall_mid_stream" and i == 3:
+                await asyncio.sleep(3600)
+                return
             if mode == "die_mid_stream" and i == 3:
                 await asyncio.sleep(0.01)
                 assert self.transport is not None

@@ -9,7 +9,10 @@ its body, and one per streamed event). Steps of a request:
 3. admit: one request and its token reservation against the per-minute windows of the key's owner,
    and of the key when it is held lower, in one step (429; 503 when Redis is down and fails closed);
 4. plan the chain (``chain.plan``: pure) and walk it within one deadline budget; every attempt
-   has a time-to-first-token deadline, and a failure before the first token moves on;
+   has a time-to-first-token deadline, and a failure before the first token moves on (a 5xx or a
+   reset from the only backend of its tier is tried once more there first, after a short jittered
+   delay, when the deadline leaves room); after it, a stream with no event for ``stream_idle_s``
+   ends with the error event, as the backend's failure;
 5. answer with what really served it (headers, and ``model`` in the body); settle the token
    reservation; meter the usage. Nothing left to try: 503 with Retry-After.
 """
@@ -60,6 +63,9 @@ class Options:
     region: str = "local"
     ttft_s: float = 30.0  # per attempt: until the first token (streams) or the response head
     deadline_s: float = 120.0  # per request, all attempts together
+    stream_idle_s: float = 30.0  # after the first token: the longest a stream may go without an event
+    retry_delay_s: float = 0.1  # before the one retry of a tier's only backend (jittered 0.5x-1.5x)
+    retry_room_s: float = 1.0  # the retry goes only when this much of the deadline is left after the delay
     connect_timeout_s: float = 2.0
     retry_after_s: int = 5  # a 503 with no breaker to wait for
     rpm: int = 600  # an owner's limits (all its keys together) when the route table does not list the owner
@@ -93,6 +99,7 @@ class Served:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     status: int = 200
+    broken: str | None = None  # failed after the head went out (a stream cut short): the backend's failure
 
 
 class Gateway:
@@ -357,8 +364,8 @@ class Gateway:
         start = self.clock()
         deadline = start + self.o.deadline_s
         self._turn += 1
-        plan = chain.order(self._tiers(endpoint, _header(scope, HOP) is not None), self._open_until(start),
-                           self._turn, self._limited_until(start))
+        tiers = self._tiers(endpoint, _header(scope, HOP) is not None)
+        plan = chain.order(tiers, self._open_until(start), self._turn, self._limited_until(start))
         attempts = [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
         attempts += [f"{b.key}:rate_limited" for b in plan.limited]
         auth = _header(scope, b"authorization") or b""
@@ -378,7 +385,7 @@ class Gateway:
             ttft = min(b.ttft_s or self.o.ttft_s, deadline - now)
             try:
                 served = await self._attempt(send, rid, path, b, body, stream, client_usage, attempts, ttft,
-                                             deadline, auth, limit_headers)
+                                             deadline, auth, limit_headers, alone=_alone(tiers, b))
             except Failed as f:
                 attempts.append(f"{b.key}:{f.kind}")
                 self._failed(b, breaker, f, hints)
@@ -387,7 +394,12 @@ class Gateway:
                     if not todo:  # none: the model server's own 400, as it said it
                         return await self._pass(send, rid, attempts, *f.reply)
                 continue
-            breaker.success(self.clock())
+            if served.broken:  # a stream that stalled or dropped after its first token
+                breaker.failure(self.clock())
+                if breaker.open_until is not None:
+                    self.ejected[b.key] = b
+            else:
+                breaker.success(self.clock())
             return served
         now = self.clock()
         soonest = [t for t in (self.breakers[b.key].retry_at(now) or self.breakers[b.key].limited_until(now)
@@ -416,7 +428,34 @@ class Gateway:
 
     async def _attempt(self, send: Send, rid: str, path: str, b: Backend, body: dict[str, Any], stream: bool,
                        client_usage: bool, attempts: list[str], ttft: float, deadline: float, auth: bytes,
-                       limit_headers: list[tuple[bytes, bytes]]) -> Served:
+                       limit_headers: list[tuple[bytes, bytes]], *, alone: bool = False) -> Served:
+        """One backend; when it is its tier's only one, a 5xx or a reset gets one more try of it after a
+        short jittered delay (a restart or a dropped connection often clears in that time), both in
+        X-Tensora-Attempts. Not a 4xx, not a timeout, not when the deadline leaves no room."""
+        try:
+            return await self._once(send, rid, path, b, body, stream, client_usage, attempts, ttft, deadline, auth,
+                                    limit_headers)
+        except Failed as f:
+            if not (alone and (f.kind == "reset" or f.kind.startswith("http_5"))):
+                raise
+            delay = self.o.retry_delay_s * random.uniform(0.5, 1.5)
+            now = self.clock()
+            if deadline - now - delay < self.o.retry_room_s:
+                raise
+            breaker = self._breaker(b.key)
+            breaker.failure(now)  # the first try counts; the retry's outcome is the walk's to record
+            if breaker.open_until is not None:
+                self.ejected[b.key] = b  # probed until it answers again
+            if not breaker.allow(now):  # that failure opened it (or ended its probe): no retry
+                raise Failed(f.kind, breaker=False) from None
+            attempts.append(f"{b.key}:{f.kind}")
+        await asyncio.sleep(delay)
+        return await self._once(send, rid, path, b, body, stream, client_usage, attempts,
+                                min(ttft, deadline - self.clock()), deadline, auth, limit_headers)
+
+    async def _once(self, send: Send, rid: str, path: str, b: Backend, body: dict[str, Any], stream: bool,
+                    client_usage: bool, attempts: list[str], ttft: float, deadline: float, auth: bytes,
+                    limit_headers: list[tuple[bytes, bytes]]) -> Served:
         up = dict(body)
         up["model"] = b.upstream_model
         headers = [("x-request-id", rid)]
@@ -437,7 +476,7 @@ class Gateway:
                 return await self._not_ok(send, rid, b, resp, deadline, attempts, limit_headers)
             if stream:
                 return await self._stream(send, rid, b, resp, client_usage, attempts, first_by, deadline,
-                                          limit_headers)
+                                          limit_headers, b.stream_idle_s or self.o.stream_idle_s)
             return await self._whole(send, rid, b, resp, attempts, deadline, limit_headers)
         finally:
             resp.release()
@@ -501,34 +540,42 @@ class Gateway:
 
     async def _stream(self, send: Send, rid: str, b: Backend, resp: Response, client_usage: bool,
                       attempts: list[str], first_by: float, deadline: float,
-                      limit_headers: list[tuple[bytes, bytes]]) -> Served:
+                      limit_headers: list[tuple[bytes, bytes]], idle_s: float) -> Served:
         """Hold the status until the first content event: a failure before it moves on (a real
         503 or 429 later, never a 200 with an empty stream); a failure after it ends the stream
-        with an error event, never splicing another model's output in."""
+        with an error event, never splicing another model's output in. After it, an event must come
+        every ``idle_s`` (comments do not count): a stalled model server is not held to the deadline."""
         events = sse.Events()
         held: list[bytes] = []
         sending = False  # the head is out: from here a failure ends the stream with an error event
         served = Served(b, b.served_by.value, b.region)
         content = counted = 0
         done = False
+        idle_by = deadline
         while not done:
             try:
-                async with asyncio.timeout(max(0.0, (deadline if sending else first_by) - self.clock())):
+                async with asyncio.timeout(max(0.0, (idle_by if sending else first_by) - self.clock())):
                     chunk = await resp.next_chunk()
             except (TimeoutError, UpstreamError) as exc:
                 kind = exc.kind if isinstance(exc, UpstreamError) else "timeout"
                 if not sending:
                     raise Failed(kind) from None
+                if kind == "timeout" and idle_by < deadline:
+                    kind = "stream_idle"
+                log.warning("stream %s from %s ended early: %s", rid, b.key, kind)
                 await send({"type": "http.response.body", "body": sse.event(error_body(
                     f"the model server failed mid-stream ({kind}); the answer is incomplete", "server_error",
                     "upstream_failed")) + sse.event(sse.DONE), "more_body": False})
-                served.status = 502
+                served.status, served.broken = 502, kind
                 served.completion_tokens = served.completion_tokens or counted
                 return served
             if chunk is None:
                 done = True
             out: list[bytes] = []
-            for p in events.feed(chunk) if chunk is not None else events.tail():
+            payloads = events.feed(chunk) if chunk is not None else events.tail()
+            if payloads:
+                idle_by = min(deadline, self.clock() + idle_s)
+            for p in payloads:
                 if p == sse.DONE:
                     done = True
                     break
@@ -613,6 +660,11 @@ def retry_after(header: Callable[[bytes], bytes | None]) -> float | None:
         when = email.utils.parsedate_to_datetime(text)
         return max(0.0, when.timestamp() - time.time())
     return None
+
+
+def _alone(tiers: list[list[Backend]], b: Backend) -> bool:
+    """Is ``b`` the only backend of its tier? A peer gateway never is: it makes its own retries."""
+    return not b.peer and any(len(t) == 1 and t[0].key == b.key for t in tiers)
 
 
 def _has_content(choices: Any) -> int:

@@ -34,6 +34,7 @@ class EndpointRoute:
     allow_cross_region: bool = False
     serverless: bool = False  # operator-run, shared by all users
     ttft_s: float | None = None  # time-to-first-token deadline per attempt; None: the gateway's default
+    stream_idle_s: float | None = None  # after the first token, the longest gap between events; None: default
     replicas: tuple[ReplicaRoute, ...] = ()
 
 
@@ -83,7 +84,7 @@ def table_from_json(data: Mapping[str, Any]) -> RouteTable:
             id=e["id"], name=e["name"], owner=e["owner"], region=e["region"], model=e.get("model"),
             requested_cpu=bool(e.get("requested_cpu")), cpu_fallback=bool(e.get("cpu_fallback")),
             fallback_models=tuple(e.get("fallback_models") or ()), allow_cross_region=bool(e.get("allow_cross_region")),
-            serverless=bool(e.get("serverless")), ttft_s=e.get("ttft_s"),
+            serverless=bool(e.get("serverless")), ttft_s=e.get("ttft_s"), stream_idle_s=e.get("stream_idle_s"),
             replicas=tuple(ReplicaRoute(r["id"], r["url"].rstrip("/"), r["cls"], bool(r["cpu"]), r["upstream_model"],
                                         r.get("api_key"))
                            for r in e.get("replicas") or ()))

@@ -9,6 +9,11 @@ chunked transfer encoding included.
 
 Errors carry a short ``kind`` that X-Tensora-Attempts shows: connect_refused, connect_timeout,
 reset (the connection died), timeout (no first byte / token in time).
+
+A request is never sent twice behind the caller's back: it goes again on a fresh connection only when
+the failure is known to come before the upstream read it (the kept-alive connection was closed before
+the request was written, or the write failed at once). A reset after that may follow work the model
+server did, so it is the backend's failure, for the proxy to show and decide on.
 """
 
 from __future__ import annotations
@@ -92,9 +97,10 @@ def nodelay(transport: asyncio.BaseTransport) -> None:
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop, sock: socket.socket | None = None) -> None:
         self.pool = pool
         self.loop = loop
+        self.sock = sock  # ours, for the liveness peek before a kept-alive connection is used again
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.resp: Response | None = None
@@ -159,6 +165,20 @@ class _Conn(asyncio.Protocol):
         self.transport.write(data)
         return self.resp
 
+    def unused(self) -> bool:
+        """Is this idle connection still open, with nothing unasked-for waiting on it? One non-blocking
+        peek: a close the upstream sent while it idled may not have reached ``connection_lost`` yet, and
+        a request written to it would fail in a way that cannot be told from a failure after its work."""
+        if self.closed or self.sock is None or self.transport is None or self.transport.is_closing():
+            return False
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True  # open, and quiet
+        except OSError:
+            pass
+        return False  # closed (b""), reset, or bytes nobody asked for
+
     def finish(self, whole: bool) -> None:
         keep = whole and self.complete and not self.closed and self.keep_alive
         self.resp = None
@@ -192,8 +212,9 @@ class Pool:
     def take(self) -> _Conn | None:
         while self.idle:
             conn = self.idle.pop()
-            if not conn.closed:
+            if conn.unused():
                 return conn
+            conn.close()
         return None
 
     async def connect(self, timeout: float) -> _Conn:
@@ -211,7 +232,7 @@ class Pool:
                 except BaseException:
                     sock.close()
                     raise
-                _, conn = await loop.create_connection(lambda: _Conn(self, loop), sock=sock)
+                _, conn = await loop.create_connection(lambda: _Conn(self, loop, sock), sock=sock)
         except TimeoutError:
             raise UpstreamError("connect_timeout", f"{self.host}:{self.port}") from None
         except ConnectionRefusedError:
@@ -253,25 +274,27 @@ class Client:
                  f"content-length: {len(body)}\r\n"]
         lines += [f"{k}: {v}\r\n" for k, v in headers]
         data = "".join(lines).encode("latin-1") + b"\r\n" + body
-        for _ in range(2):  # a kept-alive connection the upstream has closed meanwhile: once more, fresh
-            conn = pool.take()
+        while True:  # ends: each turn takes an idle connection off the pool, or makes the last, fresh one
+            conn = pool.take()  # open and quiet when taken (see ``_Conn.unused``)
             fresh = conn is None
             if conn is None:
                 conn = await pool.connect(min(self.connect_timeout, head_timeout))
             resp = conn.send(data)
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                conn.close()  # the write failed at once: nothing reached the upstream
+                if fresh:
+                    raise UpstreamError("reset", "the upstream closed the connection")
+                continue
             try:
                 async with asyncio.timeout(head_timeout):
                     await resp.head
             except TimeoutError:
                 conn.close()
                 raise UpstreamError("timeout", "no response in time") from None
-            except UpstreamError as exc:
-                conn.close()
-                if fresh or exc.kind != "reset":
-                    raise
-                continue
+            except UpstreamError:
+                conn.close()  # after the request went out: maybe read and worked on, never sent again here
+                raise
             return resp
-        raise UpstreamError("reset", "the upstream closed the connection")
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -130,6 +130,7 @@ def test_replay_is_byte_identical_and_metered_once(backends: Backends, tmp_path:
             assert r.headers["content-type"] == first.headers["content-type"]
             assert r.headers["x-tensora-attempts"] == first.headers["x-tensora-attempts"]
             assert r.headers["x-request-id"] != first.headers["x-request-id"]  # each request its own id
+            assert len(r.headers.get_list("x-tensora-region")) == len(r.headers.get_list("x-request-id")) == 1
         if stream:
             assert first.text.endswith("data: [DONE]\n\n") and first.text.count("data: ") > 3
         records = spool.records()

@@ -38,6 +38,7 @@ log = logging.getLogger("tensora.gateway")
 HEADER = b"idempotency-key"
 KEEP_S = 24 * 3600.0
 MAX_KEY_LEN = 255
+SWEEP_S = 60.0  # the disk store sweeps expired records at most this often, when it is full
 STATUS = b"x-tensora-idempotency"
 REPLAYED = (b"idempotent-replayed", b"true")
 _NOT_KEPT = (b"x-request-id", b"ratelimit", b"ratelimit-policy")  # the replay's own, or stale
@@ -88,13 +89,14 @@ class DiskStore:
     Every step holds an exclusive ``flock`` on the file, so two requests, or two gateway processes on one
     data dir, never both claim it; a file unlinked while a step waited for its lock is opened again. A file
     torn by a crash counts as no record. ``max_total_bytes`` bounds the files together: past it, expired
-    records are swept, and an answer that still does not fit is not kept."""
+    records are swept (at most once a ``SWEEP_S``), and an answer that still does not fit is not kept."""
 
     def __init__(self, dir: Path, max_total_bytes: int = 256 << 20) -> None:
         self.dir, self.max_total = Path(dir), max_total_bytes
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         self.total = self.sweep(time.time())
+        self._swept_at = float("-inf")
 
     @contextlib.contextmanager
     def _locked(self, name: str) -> Iterator[int]:
@@ -133,7 +135,9 @@ class DiskStore:
                 return False
             out = orjson.dumps({"fp": meta["fp"], "exp": until, "tok": token, "done": True}) + b"\n" + answer
             if self.total - len(data) + len(out) > self.max_total:
-                self.total = self.sweep(now, but=name)
+                if now - self._swept_at >= SWEEP_S:  # a sweep reads every record: not at each answer
+                    self._swept_at = now
+                    self.total = self.sweep(now, but=name)
                 if self.total - len(data) + len(out) > self.max_total:
                     return False
             self._write(fd, len(data), out)
@@ -368,8 +372,9 @@ class Idempotency:
                          [(b"retry-after", b"1"), (b"retry-after-ms", b"500"), (b"x-should-retry", b"true")])
         else:
             a = Answer.decode(held.answer)
+            names = {k for k, _ in a.headers}  # the region that served it, not this one's again
             await send({"type": "http.response.start", "status": a.status,
-                        "headers": [*a.headers, *head, REPLAYED]})
+                        "headers": [*a.headers, *(h for h in head if h[0] not in names), REPLAYED]})
             await send({"type": "http.response.body", "body": a.body})
 
     async def _pick(self) -> tuple[Store, list[tuple[bytes, bytes]]]:

@@ -220,11 +220,12 @@ return 0
 
 
 class RedisStore:
-    """Records as Redis hashes named ``PREFIX:{key id}:NAME``, each step one script call (atomic); kept answers
-    are counted in ``PREFIX:bytes`` and indexed by expiry, so ``max_total_bytes`` holds across gateways.
-    Takes the limiter's client (its timeouts and pool); every failure is raised to ``Idempotency``."""
+    """Records as Redis hashes named ``PREFIX:NAME``, each step one script call (atomic); kept answers are
+    counted in ``PREFIX:bytes`` and indexed by expiry, so ``max_total_bytes`` holds across gateways. The
+    prefix is one Redis Cluster hash tag, so that a script's keys share a slot. Takes the limiter's client
+    (its timeouts and pool); every failure is raised to ``Idempotency``."""
 
-    def __init__(self, redis: Any, prefix: str = "tensora:idem", max_total_bytes: int = 256 << 20) -> None:
+    def __init__(self, redis: Any, prefix: str = "{tensora:idem}", max_total_bytes: int = 256 << 20) -> None:
         self.redis, self.prefix, self.max_total = redis, prefix, max_total_bytes
         self._claim = redis.register_script(_CLAIM)
         self._complete = redis.register_script(_COMPLETE)

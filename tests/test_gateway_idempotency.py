@@ -25,7 +25,7 @@ from gateway_harness import Backends, FakeClock, chat, make_table, replica, serv
 from services import free_port, redis_process
 from tensora import apikeys
 from tensora.gateway.app import GatewaySettings, build
-from tensora.gateway.idempotency import Answer, DiskStore, Idempotency, RedisStore, fingerprint
+from tensora.gateway.idempotency import Answer, DiskStore, Held, Idempotency, RedisStore, fingerprint
 from tensora.gateway.limits import MemoryLimiter, RedisLimiter
 from tensora.gateway.metering import Meter
 from tensora.gateway.proxy import Gateway, Options
@@ -69,8 +69,16 @@ class Spooled:
     async def close(self) -> None:
         self.meter.close()
 
-    def records(self) -> list[dict[str, Any]]:
-        time.sleep(0.05)  # records of the same 5 ms are written together
+    def records(self, want: int) -> list[dict[str, Any]]:
+        """The records, once there are ``want`` (a request is metered after its answer is out, and spooled
+        within 5 ms), and a while more, so that one too many would be seen."""
+        deadline = time.monotonic() + 10
+        while len(self._read()) < want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        return self._read()
+
+    def _read(self) -> list[dict[str, Any]]:
         return [orjson.loads(line) for f in sorted(self.meter.dir.glob("*.jsonl"))
                 for line in f.read_bytes().splitlines()]
 
@@ -133,11 +141,11 @@ def test_replay_is_byte_identical_and_metered_once(backends: Backends, tmp_path:
             assert len(r.headers.get_list("x-tensora-region")) == len(r.headers.get_list("x-request-id")) == 1
         if stream:
             assert first.text.endswith("data: [DONE]\n\n") and first.text.count("data: ") > 3
-        records = spool.records()
+        records = spool.records(1)
         assert len(records) == 1 and records[0]["key_id"] == "key_0" and records[0]["completion_tokens"] > 0
         # the same key on the other path is another record
         assert post(url, {"model": "my-llm", "prompt": "hi"}, path="completions").headers.get(REPLAYED) is None
-        assert len(spool.records()) == 2
+        assert len(spool.records(2)) == 2
 
 
 def test_another_body_is_422_naming_the_header(backends: Backends, tmp_path: Path) -> None:
@@ -151,7 +159,7 @@ def test_another_body_is_422_naming_the_header(backends: Backends, tmp_path: Pat
         # the same body with its keys in another order is the same body
         reordered = {"stream": False, "messages": [{"content": "hello", "role": "user"}], "model": "my-llm"}
         assert post(url, reordered).headers[REPLAYED] == "true"
-        assert backends.requests("r1") == n and len(spool.records()) == 1
+        assert backends.requests("r1") == n and len(spool.records(1)) == 1
 
 
 CASES = {
@@ -191,7 +199,7 @@ def test_in_flight_is_409_and_a_failure_is_not_kept(backends: Backends, tmp_path
         retry = post(url, chat())  # the failure was not kept: this one runs
         assert retry.status_code == 200 and REPLAYED not in retry.headers
         assert post(url, chat()).headers[REPLAYED] == "true"
-        assert [r["status"] for r in spool.records()] == [200]
+        assert [r["status"] for r in spool.records(1)] == [200]
 
 
 @pytest.mark.parametrize("mode", ["http_500", "http_429", "http_400", "die_mid_stream"])
@@ -221,7 +229,7 @@ def test_records_expire_after_keep_s(backends: Backends, tmp_path: Path) -> None
         n = backends.requests("r1")
         fresh = post(url, chat(max_tokens=9))  # expired: the key is free for another body
         assert fresh.status_code == 200 and REPLAYED not in fresh.headers and backends.requests("r1") == n + 1
-        assert len(spool.records()) == 2
+        assert len(spool.records(2)) == 2
 
 
 def test_an_answer_too_large_is_served_not_kept(backends: Backends, tmp_path: Path) -> None:
@@ -233,7 +241,7 @@ def test_an_answer_too_large_is_served_not_kept(backends: Backends, tmp_path: Pa
             assert r.headers["x-tensora-idempotency"] == "not-stored"
         s = [post(url, chat(stream=True), ik="s") for _ in range(2)]  # a stream cannot say so: it runs again
         assert all(r.status_code == 200 and REPLAYED not in r.headers for r in s)
-        assert len(spool.records()) == 4
+        assert len(spool.records(4)) == 4
 
 
 def test_the_store_total_is_bounded(backends: Backends, tmp_path: Path) -> None:
@@ -305,6 +313,53 @@ def test_a_torn_record_counts_as_none(tmp_path: Path) -> None:
     assert asyncio.run(store.claim("n", "fp", "t", 1000.0, 1060.0)) is None
 
 
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_both_stores_keep_the_same_rules(tmp_path: Path, kind: str) -> None:
+    """One scenario on each store, on a fake clock: atomic claims, tokens, the total bound, expiry."""
+    import redis.asyncio as aioredis
+
+    from services import redis_server
+
+    async def scenario(store: Any) -> None:
+        now, answer = 1_000.0, b"x" * 600
+        assert await store.claim("a", "fp", "t1", now, now + 10) is None
+        assert await store.claim("a", "fp", "t2", now, now + 10) == Held("fp", None)  # in flight
+        assert not await store.complete("a", "t2", answer, now, now + 100)  # not its claim
+        assert await store.complete("a", "t1", answer, now, now + 100)
+        assert await store.claim("a", "other", "t3", now + 1, now + 11) == Held("fp", answer)
+        assert await store.claim("b", "fp", "t4", now, now + 10) is None
+        assert not await store.complete("b", "t4", answer, now, now + 100)  # past the total: not kept
+        await store.release("b", "t4")
+        assert await store.claim("b", "fp", "t5", now, now + 10) is None  # released: free again
+        await store.release("a", "t9")  # not its holder: nothing happens
+        assert (await store.claim("a", "fp", "t6", now + 2, now + 12)) == Held("fp", answer)
+        now += 101  # a expired: its bytes are free, its key too
+        assert await store.complete("b", "t5", answer, now, now + 100) is False  # b's claim lapsed
+        assert await store.claim("b", "fp", "t7", now, now + 10) is None
+        assert await store.complete("b", "t7", answer, now, now + 100)
+        assert await store.claim("a", "new", "t8", now, now + 10) is None
+
+    if kind == "disk":
+        asyncio.run(scenario(DiskStore(tmp_path, max_total_bytes=1000)))
+        return
+    with redis_server() as url:
+        async def on_redis() -> None:
+            client = aioredis.from_url(url)
+            try:
+                await scenario(RedisStore(client, max_total_bytes=1000))
+            finally:
+                await client.aclose()
+        asyncio.run(on_redis())
+
+
+def test_the_relay_error_event_is_what_capture_refuses_to_keep() -> None:
+    """The relay ends a failed stream with this event; Capture keys on its start (keep the two in step)."""
+    from tensora.gateway import idempotency, sse
+    from tensora.gateway.proxy import error_body
+
+    assert sse.event(error_body("failed", "server_error", "upstream_failed")).startswith(idempotency._STREAM_ERROR)
+
+
 def test_answer_round_trip() -> None:
     a = Answer(200, [(b"content-type", b"text/event-stream"), (b"x-tensora-attempts", b"r1:ok")],
                b"data: {}\n\n\ndata: [DONE]\n\n")
@@ -340,7 +395,7 @@ def test_two_gateways_share_records_through_redis(backends: Backends, tmp_path: 
                 assert post(b, chat(stream=stream, max_tokens=4), ik=ik).status_code == 422
                 assert post(b, chat(stream=stream), ik=ik, key=MALLORY).headers.get(REPLAYED) is None
                 assert backends.requests("r1") == n + 1
-            assert len(sa.records()) == 2 and len(sb.records()) == 2  # Mallory's two, through b
+            assert len(sa.records(2)) == 2 and len(sb.records(2)) == 2  # Mallory's two, through b
             backends.mode("r1", "stall_head")  # in flight on a: 409 on b
             t = threading.Thread(target=lambda: post(a, chat(), ik="slow"))
             t.start()

@@ -42,6 +42,7 @@ SWEEP_S = 60.0  # the disk store sweeps expired records at most this often, when
 STATUS = b"x-tensora-idempotency"
 REPLAYED = (b"idempotent-replayed", b"true")
 _NOT_KEPT = (b"x-request-id", b"ratelimit", b"ratelimit-policy")  # the replay's own, or stale
+_STREAM_ERROR = b'data: {"error":'  # how the relay ends a stream that failed after its head (proxy._stream)
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -198,9 +199,11 @@ redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return false
 """
 # KEYS: the record, the index (a sorted set of "bytes:record" by expiry), the total; ARGV: token, now, until,
-# answer, ttl ms, max total bytes. Returns 1 stored, 0 not ours any more, -1 over the total.
+# answer, ttl ms, max total bytes. Returns 1 stored, 0 not ours any more (taken over, or lapsed), -1 over the
+# total.
 _COMPLETE = """
-if redis.call('HGET', KEYS[1], 'tok') ~= ARGV[1] then return 0 end
+local h = redis.call('HMGET', KEYS[1], 'tok', 'exp')
+if h[1] ~= ARGV[1] or tonumber(h[2]) <= tonumber(ARGV[2]) then return 0 end
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2], 'LIMIT', 0, 1000)) do
   redis.call('DECRBY', KEYS[3], tonumber(string.match(m, '^(%d+):')))
   redis.call('ZREM', KEYS[2], m)
@@ -264,17 +267,20 @@ class Outcome(Protocol):
 
 
 class Capture:
-    """The client's ``send``, keeping a copy of what goes out (up to ``limit`` bytes of body). The head is
-    held until the first body part, so that a whole answer too large to keep can say so."""
+    """The client's ``send``, keeping a copy of what goes out (up to ``limit`` bytes of body). A whole 200
+    answer is handed to ``keep`` before its last part goes out, so that a client that has the answer and
+    retries at once finds it kept (not a 409). The head is held until the first body part, so that a whole
+    answer that will not be kept can say so."""
 
-    def __init__(self, send: Send, limit: int, extra: list[tuple[bytes, bytes]]) -> None:
-        self.send, self.limit, self.extra = send, limit, extra
+    def __init__(self, send: Send, limit: int, extra: list[tuple[bytes, bytes]],
+                 keep: Callable[[Answer], Awaitable[bool]] | None = None) -> None:
+        self.send, self.limit, self.extra, self.keep = send, limit, extra, keep
         self.start: dict[str, Any] | None = None
         self.parts: list[bytes] = []
         self.size = 0
-        self.ended = False
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        self.kept = False
 
     async def __call__(self, msg: dict[str, Any]) -> None:
         if msg["type"] == "http.response.start":
@@ -282,24 +288,22 @@ class Capture:
             return
         body = msg.get("body", b"")
         self.size += len(body)
-        self.ended = not msg.get("more_body", False)
+        ended = not msg.get("more_body", False)
         if self.size <= self.limit:
             self.parts.append(body)
         if self.start is not None:
             start, self.start = self.start, None
+            self.status, self.headers = start["status"], list(start["headers"])
             extra = self.extra
-            if self.ended and (self.size > self.limit or start["status"] != 200):
+            if ended and (self.size > self.limit or self.status != 200):
                 extra = [(STATUS, b"not-stored")]
-            self.headers = list(start["headers"])
-            await self.send({**start, "headers": [*start["headers"], *extra]})
-            self.status = start["status"]
+            await self.send({**start, "headers": [*self.headers, *extra]})
+        # a stream the relay ended with its error event is a failure, however it began
+        if ended and self.keep is not None and self.status == 200 and self.size <= self.limit \
+                and _STREAM_ERROR not in body:
+            kept = [(k, v) for k, v in self.headers if k not in _NOT_KEPT and not k.startswith(b"x-ratelimit-")]
+            self.kept = await self.keep(Answer(200, kept, b"".join(self.parts)))
         await self.send(msg)
-
-    def answer(self) -> Answer | None:
-        if not self.ended or self.size > self.limit or self.status != 200:
-            return None
-        kept = [(k, v) for k, v in self.headers if k not in _NOT_KEPT and not k.startswith(b"x-ratelimit-")]
-        return Answer(200, kept, b"".join(self.parts))
 
 
 class Idempotency:
@@ -343,23 +347,23 @@ class Idempotency:
         if held is not None:
             await self._held(send, head, fp, held)
             return
-        capture = Capture(send, self.max_answer_bytes, extra)
-        kept = False
+        async def keep(answer: Answer) -> bool:
+            now = self.wall()
+            try:
+                return await store.complete(name, token, answer.encode(), now, now + self.keep_s)
+            except Exception as exc:  # only not kept; a claim left behind lapses in in_flight_s
+                if store is self.shared:
+                    self._lost(exc)
+                else:
+                    log.warning("idempotency: an answer not kept (%s: %s)", type(exc).__name__, exc)
+                return False
+
+        capture = Capture(send, self.max_answer_bytes, extra, keep)
+        outcome: Outcome | None = None
         try:
             outcome = await serve(capture)
-            answer = capture.answer() if outcome is not None and outcome.status == 200 else None
-            if answer is not None:
-                now = self.wall()
-                try:
-                    kept = await store.complete(name, token, answer.encode(), now, now + self.keep_s)
-                except Exception as exc:  # the answer is out: it is only not kept (a claim left lapses)
-                    if store is self.shared:
-                        self._lost(exc)
-                    else:
-                        log.warning("idempotency: an answer not kept (%s: %s)", type(exc).__name__, exc)
-                    kept = True  # nothing to release through a store that just failed
         finally:
-            if not kept:
+            if not capture.kept or outcome is None or outcome.status != 200:
                 with contextlib.suppress(Exception):
                     await store.release(name, token)
 

@@ -52,10 +52,10 @@ def _ok(backends: Backends) -> None:
     backends.reset()
 
 
-def table(b: Backends) -> RouteTable:
+def table(b: Backends, owners: dict[str, tuple[int, int]] | None = None) -> RouteTable:
     eps = [{"id": f"wl_{o}", "name": "my-llm", "owner": o, "replicas": [replica("r1", b.url("r1"))]}
            for o in ("alice", "mallory")]
-    return make_table(eps, KEYS)
+    return make_table(eps, KEYS, owners=owners)
 
 
 class Spooled:
@@ -85,7 +85,7 @@ class Spooled:
 
 def gateway(b: Backends, d: Path, wall: FakeClock | None = None, shared: Any = None, **kw: Any
             ) -> tuple[Gateway, Spooled]:
-    t, spool = table(b), Spooled(d / "spool")
+    t, spool = table(b, kw.pop("owners", None)), Spooled(d / "spool")
     gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, MemoryLimiter(), spool.meter,
                  **({"wall": wall} if wall else {}))
     gw.on_shutdown.append(spool.close)
@@ -160,6 +160,15 @@ def test_another_body_is_422_naming_the_header(backends: Backends, tmp_path: Pat
         reordered = {"stream": False, "messages": [{"content": "hello", "role": "user"}], "model": "my-llm"}
         assert post(url, reordered).headers[REPLAYED] == "true"
         assert backends.requests("r1") == n and len(spool.records(1)) == 1
+
+
+def test_replays_count_against_the_request_limit(backends: Backends, tmp_path: Path) -> None:
+    """Replays are not metered, but they are requests: else one owner could flood the store for free."""
+    gw, spool = gateway(backends, tmp_path, wall=FakeClock(1_800_000_000.0), owners={"alice": (3, 10**6)})
+    with serving(gw) as url:
+        codes = [post(url, chat()).status_code for _ in range(3)] + [post(url, chat(max_tokens=2)).status_code]
+        assert codes == [200, 200, 200, 429]
+        assert len(spool.records(1)) == 1
 
 
 CASES = {
@@ -418,6 +427,28 @@ def test_two_gateways_share_records_through_redis(backends: Backends, tmp_path: 
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_redis_that_never_answers_costs_a_timeout_not_a_500(backends: Backends, tmp_path: Path) -> None:
+    from test_gateway_redis import Silent
+
+    silent = Silent()
+    try:
+        t, spool = table(backends), Spooled(tmp_path / "spool")
+        lim = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", "t")  # the defaults: 50 ms a call
+        gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, lim, spool.meter)
+        gw.on_shutdown.append(spool.close)
+        gw.idem = Idempotency(DiskStore(tmp_path / "idem"), RedisStore(lim.redis), probe_s=60)
+        with serving(gw) as url:
+            started = time.monotonic()
+            got = [post(url, chat()) for _ in range(3)]
+            assert time.monotonic() - started < 5
+        assert [r.status_code for r in got] == [200] * 3
+        assert got[0].headers["x-tensora-idempotency"] == "local"
+        assert got[1].headers[REPLAYED] == got[2].headers[REPLAYED] == "true"
+        assert len(spool.records(1)) == 1
+    finally:
+        silent.close()
 
 
 def test_settings_build_the_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

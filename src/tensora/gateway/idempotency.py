@@ -320,8 +320,11 @@ class Idempotency:
         self._probe_at = 0.0
 
     async def run(self, send: Send, head: list[tuple[bytes, bytes]], key_id: str, path: str, raw_key: bytes,
-                  body: Any, serve: Callable[[Send], Awaitable[Outcome | None]]) -> None:
-        """``head``: the headers every answer of this request carries (X-Request-Id...)."""
+                  body: Any, serve: Callable[[Send], Awaitable[Outcome | None]],
+                  count: Callable[[], Awaitable[bool]]) -> None:
+        """``head``: the headers every answer of this request carries (X-Request-Id...); ``serve(send)`` runs the
+        request; ``count()`` takes a request from the caller's limits for an answer from the store (False: it
+        sent the 429)."""
         key = raw_key.decode("latin-1")
         if not 0 < len(key) <= MAX_KEY_LEN or not key.isascii() or not key.isprintable():
             await _error(send, head, 400, f"Idempotency-Key must be 1-{MAX_KEY_LEN} printable ASCII characters",
@@ -345,7 +348,8 @@ class Idempotency:
                 await serve(Capture(send, 0, [(STATUS, b"unavailable")]))
                 return
         if held is not None:
-            await self._held(send, head, fp, held)
+            if await count():
+                await self._held(send, head, fp, held)
             return
         async def keep(answer: Answer) -> bool:
             now = self.wall()

@@ -239,7 +239,16 @@ class Gateway:
         else:  # replayed, refused, or served once and kept
             head = [(b"x-request-id", rid.encode()), (b"x-tensora-region", self.o.region.encode())]
             await idem.run(send, head, key.id, path, ik, ask.obj,
-                                lambda s: self._serve(scope, s, rid, path, key, table, endpoint, ask))
+                           lambda s: self._serve(scope, s, rid, path, key, table, endpoint, ask),
+                           lambda: self._count(send, rid, key, table))
+
+    async def _count(self, send: Send, rid: str, key: KeyRoute, table: RouteTable) -> bool:
+        """A replay (or a 409/422 of Idempotency-Key) is a request against the caller's limits, with no tokens:
+        else replays would be free to flood. False once the 429 is sent."""
+        adm = await self.limiter.admit(self._caller_limits(key, table), 0, self.wall())
+        if not adm.ok:
+            await self._refuse(send, rid, adm)
+        return adm.ok
 
     async def _serve(self, scope: Scope, send: Send, rid: str, path: str, key: KeyRoute, table: RouteTable,
                      endpoint: EndpointRoute, ask: Body) -> Served | None:

@@ -6,8 +6,8 @@ same one, can read or block it, and holds a fingerprint of the body (its JSON, k
 request claims it atomically; the same key and body then replays the stored answer (the JSON, or the
 stream's events byte for byte) with ``Idempotent-Replayed: true``, and is not metered again; another
 body is 422; a request still running is 409 with Retry-After. Only a whole 200 answer is kept
-(``keep_s``, 24 h): errors, 429s, a stream ended by an error, a client gone mid-answer release the claim
-and a retry runs afresh. An answer over ``max_answer_bytes`` is served but not kept (a whole one says so
+(``keep_s``, 24 h): errors, 429s, a stream ended by an error release the claim and a retry runs afresh
+(a request cancelled midway too). An answer over ``max_answer_bytes`` is served but not kept (a whole one says so
 in ``X-Tensora-Idempotency: not-stored``), and so is one that would take the store past
 ``max_total_bytes``: its retry runs again. An abandoned claim (a crash) lapses after ``in_flight_s``.
 

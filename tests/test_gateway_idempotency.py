@@ -171,6 +171,21 @@ def test_replays_count_against_the_request_limit(backends: Backends, tmp_path: P
         assert len(spool.records(1)) == 1
 
 
+def test_a_client_gone_mid_stream_gets_it_whole_on_its_retry(backends: Backends, tmp_path: Path) -> None:
+    gw, spool = gateway(backends, tmp_path)
+    with serving(gw) as url, httpx.stream("POST", f"{url}/chat/completions", json=chat(stream=True), timeout=10,
+                                          headers={"Authorization": f"Bearer {ALICE}", "Idempotency-Key": "g"}) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())
+        r.close()  # gone after the first bytes
+        deadline = time.monotonic() + 10
+        while (again := post(url, chat(stream=True), ik="g")).status_code == 409:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert again.headers[REPLAYED] == "true" and again.text.endswith("data: [DONE]\n\n")
+        assert len(spool.records(1)) == 1
+
+
 CASES = {
     "empty": "",
     "too long": "k" * 256,

@@ -4,7 +4,8 @@ The route table is polled from the control API (``GET /v1/gateway/routes`` with 
 every ``poll_s``), kept in memory and in ``DATA_DIR/gateway/routes.json``; while the control API
 is down the gateway serves from the last table it has (ADR-0008), from disk after a restart.
 Usage goes back in batches (``metering``); rate limits are in memory, or in Redis with
-``redis_url`` so that several gateways share them (``redis_fail_mode`` says what happens while it is down).
+``redis_url`` so that several gateways share them (``redis_fail_mode`` says what happens while it is down);
+Idempotency-Key records likewise, else on disk in ``DATA_DIR/gateway/idempotency``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Peer
+from tensora.gateway.idempotency import DiskStore, Idempotency, RedisStore
 from tensora.gateway.limits import FailMode, Limiter, MemoryLimiter, RedisLimiter
 from tensora.gateway.metering import Meter
 from tensora.gateway.probe import Prober
@@ -80,6 +82,12 @@ class GatewaySettings(BaseModel):
                                         "how long it is skipped (times 0.5 to 1.5 at random)")
     usage_flush_s: float = Field(default=1.0, gt=0)
     usage_spool_max_bytes: int = Field(default=256 << 20, ge=1 << 16)
+    idempotency_keep_s: float = Field(default=24 * 3600.0, gt=0, description="how long an answer is replayed "
+                                      "to the same Idempotency-Key and body")
+    idempotency_max_answer_bytes: int = Field(default=1 << 20, ge=0, description="an answer over this is served "
+                                              "but not kept: its retry runs again")
+    idempotency_max_total_bytes: int = Field(default=256 << 20, ge=0, description="all kept answers together "
+                                             "(on disk, or in Redis with redis_url); past it, new ones are not kept")
     peers: list[PeerSetting] = Field(default_factory=list)
     log_level: str = "warning"
 
@@ -199,6 +207,12 @@ def build(settings: GatewaySettings) -> Gateway:
                                fail_mode=settings.redis_fail_mode, replicas=settings.replicas,
                                probe_s=settings.redis_probe_s)
     gw = Gateway(settings.options(), lambda: source.table, limiter, meter)
+    gw.idem = Idempotency(
+        DiskStore(settings.dir / "idempotency", settings.idempotency_max_total_bytes),
+        RedisStore(limiter.redis, max_total_bytes=settings.idempotency_max_total_bytes)
+        if isinstance(limiter, RedisLimiter) else None,
+        keep_s=settings.idempotency_keep_s, in_flight_s=settings.deadline_s + 10,
+        max_answer_bytes=settings.idempotency_max_answer_bytes, probe_s=settings.redis_probe_s)
     tasks: list[asyncio.Task[None]] = []
     stopping: list[bool] = []
 

@@ -36,8 +36,8 @@ from typing import Any
 import orjson
 
 from tensora import apikeys
-from tensora.gateway import chain, sse
-from tensora.gateway.body import Invalid, parse
+from tensora.gateway import chain, idempotency, sse
+from tensora.gateway.body import Body, Invalid, parse
 from tensora.gateway.breaker import Breaker, Policy, State
 from tensora.gateway.chain import Backend, Peer, ServedBy
 from tensora.gateway.limits import Admission, Caller, Limiter, Quota, Refused
@@ -119,6 +119,7 @@ class Gateway:
         self._callers: dict[str, Caller] = {}  # by key id, for the route table's version below
         self._callers_version: str | None = None
         self._keys: dict[bytes, str] = {}  # secret -> digest, for keys seen before (bounded)
+        self.idem: idempotency.Idempotency | None = None  # Idempotency-Key honoured when set
         self.on_startup: list[Callable[[], Awaitable[None]]] = []
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 
@@ -244,7 +245,26 @@ class Gateway:
             await self._error(send, rid, 404, f"The model '{ask.model}' does not exist or you do not have access "
                               "to it.", "invalid_request_error", "model_not_found", "model")
             return
+        idem = self.idem
+        ik = _header(scope, idempotency.HEADER) if idem is not None else None
+        if idem is None or ik is None:
+            await self._serve(scope, send, rid, path, key, table, endpoint, ask)
+        else:  # replayed, refused, or served once and kept
+            head = [(b"x-request-id", rid.encode()), (b"x-tensora-region", self.o.region.encode())]
+            await idem.run(send, head, key.id, path, ik, ask.obj,
+                           lambda s: self._serve(scope, s, rid, path, key, table, endpoint, ask),
+                           lambda: self._count(send, rid, key, table))
 
+    async def _count(self, send: Send, rid: str, key: KeyRoute, table: RouteTable) -> bool:
+        """A replay (or a 409/422 of Idempotency-Key) is a request against the caller's limits, with no tokens:
+        else replays would be free to flood. False once the 429 is sent."""
+        adm = await self.limiter.admit(self._caller_limits(key, table), 0, self.wall())
+        if not adm.ok:
+            await self._refuse(send, rid, adm)
+        return adm.ok
+
+    async def _serve(self, scope: Scope, send: Send, rid: str, path: str, key: KeyRoute, table: RouteTable,
+                     endpoint: EndpointRoute, ask: Body) -> Served | None:
         # step 3: admission, tokens reserved in the owner's windows (and the key's, when held lower)
         caller = self._caller_limits(key, table)
         reserve = ask.reserve
@@ -253,11 +273,11 @@ class Gateway:
             await self._error(send, rid, 429, f"this request reserves {reserve} tokens (prompt + max_tokens x n), "
                               f"more than the {tpm} per minute {_whose(caller, tpm)}: lower max_tokens", "tokens",
                               "rate_limit_exceeded", "max_tokens")
-            return
+            return None
         adm = await self.limiter.admit(caller, reserve, self.wall())
         if not adm.ok:
             await self._refuse(send, rid, adm)
-            return
+            return None
         limit_headers = adm.headers()
 
         # step 4: the chain
@@ -278,6 +298,7 @@ class Gateway:
                 "endpoint_id": endpoint.id, "product": product, "answered_by": b.endpoint_id, "model": b.model,
                 "served_by": served.served_by, "region": served.region, "prompt_tokens": served.prompt_tokens,
                 "completion_tokens": served.completion_tokens, "status": served.status})
+        return served
 
     def _caller_limits(self, key: KeyRoute, table: RouteTable) -> Caller:
         """The windows ``key``'s requests count against, kept until the route table changes: its owner's

@@ -230,7 +230,8 @@ def test_in_flight_is_409_and_a_failure_is_not_kept(backends: Backends, tmp_path
 def test_errors_are_not_kept(backends: Backends, tmp_path: Path, mode: str) -> None:
     gw, _ = gateway(backends, tmp_path)
     stream = mode == "die_mid_stream"
-    backends.mode("r1", mode)
+    # a 429 saying "come back at once", so that the next request is not held off r1 by the 429's own back-off
+    backends.mode("r1", mode, **({"headers": {"retry-after-ms": "0"}} if mode == "http_429" else {}))
     with serving(gw) as url:
         bad = post(url, chat(stream=stream))
         assert bad.status_code != 200 or "error" in bad.text

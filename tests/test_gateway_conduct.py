@@ -313,3 +313,11 @@ def test_every_request_a_backend_saw_is_in_the_attempts_once_whatever_the_faults
                 assert len(mine) <= 2, listed
 
         one()
+
+
+def test_the_gateway_settings_reach_the_conduct(tmp_path: Any) -> None:
+    from tensora.gateway.app import GatewaySettings
+
+    o = GatewaySettings(data_dir=tmp_path, stream_idle_s=7, retry_delay_s=0.3).options()
+    assert (o.stream_idle_s, o.retry_delay_s) == (7, 0.3)
+    assert GatewaySettings(data_dir=tmp_path).options().stream_idle_s == Options().stream_idle_s == 30.0

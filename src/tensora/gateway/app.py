@@ -58,6 +58,10 @@ class GatewaySettings(BaseModel):
                                    "gateway, as under tensora up); once it has answered, an outage warns at once")
     ttft_s: float = Field(default=30.0, gt=0, description="per attempt: time to the first token")
     deadline_s: float = Field(default=120.0, gt=0, description="per request, all attempts together")
+    stream_idle_s: float = Field(default=30.0, gt=0, le=600, description="after a stream's first token, the longest "
+                                 "it may go without an event before it is ended (per endpoint: spec.stream_idle_s)")
+    retry_delay_s: float = Field(default=0.1, ge=0, le=10, description="before the one retry of a tier's only "
+                                 "backend (jittered 0.5x-1.5x)")
     connect_timeout_s: float = Field(default=2.0, gt=0)
     retry_after_s: int = Field(default=5, ge=1)
     requests_per_minute: int = Field(default=600, ge=1)
@@ -95,7 +99,8 @@ class GatewaySettings(BaseModel):
         return Options(region=self.region, ttft_s=self.ttft_s, deadline_s=self.deadline_s,
                        connect_timeout_s=self.connect_timeout_s, retry_after_s=self.retry_after_s,
                        rpm=self.requests_per_minute, tpm=self.tokens_per_minute,
-                       default_max_tokens=self.default_max_tokens,
+                       default_max_tokens=self.default_max_tokens, stream_idle_s=self.stream_idle_s,
+                       retry_delay_s=self.retry_delay_s,
                        breaker=Policy(self.breaker_consecutive, self.breaker_base_s, self.breaker_max_s,
                                       self.probe_successes), rate_limit_backoff_s=self.rate_limit_backoff_s,
                        peers=tuple(Peer(p.region, p.url.rstrip("/")) for p in self.peers))

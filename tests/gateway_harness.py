@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 
 from services import free_port
@@ -72,6 +73,20 @@ class Backends:
             p.terminate()
         for p in self.procs.values():
             p.wait(10)
+
+
+def backends_fixture(names: list[str], **kw: Any) -> Any:
+    """A module's ``backends`` fixture: these fake backends started once for the module, stopped after it."""
+
+    @pytest.fixture(scope="module")
+    def backends() -> Iterator[Backends]:
+        b = Backends(names, **kw)
+        try:
+            yield b
+        finally:
+            b.close()
+
+    return backends
 
 
 def replica(rid: str, url: str, cpu: bool = False, model: str = "/models/m", api_key: str | None = None

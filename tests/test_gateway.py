@@ -14,7 +14,7 @@ import openai
 import orjson
 import pytest
 
-from gateway_harness import Backends, FakeClock, chat, make_table, replica, serving, sse_payloads
+from gateway_harness import Backends, FakeClock, backends_fixture, chat, make_table, replica, serving, sse_payloads
 from services import free_port
 from tensora import apikeys
 from tensora.gateway.breaker import Policy
@@ -33,13 +33,7 @@ FAILURES = ["http_500", "http_503", "http_429", "close", "stall_head"]
 REPLICA_KEY = "k1-replica-key"  # what the control API's route table gives the gateway for replica k1
 
 
-@pytest.fixture(scope="module")
-def backends() -> Iterator[Backends]:
-    b = Backends(["r1", "r2", "c1", "s1", "f1", "us1", "k1"], api_keys={"k1": REPLICA_KEY})
-    try:
-        yield b
-    finally:
-        b.close()
+backends = backends_fixture(["r1", "r2", "c1", "s1", "f1", "us1", "k1"], api_keys={"k1": REPLICA_KEY})
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,7 +19,7 @@ import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway_harness import Backends, FakeClock, chat, make_table, replica, serving, sse_payloads
+from gateway_harness import Backends, FakeClock, backends_fixture, chat, make_table, replica, serving, sse_payloads
 from tensora import apikeys
 from tensora.gateway import upstream
 from tensora.gateway.breaker import Policy
@@ -36,13 +36,7 @@ BODY = orjson.dumps({"model": "/models/m", "messages": [{"role": "user", "conten
 LOOPS: dict[str, Callable[[Any], Any]] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 
 
-@pytest.fixture(scope="module")
-def backends() -> Iterator[Backends]:
-    b = Backends(["r1", "r2", "f1"])
-    try:
-        yield b
-    finally:
-        b.close()
+backends = backends_fixture(["r1", "r2", "f1"])
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ import asyncio
 import email.utils
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway_harness import Backends, FakeClock, chat, make_table, replica, serving, sse_payloads
+from gateway_harness import Backends, FakeClock, backends_fixture, chat, make_table, replica, serving, sse_payloads
 from tensora import apikeys
 from tensora.gateway.app import GatewaySettings, build
 from tensora.gateway.breaker import Policy
@@ -42,13 +41,7 @@ VLLM_V1_CONTEXT = {"message": "The decoder prompt (length 5000) is longer than t
                    "type": "BadRequestError", "param": None, "code": 400}
 
 
-@pytest.fixture(scope="module")
-def backends() -> Iterator[Backends]:
-    b = Backends(["r1", "c1", "s1", "f1", "g1", "k1"], api_keys={"k1": REPLICA_KEY})
-    try:
-        yield b
-    finally:
-        b.close()
+backends = backends_fixture(["r1", "c1", "s1", "f1", "g1", "k1"], api_keys={"k1": REPLICA_KEY})
 
 
 @pytest.fixture(autouse=True)

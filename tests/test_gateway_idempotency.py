@@ -11,7 +11,6 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway_harness import Backends, FakeClock, chat, make_table, replica, serving
+from gateway_harness import Backends, FakeClock, backends_fixture, chat, make_table, replica, serving
 from services import free_port, redis_process
 from tensora import apikeys
 from tensora.gateway.app import GatewaySettings, build
@@ -38,13 +37,7 @@ KEYS = {ALICE: ("alice", ["inference"]), ALICE2: ("alice", ["inference"]), MALLO
 REPLAYED = "idempotent-replayed"
 
 
-@pytest.fixture(scope="module")
-def backends() -> Iterator[Backends]:
-    b = Backends(["r1"])
-    try:
-        yield b
-    finally:
-        b.close()
+backends = backends_fixture(["r1"])
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway_harness import Backends, chat, make_table, replica, serving
+from gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from services import redis_server
 from tensora import apikeys
 from tensora.gateway.limits import Admission, Caller, Limiter, MemoryLimiter, Quota, RedisLimiter, Refused, decide
@@ -124,13 +124,7 @@ KEYS = {k: (o, ["inference"]) for k, o in ((ALICE_1, "alice"), (ALICE_2, "alice"
                                            (BOB, "bob"))}
 
 
-@pytest.fixture(scope="module")
-def backends() -> Iterator[Backends]:
-    b = Backends(["r1"])
-    try:
-        yield b
-    finally:
-        b.close()
+backends = backends_fixture(["r1"])
 
 
 def gateway(table: RouteTable, limiter: Limiter | None = None, **opts: int) -> Gateway:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway_harness import Backends, chat, make_table, replica, serving
+from gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from services import free_port, redis_process
 from tensora import apikeys
 from tensora.gateway.app import GatewaySettings, build
@@ -34,13 +34,7 @@ OWNERS = {"alice": (10**7, 10**10), "carol": (6, 100_000)}  # alice: the load, n
 MINUTE = 1_800_000_030.0
 
 
-@pytest.fixture(scope="module")
-def backends() -> Iterator[Backends]:
-    b = Backends(["r1"])
-    try:
-        yield b
-    finally:
-        b.close()
+backends = backends_fixture(["r1"])
 
 
 def table(b: Backends) -> RouteTable:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import services
-from gateway_harness import Backends, chat, make_table, replica, serving
+from gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from stack import Stack, stack
 from tensora import apikeys
 from tensora.api.auth import create_key
@@ -32,13 +32,7 @@ from tensora.store.db import Database
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def backends() -> Iterator[Backends]:
-    b = Backends(["r1"])
-    try:
-        yield b
-    finally:
-        b.close()
+backends = backends_fixture(["r1"])
 
 
 class Plane:

@@ -64,6 +64,8 @@ class Options:
     tpm: int = 1_000_000
     default_max_tokens: int = 256  # reserved when a request gives no max_tokens
     max_body_bytes: int = 8 << 20
+    max_upstream_body_bytes: int = 32 << 20  # a model server's whole answer: 502 beyond
+    max_sse_event_bytes: int = 1 << 20  # one event of its stream: the stream ends with an error event beyond
     breaker: Policy = field(default_factory=Policy)
     peers: tuple[Peer, ...] = ()
 
@@ -98,7 +100,7 @@ class Gateway:
         self.limiter = limiter
         self.meter = meter
         self.clock, self.wall = clock, wall
-        self.client = Client(options.connect_timeout_s)
+        self.client = Client(options.connect_timeout_s, options.max_upstream_body_bytes)
         self.breakers: dict[str, Breaker] = {}
         self._turn = 0
         self._tiers_cache: dict[tuple[str, bool], list[list[Backend]]] = {}
@@ -428,6 +430,11 @@ class Gateway:
         except TimeoutError:
             raise Failed("timeout") from None
         except UpstreamError as exc:
+            if exc.kind == "body_too_large":  # as large from any replica of the model: no other tier
+                await self._error(send, rid, 502, f"the model server's answer is over {self.o.max_upstream_body_bytes}"
+                                  " bytes", "server_error", "upstream_too_large", headers=self._headers(
+                                      b, resp, attempts, exc.kind, limit_headers)[0])
+                return Served(b, b.served_by.value, b.region, status=502)
             raise Failed(exc.kind) from None
         try:
             obj = orjson.loads(data)
@@ -453,7 +460,7 @@ class Gateway:
         """Hold the status until the first content event: a failure before it moves on (a real
         503 or 429 later, never a 200 with an empty stream); a failure after it ends the stream
         with an error event, never splicing another model's output in."""
-        events = sse.Events()
+        events = sse.Events(self.o.max_sse_event_bytes)
         held: list[bytes] = []
         sending = False  # the head is out: from here a failure ends the stream with an error event
         served = Served(b, b.served_by.value, b.region)
@@ -463,6 +470,7 @@ class Gateway:
             try:
                 async with asyncio.timeout(max(0.0, (deadline if sending else first_by) - self.clock())):
                     chunk = await resp.next_chunk()
+                payloads = events.feed(chunk) if chunk is not None else events.tail()
             except (TimeoutError, UpstreamError) as exc:
                 kind = exc.kind if isinstance(exc, UpstreamError) else "timeout"
                 if not sending:
@@ -476,7 +484,7 @@ class Gateway:
             if chunk is None:
                 done = True
             out: list[bytes] = []
-            for p in events.feed(chunk) if chunk is not None else events.tail():
+            for p in payloads:
                 if p == sse.DONE:
                     done = True
                     break

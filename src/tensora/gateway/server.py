@@ -94,6 +94,8 @@ class _Conn(asyncio.Protocol):
         self.lost: asyncio.Future[None] | None = None
         self.closed = False
         self.head = 0  # bytes of the head being read; -1 while reading a body
+        self.length = -1  # the body's content-length; -1: none or chunked
+        self.pending = b""  # read but not parsed: the queue was full
         self.head_size = 0  # its line and headers, as parsed
         self.deadline: float | None = None  # when ``expire`` runs (the server's sweep looks)
         self.done_reading = False  # a refusal is queued or sent: nothing more is parsed
@@ -138,7 +140,11 @@ class _Conn(asyncio.Protocol):
 
     def _flow(self) -> None:
         """Read only while the client takes its answers and the queue has room."""
-        pause = (self.drain is not None or len(self.queue) >= self.lim.max_pipelined) and not self.done_reading
+        if self.pending and len(self.queue) < self.lim.max_pipelined and not self.done_reading:
+            data, self.pending = self.pending, b""
+            self._feed(data)
+        pause = ((self.drain is not None or self.pending or len(self.queue) >= self.lim.max_pipelined)
+                 and not self.done_reading)
         if pause != self.paused and self.transport is not None and not self.closed:
             self.paused = pause
             if pause:
@@ -149,21 +155,43 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.done_reading:
             return  # refused: what still comes is dropped
-        if self.head >= 0:
-            if self.head == 0:  # a head begins: it has header_timeout_s to arrive whole
-                self.deadline = self.server.loop.time() + self.lim.header_timeout_s
-            self.head += len(data)
-        try:
-            self.parser.feed_data(data)
-            if self.head > self.lim.max_header_bytes:  # still in the head after all of this
-                raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
-        except _Refuse as r:
-            self._refuse(r)
-        except httptools.HttpParserUpgrade:
-            self._refuse(_Refuse(400, b"upgrades are not supported"))
-        except httptools.HttpParserError as exc:
-            why = exc.__context__  # a callback's own refusal, else the parser's
-            self._refuse(why if isinstance(why, _Refuse) else _Refuse(400, b"malformed HTTP request"))
+        if self.pending:
+            self.pending += data
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """Parse ``data`` a message at a time (a head ends at its blank line, a body at its length), so that
+        what follows a full queue waits unparsed in ``pending`` (reading paused) rather than queued."""
+        i, n = 0, len(data)
+        view = memoryview(data)
+        while i < n:
+            if self.done_reading:
+                return
+            if len(self.queue) >= self.lim.max_pipelined:
+                self.pending = bytes(view[i:])
+                self._flow()
+                return
+            if self.head >= 0:
+                j = data.find(b"\r\n\r\n", i)
+                end = n if j < 0 else j + 4
+                if self.head == 0:  # a head begins: it has header_timeout_s to arrive whole
+                    self.deadline = self.server.loop.time() + self.lim.header_timeout_s
+                self.head += end - i
+            else:
+                end = n if self.length < 0 else min(n, i + max(1, self.length - self.size))
+            try:
+                self.parser.feed_data(data if end - i == n else view[i:end])
+                if self.head > self.lim.max_header_bytes:  # still in the head after all of this
+                    raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
+            except _Refuse as r:
+                self._refuse(r)
+            except httptools.HttpParserUpgrade:
+                self._refuse(_Refuse(400, b"upgrades are not supported"))
+            except httptools.HttpParserError as exc:
+                why = exc.__context__  # a callback's own refusal, else the parser's
+                self._refuse(why if isinstance(why, _Refuse) else _Refuse(400, b"malformed HTTP request"))
+            i = end
 
     def _refuse(self, r: _Refuse) -> None:
         """Parse nothing more; answer ``r`` after the requests already queued, then close."""
@@ -210,6 +238,7 @@ class _Conn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.req = _Request()
         self.size = 0
+        self.length = -1
         self.head_size = 0
 
     def on_url(self, url: bytes) -> None:
@@ -222,8 +251,10 @@ class _Conn(asyncio.Protocol):
         self.head_size += len(name) + len(value) + 4
         if len(self.req.headers) > self.lim.max_headers:
             raise _Refuse(431, b"more than %d headers" % self.lim.max_headers)
-        if name == b"content-length" and value.isdigit() and int(value) > self.lim.max_body_bytes:
-            raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)  # before it is sent
+        if name == b"content-length" and value.isdigit():
+            self.length = int(value)
+            if self.length > self.lim.max_body_bytes:
+                raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)  # before it is sent
 
     def on_headers_complete(self) -> None:
         if self.head_size > self.lim.max_header_bytes:
@@ -243,10 +274,6 @@ class _Conn(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.head = 0
         self.deadline = None
-        if len(self.queue) >= self.lim.max_pipelined:  # more in one read than the queue holds
-            self.queue[-1].keep_alive = False  # answered up to here; the client sends the rest again
-            self.done_reading = True
-            raise _Refuse(0, b"")  # stops the parser; nothing is queued for it
         self.queue.append(self.req)
         self._flow()
         if self.task is None:
@@ -261,11 +288,10 @@ class _Conn(asyncio.Protocol):
         req = self.queue.popleft()
         if req.refuse is not None:
             self.task = None
-            if req.refuse.status:
-                self._reject(req.refuse.status, req.refuse.message)
+            self._reject(req.refuse.status, req.refuse.message)
             return
-        self._flow()
         self.task = self.server.loop.create_task(self._run(req))
+        self._flow()  # room in the queue: parse what waits, read again
 
     async def _run(self, req: _Request) -> None:
         path, _, query = req.url.partition(b"?")

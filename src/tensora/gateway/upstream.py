@@ -224,10 +224,13 @@ class _Conn(asyncio.Protocol):
         else:
             self.close()
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         if self.transport is not None and not self.closed:
             self.closed = True
-            self.transport.close()
+            if abort:  # at shutdown: no TLS goodbye that needs the loop to run on
+                self.transport.abort()
+            else:
+                self.transport.close()
 
 
 class Pool:
@@ -280,7 +283,7 @@ class Pool:
 
     def close(self) -> None:
         while self.idle:
-            self.idle.pop().close()
+            self.idle.pop().close(abort=True)
 
 
 class Client:

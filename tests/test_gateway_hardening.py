@@ -108,6 +108,16 @@ def test_header_size_and_count_are_bounded(head: bytes, status: int) -> None:
     assert seen == (["/"] if status == 200 else [])
 
 
+def test_heads_are_measured_one_by_one_in_a_large_read() -> None:
+    """Three pipelined 30 KiB heads in one write: 90 KiB together, each under the bound, all answered."""
+    with serving_own(app) as server, connect(server) as s:
+        s.sendall(b"".join(get(f"/h{i}", b"x-big: " + b"a" * (30 << 10) + b"\r\n") for i in range(3))
+                  + get("/h3", b"x-big: " + b"a" * (61 << 10) + b"\r\n"))
+        out = read_all(s)
+    assert seen == ["/h0", "/h1", "/h2"]
+    assert out.count(b"HTTP/1.1 200") == 3 and out.count(b"HTTP/1.1 431") == 1
+
+
 def test_the_server_stops_reading_a_huge_head_early() -> None:
     """16 MiB of header are not read whole: the 431 comes while the client is still sending."""
     with serving_own(app) as server, connect(server) as s:

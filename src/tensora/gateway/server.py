@@ -93,10 +93,9 @@ class _Conn(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.lost: asyncio.Future[None] | None = None
         self.closed = False
-        self.head = 0  # bytes of the head being read; -1 while reading a body
+        self.head = 0  # bytes read of the head being read; -1 while reading a body
         self.length = -1  # the body's content-length; -1: none or chunked
         self.pending = b""  # read but not parsed: the queue was full
-        self.head_size = 0  # its line and headers, as parsed
         self.deadline: float | None = None  # when ``expire`` runs (the server's sweep looks)
         self.done_reading = False  # a refusal is queued or sent: nothing more is parsed
         self.paused = False  # reading paused (a full queue, or a client that does not read)
@@ -114,7 +113,7 @@ class _Conn(asyncio.Protocol):
         nodelay(transport)
         transport.set_write_buffer_limits(high=self.lim.write_buffer_bytes)  # type: ignore[attr-defined]
         self.lost = loop.create_future()
-        self.deadline = loop.time() + self.lim.idle_timeout_s
+        self.deadline = self.server.now + self.lim.idle_timeout_s
         self.server.conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -161,9 +160,19 @@ class _Conn(asyncio.Protocol):
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
-        """Parse ``data`` a message at a time (a head ends at its blank line, a body at its length), so that
-        what follows a full queue waits unparsed in ``pending`` (reading paused) rather than queued."""
+        """Parse ``data``; when it may hold more requests than the queue has room for, a message at a time
+        (a head ends at its blank line, a body at its length), so that what follows a full queue waits
+        unparsed in ``pending`` (reading paused) rather than queued."""
         i, n = 0, len(data)
+        lim = self.lim
+        if n + max(self.head, 0) <= lim.max_header_bytes and len(self.queue) + data.count(b"\r\n\r\n") < \
+                lim.max_pipelined:  # no head in it can be too large, nor the queue fill: all at once
+            if self.head >= 0:
+                if self.head == 0:
+                    self.deadline = self.server.now + lim.header_timeout_s
+                self.head += n
+            self._parse(data)
+            return
         view = memoryview(data)
         while i < n:
             if self.done_reading:
@@ -176,22 +185,25 @@ class _Conn(asyncio.Protocol):
                 j = data.find(b"\r\n\r\n", i)
                 end = n if j < 0 else j + 4
                 if self.head == 0:  # a head begins: it has header_timeout_s to arrive whole
-                    self.deadline = self.server.loop.time() + self.lim.header_timeout_s
+                    self.deadline = self.server.now + self.lim.header_timeout_s
                 self.head += end - i
             else:
                 end = n if self.length < 0 else min(n, i + max(1, self.length - self.size))
-            try:
-                self.parser.feed_data(data if end - i == n else view[i:end])
-                if self.head > self.lim.max_header_bytes:  # still in the head after all of this
-                    raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
-            except _Refuse as r:
-                self._refuse(r)
-            except httptools.HttpParserUpgrade:
-                self._refuse(_Refuse(400, b"upgrades are not supported"))
-            except httptools.HttpParserError as exc:
-                why = exc.__context__  # a callback's own refusal, else the parser's
-                self._refuse(why if isinstance(why, _Refuse) else _Refuse(400, b"malformed HTTP request"))
+            self._parse(data if end - i == n else view[i:end])
             i = end
+
+    def _parse(self, data: bytes | memoryview) -> None:
+        try:
+            self.parser.feed_data(data)
+            if self.head > self.lim.max_header_bytes:  # still in the head after all of this
+                raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
+        except _Refuse as r:
+            self._refuse(r)
+        except httptools.HttpParserUpgrade:
+            self._refuse(_Refuse(400, b"upgrades are not supported"))
+        except httptools.HttpParserError as exc:
+            why = exc.__context__  # a callback's own refusal, else the parser's
+            self._refuse(why if isinstance(why, _Refuse) else _Refuse(400, b"malformed HTTP request"))
 
     def _refuse(self, r: _Refuse) -> None:
         """Parse nothing more; answer ``r`` after the requests already queued, then close."""
@@ -239,43 +251,41 @@ class _Conn(asyncio.Protocol):
         self.req = _Request()
         self.size = 0
         self.length = -1
-        self.head_size = 0
 
     def on_url(self, url: bytes) -> None:
         self.req.url += url
-        self.head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         self.req.headers.append((name, value))
-        self.head_size += len(name) + len(value) + 4
-        if len(self.req.headers) > self.lim.max_headers:
-            raise _Refuse(431, b"more than %d headers" % self.lim.max_headers)
         if name == b"content-length" and value.isdigit():
             self.length = int(value)
             if self.length > self.lim.max_body_bytes:
                 raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)  # before it is sent
 
     def on_headers_complete(self) -> None:
-        if self.head_size > self.lim.max_header_bytes:
+        if self.head > self.lim.max_header_bytes:  # exact: a large read is parsed a head at a time
             raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
+        if len(self.req.headers) > self.lim.max_headers:  # counted here: the head's size bounds them meanwhile
+            raise _Refuse(431, b"more than %d headers" % self.lim.max_headers)
         self.req.method = self.parser.get_method()
         self.req.keep_alive = self.parser.should_keep_alive()
         self.head = -1
-        self.deadline = self.server.loop.time() + self.lim.idle_timeout_s  # for the body
+        self.deadline = self.server.now + self.lim.idle_timeout_s  # for the body
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
         if self.size > self.lim.max_body_bytes:
             raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)
         self.req.body.append(body)
-        self.deadline = self.server.loop.time() + self.lim.idle_timeout_s
+        self.deadline = self.server.now + self.lim.idle_timeout_s
 
     def on_message_complete(self) -> None:
         self.head = 0
         self.deadline = None
         self.queue.append(self.req)
-        self._flow()
+        if len(self.queue) >= self.lim.max_pipelined:
+            self._flow()
         if self.task is None:
             self._next()
 
@@ -283,7 +293,7 @@ class _Conn(asyncio.Protocol):
         if self.closed or not self.queue:
             self.task = None
             if not self.closed and self.head == 0 and self.deadline is None:
-                self.deadline = self.server.loop.time() + self.lim.idle_timeout_s
+                self.deadline = self.server.now + self.lim.idle_timeout_s
             return
         req = self.queue.popleft()
         if req.refuse is not None:
@@ -291,7 +301,8 @@ class _Conn(asyncio.Protocol):
             self._reject(req.refuse.status, req.refuse.message)
             return
         self.task = self.server.loop.create_task(self._run(req))
-        self._flow()  # room in the queue: parse what waits, read again
+        if self.paused or self.pending:
+            self._flow()  # room in the queue: parse what waits, read again
 
     async def _run(self, req: _Request) -> None:
         path, _, query = req.url.partition(b"?")
@@ -378,6 +389,7 @@ class Server:
         self.conns: set[_Conn] = set()
         self.bound: tuple[str, int] | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.now = 0.0  # the loop's time at the last sweep: deadlines are a tick coarse, never a call per request
 
     async def _lifespan(self) -> tuple[asyncio.Queue[dict[str, Any]], asyncio.Task[None], asyncio.Queue[Any]]:
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -402,12 +414,18 @@ class Server:
         tick = min(1.0, max(0.01, min(lim.header_timeout_s, lim.idle_timeout_s) / 10))
         while True:
             await asyncio.sleep(tick)
-            now = self.loop.time()
+            self.now = now = self.loop.time()
             for c in [c for c in self.conns if c.deadline is not None and c.deadline <= now]:
-                c.expire()
+                try:
+                    c.expire()
+                except Exception:  # one connection's trouble must not end the sweep for all
+                    log.exception("closing an expired connection failed")
+                    if c.transport is not None:
+                        c.transport.abort()
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.now = self.loop.time()
         stop = stop or asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):

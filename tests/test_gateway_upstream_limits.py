@@ -55,6 +55,8 @@ class Scripted:
 
     def __init__(self) -> None:
         self.reply: Callable[[], list[bytes]] = lambda: [whole(completion("ok"))]
+        self.pause = 0.01  # between pieces
+        self.sent = 0  # bytes written so far
         outer = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -72,7 +74,8 @@ class Scripted:
                 try:
                     for piece in outer.reply():
                         self.request.sendall(piece)
-                        time.sleep(0.01)
+                        outer.sent += len(piece)
+                        time.sleep(outer.pause)
                     time.sleep(0.2)
                 except OSError:
                     pass
@@ -101,7 +104,7 @@ def upstream() -> Iterator[Scripted]:
 def gateway(upstream: Scripted) -> Iterator[str]:
     table = make_table([{"id": "wl_main", "name": "my-llm", "owner": "alice",
                          "replicas": [replica("r1", upstream.url)]}], {ALICE: ("alice", ["inference"])})
-    o = Options(ttft_s=2.0, deadline_s=5.0, breaker=Policy(consecutive=1000), max_upstream_body_bytes=LIMIT,
+    o = Options(ttft_s=2.0, deadline_s=30.0, breaker=Policy(consecutive=1000), max_upstream_body_bytes=LIMIT,
                 max_sse_event_bytes=EVENT)
     with serving_own(Gateway(o, lambda: table, MemoryLimiter(), None)) as server:
         yield f"http://127.0.0.1:{server.bound[1]}/v1"
@@ -184,3 +187,26 @@ def test_scripted_server_speaks_http(upstream: Scripted) -> None:
     with socket.create_connection(upstream.server.server_address) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_that_never_reads_a_stream_holds_back_the_model_server(upstream: Scripted, gateway: str) -> None:
+    """32 MiB of events for a client that reads none: the gateway's buffers stay bounded, so the model
+    server is held back by TCP (what it got out is the sockets' buffers, about 8 MiB); then all arrive."""
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"w" * 8000 + b'"}}]}\n\n'
+    pieces = [chunk(event * 128)] * 32  # 32 x 1 MiB
+    upstream.pause = 0
+    upstream.reply = lambda: [SSE_HEAD, *pieces, chunk(b"data: [DONE]\n\n"), b"0\r\n\r\n"]
+    port = int(gateway.rsplit(":", 1)[1].split("/")[0])
+    body = orjson.dumps(chat(stream=True))
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                  b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (ALICE.encode(), len(body), body))
+        time.sleep(2.0)
+        held_back = upstream.sent
+        s.settimeout(30)
+        got = b""
+        while not got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            got += s.recv(1 << 20)
+    assert held_back < 20 << 20, held_back
+    assert got.count(b'"content":"www') == 32 * 128

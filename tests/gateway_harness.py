@@ -144,3 +144,34 @@ def chat(stream: bool = False, **kw: Any) -> dict[str, Any]:
 
 def sse_payloads(text: str) -> list[str]:
     return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+
+
+@contextlib.contextmanager
+def serving_own(app: Any, limits: Any = None) -> Iterator[Any]:
+    """Serve ``app`` with the gateway's own server (gateway/server.py, with ``limits``) on a free loopback
+    port, in a thread with its own loop; yields the Server (``.port``, ``.conns``, ``.loop``)."""
+    import asyncio
+
+    from tensora.gateway.server import Server
+
+    server = Server(app, "127.0.0.1", free_port(), limits=limits, grace_s=2)
+    stop: list[asyncio.Event] = []
+    loop = asyncio.new_event_loop()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        stop.append(asyncio.Event())
+        loop.run_until_complete(server.serve(stop[0]))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while server.bound is None:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield server
+    finally:
+        loop.call_soon_threadsafe(stop[0].set)
+        thread.join(15)
+        loop.close()

@@ -143,6 +143,12 @@ BAD_GATEWAY_SETTINGS = {
                                       field="gateway.peers.0.url"),
     "a zero rate limit from a flag": Bad(flags={"requests_per_minute": 0}, source="--requests-per-minute",
                                      field="gateway.requests_per_minute"),
+    "a plain http peer off loopback": Bad(config="gateway: {peers: [{region: eu, url: 'http://10.0.0.5/v1'}]}\n",
+                                          source="gateway", field="gateway.peers",
+                                          message="peers[0].url (eu): plain http to 10.0.0.5"),
+    "a header timeout of zero from env": Bad(env={"TENSORA_GATEWAY_HEADER_TIMEOUT_S": "0"},
+                                             source="TENSORA_GATEWAY_HEADER_TIMEOUT_S",
+                                             field="gateway.header_timeout_s"),
 }
 
 
@@ -163,6 +169,7 @@ def test_gateway_settings_follow_the_servers(tmp_path: Path) -> None:
     gw = load_gateway_settings(config, {"data_dir": tmp_path}, env={"TENSORA_GATEWAY_DEADLINE_S": "60"})
     assert (gw.region, gw.port, gw.host, gw.control_url) == ("eu-west", 9001, "0.0.0.0", "http://127.0.0.1:9000")
     assert (gw.ttft_s, gw.deadline_s, gw.data_dir) == (5.0, 60.0, tmp_path)
+    assert gw.limits().max_header_bytes == 60 << 10 and gw.limits().idle_timeout_s == 60.0  # Envoy's defaults
 
 
 def test_missing_config_file_is_named(tmp_path: Path) -> None:

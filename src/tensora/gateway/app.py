@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Peer
@@ -30,6 +30,8 @@ from tensora.gateway.metering import Meter
 from tensora.gateway.probe import Prober
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable, table_from_json
+from tensora.gateway.server import Limits
+from tensora.gateway.upstream import peer_url_problem
 
 log = logging.getLogger("tensora.gateway")
 
@@ -92,8 +94,36 @@ class GatewaySettings(BaseModel):
                                               "but not kept: its retry runs again")
     idempotency_max_total_bytes: int = Field(default=256 << 20, ge=0, description="all kept answers together "
                                              "(on disk, or in Redis with redis_url); past it, new ones are not kept")
-    peers: list[PeerSetting] = Field(default_factory=list)
+    peers: list[PeerSetting] = Field(default_factory=list, description="other regions' gateways; the caller's "
+                                     "key travels to them, so https (certificate checked) unless on loopback")
+    # what one client may hold of the gateway's HTTP server (Envoy's defaults where it has one)
+    max_header_bytes: int = Field(default=60 << 10, ge=1024, description="request line and headers: 431 beyond")
+    max_headers: int = Field(default=100, ge=8, description="headers per request: 431 beyond")
+    header_timeout_s: float = Field(default=10.0, gt=0, description="from a request's first byte to its last "
+                                    "header: 408 beyond")
+    idle_timeout_s: float = Field(default=60.0, gt=0, description="a keep-alive connection with no request is "
+                                  "closed after this; a body that stops coming this long is a 408")
+    max_body_bytes: int = Field(default=8 << 20, ge=1024, description="a request body: 413 beyond")
+    max_connections: int = Field(default=10_000, ge=1, description="open client connections: 503 with "
+                                 "Retry-After beyond")
+    max_pipelined: int = Field(default=8, ge=1, description="requests queued behind the one in flight on a "
+                               "connection: reading stops there")
+    write_buffer_bytes: int = Field(default=64 << 10, ge=1024, description="answer bytes a client that does not "
+                                    "read may leave waiting: reading it and its stream stop there")
+    max_upstream_body_bytes: int = Field(default=32 << 20, ge=1024, description="a model server's whole answer: "
+                                         "502 beyond")
+    max_sse_event_bytes: int = Field(default=1 << 20, ge=1024, description="one event of a model server's stream: "
+                                    "the stream ends with an error event beyond")
     log_level: str = "warning"
+
+    @field_validator("peers")
+    @classmethod
+    def _peers_safe(cls, peers: list[PeerSetting]) -> list[PeerSetting]:
+        for i, p in enumerate(peers):
+            problem = peer_url_problem(p.url)
+            if problem:
+                raise ValueError(f"peers[{i}].url ({p.region}): {problem}")
+        return peers
 
     def options(self) -> Options:
         return Options(region=self.region, ttft_s=self.ttft_s, deadline_s=self.deadline_s,
@@ -103,7 +133,16 @@ class GatewaySettings(BaseModel):
                        retry_delay_s=self.retry_delay_s,
                        breaker=Policy(self.breaker_consecutive, self.breaker_base_s, self.breaker_max_s,
                                       self.probe_successes), rate_limit_backoff_s=self.rate_limit_backoff_s,
-                       peers=tuple(Peer(p.region, p.url.rstrip("/")) for p in self.peers))
+                       peers=tuple(Peer(p.region, p.url.rstrip("/")) for p in self.peers),
+                       max_body_bytes=self.max_body_bytes, max_upstream_body_bytes=self.max_upstream_body_bytes,
+                       max_sse_event_bytes=self.max_sse_event_bytes)
+
+    def limits(self) -> Limits:
+        return Limits(max_header_bytes=self.max_header_bytes, max_headers=self.max_headers,
+                      header_timeout_s=self.header_timeout_s, idle_timeout_s=self.idle_timeout_s,
+                      max_body_bytes=self.max_body_bytes, max_connections=self.max_connections,
+                      max_pipelined=self.max_pipelined, write_buffer_bytes=self.write_buffer_bytes,
+                      retry_after_s=self.retry_after_s)
 
     @property
     def dir(self) -> Path:
@@ -274,4 +313,4 @@ def run(settings: GatewaySettings, quiet: bool = False) -> None:
     if not quiet:
             print(f"tensora gateway on http://{settings.host}:{settings.port}/v1  (region {settings.region}, "
               f"routes from {settings.control_url})", flush=True)
-    server.run(gw, settings.host, settings.port, max_body_bytes=gw.o.max_body_bytes)
+    server.run(gw, settings.host, settings.port, limits=settings.limits())

@@ -72,6 +72,8 @@ class Options:
     tpm: int = 1_000_000
     default_max_tokens: int = 256  # reserved when a request gives no max_tokens
     max_body_bytes: int = 8 << 20
+    max_upstream_body_bytes: int = 32 << 20  # a model server's whole answer: 502 beyond
+    max_sse_event_bytes: int = 1 << 20  # one event of its stream: the stream ends with an error event beyond
     breaker: Policy = field(default_factory=Policy)
     rate_limit_backoff_s: float = 1.0  # a backend's 429 without Retry-After: skip it this long (x0.5-1.5)
     peers: tuple[Peer, ...] = ()
@@ -110,7 +112,7 @@ class Gateway:
         self.limiter = limiter
         self.meter = meter
         self.clock, self.wall = clock, wall
-        self.client = Client(options.connect_timeout_s)
+        self.client = Client(options.connect_timeout_s, options.max_upstream_body_bytes)
         self.breakers: dict[str, Breaker] = {}
         self.ejected: dict[str, Backend] = {}  # whose breakers opened: what ``probe.Prober`` probes
         self._turn = 0
@@ -517,6 +519,9 @@ class Gateway:
     async def _not_ok(self, send: Send, rid: str, b: Backend, resp: Response, deadline: float, attempts: list[str],
                       limit_headers: list[tuple[bytes, bytes]]) -> Served:
         status = resp.status
+        # what is passed on should its body not come (slow, dropped, or past max_upstream_body_bytes)
+        data = error_body(f"the model server answered {status} with a body that could not be read",
+                          "invalid_request_error" if status < 500 else "server_error", f"upstream_{status}")
         with contextlib.suppress(Exception):
             async with asyncio.timeout(max(0.0, min(deadline - self.clock(), 2.0))):
                 data = await resp.read()
@@ -540,6 +545,11 @@ class Gateway:
         except TimeoutError:
             raise Failed("timeout") from None
         except UpstreamError as exc:
+            if exc.kind == "body_too_large":  # as large from any replica of the model: no other tier
+                await self._error(send, rid, 502, f"the model server's answer is over {self.o.max_upstream_body_bytes}"
+                                  " bytes", "server_error", "upstream_too_large", headers=self._headers(
+                                      b, resp, attempts, exc.kind, limit_headers)[0])
+                return Served(b, b.served_by.value, b.region, status=502)
             raise Failed(exc.kind) from None
         try:
             obj = orjson.loads(data)
@@ -566,7 +576,7 @@ class Gateway:
         503 or 429 later, never a 200 with an empty stream); a failure after it ends the stream
         with an error event, never splicing another model's output in. After it, an event must come
         every ``idle_s`` (comments do not count): a stalled model server is not held to the deadline."""
-        events = sse.Events()
+        events = sse.Events(self.o.max_sse_event_bytes)
         held: list[bytes] = []
         sending = False  # the head is out: from here a failure ends the stream with an error event
         served = Served(b, b.served_by.value, b.region)
@@ -577,6 +587,7 @@ class Gateway:
             try:
                 async with asyncio.timeout(max(0.0, (idle_by if sending else first_by) - self.clock())):
                     chunk = await resp.next_chunk()
+                payloads = events.feed(chunk) if chunk is not None else events.tail()
             except (TimeoutError, UpstreamError) as exc:
                 kind = exc.kind if isinstance(exc, UpstreamError) else "timeout"
                 if not sending:
@@ -593,7 +604,6 @@ class Gateway:
             if chunk is None:
                 done = True
             out: list[bytes] = []
-            payloads = events.feed(chunk) if chunk is not None else events.tail()
             if payloads:
                 idle_by = min(deadline, self.clock() + idle_s)
             for p in payloads:

@@ -5,9 +5,16 @@ per request (measured with py-spy under bench/gateway.py: a regex check of every
 status line and headers written apart from the body, an ASGI task and message dicts per
 request). This speaks just what the gateway needs: keep-alive (requests on one connection answered
 in order), a response written in one piece when its body is whole (content-length added), chunked
-transfer for streams, a body size cap, the ASGI lifespan, and a graceful stop on SIGTERM/SIGINT
-(stop accepting, let requests in flight finish for up to ``grace_s``, run the app's shutdown).
+transfer for streams, the ASGI lifespan, and a graceful stop on SIGTERM/SIGINT (stop accepting, let
+requests in flight finish for up to ``grace_s``, run the app's shutdown).
 The app stays a plain ASGI app: the tests also serve it with uvicorn.
+
+Hostile clients are bounded as Envoy bounds them (``Limits``): the request line and headers
+(431), the header count (431), the time to send them (408), idle keep-alive connections (closed),
+the body (413), connections (503 with Retry-After), requests queued on one connection, and the
+response bytes waiting for a client that does not read (reading stops, the app's ``send`` waits).
+A refusal is answered in its turn after the requests before it, then the connection is closed
+after a short linger, so that the client reads the answer rather than a reset.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import signal
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -33,12 +41,36 @@ App = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]],
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
+_LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, then close
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client may hold of the server; the defaults are Envoy's where it has one."""
+
+    max_header_bytes: int = 60 << 10  # request line and headers (Envoy: max_request_headers_kb 60)
+    max_headers: int = 100  # Envoy: max_headers_count
+    header_timeout_s: float = 10.0  # from a request's first byte to its last header (Envoy: request_headers_timeout)
+    idle_timeout_s: float = 60.0  # a connection with no request in flight, or a body that stops coming
+    max_body_bytes: int = 8 << 20
+    max_connections: int = 10_000
+    max_pipelined: int = 8  # requests parsed and waiting behind the one in flight, per connection
+    write_buffer_bytes: int = 64 << 10  # response bytes a slow reader may leave waiting before reading stops
+    retry_after_s: int = 1  # on the 503 beyond max_connections
+
+
 def _status_line(status: int) -> bytes:
     return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
 
 
+class _Refuse(Exception):
+    def __init__(self, status: int, message: bytes) -> None:
+        super().__init__(status)
+        self.status, self.message = status, message
+
+
 class _Request:
-    __slots__ = ("body", "headers", "keep_alive", "method", "url")
+    __slots__ = ("body", "headers", "keep_alive", "method", "refuse", "url")
 
     def __init__(self) -> None:
         self.url = b""
@@ -46,11 +78,13 @@ class _Request:
         self.body: list[bytes] = []
         self.method = b""
         self.keep_alive = True
+        self.refuse: _Refuse | None = None  # not a request: the refusal to answer in its turn
 
 
 class _Conn(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self.server = server
+        self.lim = server.limits
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.req = _Request()
@@ -59,37 +93,152 @@ class _Conn(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.lost: asyncio.Future[None] | None = None
         self.closed = False
+        self.head = 0  # bytes read of the head being read; -1 while reading a body
+        self.length = -1  # the body's content-length; -1: none or chunked
+        self.pending = b""  # read but not parsed: the queue was full
+        self.deadline: float | None = None  # when ``expire`` runs (the server's sweep looks)
+        self.done_reading = False  # a refusal is queued or sent: nothing more is parsed
+        self.paused = False  # reading paused (a full queue, or a client that does not read)
+        self.drain: asyncio.Future[None] | None = None  # set while the write buffer is over its mark
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        loop = self.server.loop
+        if len(self.server.conns) >= self.lim.max_connections:
+            self.done_reading = True
+            self._reject(503, b"the gateway is at its connection limit", [b"retry-after: %d\r\n" %
+                                                                          self.lim.retry_after_s])
+            return
         nodelay(transport)
-        self.lost = self.server.loop.create_future()
+        transport.set_write_buffer_limits(high=self.lim.write_buffer_bytes)  # type: ignore[attr-defined]
+        self.lost = loop.create_future()
+        self.deadline = self.server.now + self.lim.idle_timeout_s
         self.server.conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.deadline = None
         self.server.conns.discard(self)
         if self.lost is not None and not self.lost.done():
             self.lost.set_result(None)
+        if self.drain is not None and not self.drain.done():
+            self.drain.set_result(None)
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client is gone: stop the upstream work for it
 
+    def pause_writing(self) -> None:
+        self.drain = self.server.loop.create_future()
+        self._flow()
+
+    def resume_writing(self) -> None:
+        d, self.drain = self.drain, None
+        if d is not None and not d.done():
+            d.set_result(None)
+        self._flow()
+
+    def _flow(self) -> None:
+        """Read only while the client takes its answers and the queue has room."""
+        if self.pending and len(self.queue) < self.lim.max_pipelined and not self.done_reading:
+            data, self.pending = self.pending, b""
+            self._feed(data)
+        pause = ((self.drain is not None or self.pending or len(self.queue) >= self.lim.max_pipelined)
+                 and not self.done_reading)
+        if pause != self.paused and self.transport is not None and not self.closed:
+            self.paused = pause
+            if pause:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
+
     def data_received(self, data: bytes) -> None:
+        if self.done_reading:
+            return  # refused: what still comes is dropped
+        if self.pending:
+            self.pending += data
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """Parse ``data``; when it may hold more requests than the queue has room for, a message at a time
+        (a head ends at its blank line, a body at its length), so that what follows a full queue waits
+        unparsed in ``pending`` (reading paused) rather than queued."""
+        i, n = 0, len(data)
+        lim = self.lim
+        if n + max(self.head, 0) <= lim.max_header_bytes and len(self.queue) + data.count(b"\r\n\r\n") < \
+                lim.max_pipelined:  # no head in it can be too large, nor the queue fill: all at once
+            if self.head >= 0:
+                if self.head == 0:
+                    self.deadline = self.server.now + lim.header_timeout_s
+                self.head += n
+            self._parse(data)
+            return
+        view = memoryview(data)
+        while i < n:
+            if self.done_reading:
+                return
+            if len(self.queue) >= self.lim.max_pipelined:
+                self.pending = bytes(view[i:])
+                self._flow()
+                return
+            if self.head >= 0:
+                j = data.find(b"\r\n\r\n", i)
+                end = n if j < 0 else j + 4
+                if self.head == 0:  # a head begins: it has header_timeout_s to arrive whole
+                    self.deadline = self.server.now + self.lim.header_timeout_s
+                self.head += end - i
+            else:
+                end = n if self.length < 0 else min(n, i + max(1, self.length - self.size))
+            self._parse(data if end - i == n else view[i:end])
+            i = end
+
+    def _parse(self, data: bytes | memoryview) -> None:
         try:
             self.parser.feed_data(data)
+            if self.head > self.lim.max_header_bytes:  # still in the head after all of this
+                raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
+        except _Refuse as r:
+            self._refuse(r)
         except httptools.HttpParserUpgrade:
-            self._reject(400, b"upgrades are not supported")
-        except httptools.HttpParserError:
-            self._reject(400, b"malformed HTTP request")
+            self._refuse(_Refuse(400, b"upgrades are not supported"))
+        except httptools.HttpParserError as exc:
+            why = exc.__context__  # a callback's own refusal, else the parser's
+            self._refuse(why if isinstance(why, _Refuse) else _Refuse(400, b"malformed HTTP request"))
 
-    def _reject(self, status: int, message: bytes) -> None:
+    def _refuse(self, r: _Refuse) -> None:
+        """Parse nothing more; answer ``r`` after the requests already queued, then close."""
+        self.done_reading = True
+        self.deadline = None
+        req = _Request()
+        req.refuse = r
+        self.queue.append(req)
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()  # drop what comes, rather than leave it unread (a reset)
+        if self.task is None:
+            self._next()
+
+    def expire(self) -> None:
+        """A deadline passed: an idle connection is closed; a head or body that stopped coming is a 408."""
+        self.deadline = None
+        if self.head == 0 and self.task is None and not self.queue:
+            if self.transport is not None:
+                self.transport.close()
+        elif not self.done_reading:
+            self._refuse(_Refuse(408, b"the request did not arrive in time"))
+
+    def _reject(self, status: int, message: bytes, extra: list[bytes] | None = None) -> None:
         body = b'{"error":{"message":"' + message + b'","type":"invalid_request_error"}}'
-        if self.transport is not None and not self.closed:
-            self.transport.write(_status_line(status) + b"content-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n" % len(body) + body)
-            self.transport.close()
+        t = self.transport
+        if t is not None and not self.closed:
+            t.write(_status_line(status) + b"content-type: application/json\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n%s\r\n" % (len(body), b"".join(extra or [])) + body)
             self.closed = True
+            if t.can_write_eof():
+                t.write_eof()  # the answer, then EOF; read on a moment so the client is not sent a reset
+                self.server.loop.call_later(_LINGER_S, t.close)
+            else:
+                t.close()
 
     def _abort(self, wrote: bool) -> None:
         if not wrote:
@@ -101,33 +250,59 @@ class _Conn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.req = _Request()
         self.size = 0
+        self.length = -1
 
     def on_url(self, url: bytes) -> None:
         self.req.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.req.headers.append((name.lower(), value))
+        name = name.lower()
+        self.req.headers.append((name, value))
+        if name == b"content-length" and value.isdigit():
+            self.length = int(value)
+            if self.length > self.lim.max_body_bytes:
+                raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)  # before it is sent
 
     def on_headers_complete(self) -> None:
+        if self.head > self.lim.max_header_bytes:  # exact: a large read is parsed a head at a time
+            raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
+        if len(self.req.headers) > self.lim.max_headers:  # counted here: the head's size bounds them meanwhile
+            raise _Refuse(431, b"more than %d headers" % self.lim.max_headers)
         self.req.method = self.parser.get_method()
         self.req.keep_alive = self.parser.should_keep_alive()
+        self.head = -1
+        self.deadline = self.server.now + self.lim.idle_timeout_s  # for the body
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
-        if self.size <= self.server.max_body_bytes + 1:  # past the cap, the app answers 413 on what it has
-            self.req.body.append(body)
+        if self.size > self.lim.max_body_bytes:
+            raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)
+        self.req.body.append(body)
+        self.deadline = self.server.now + self.lim.idle_timeout_s
 
     def on_message_complete(self) -> None:
+        self.head = 0
+        self.deadline = None
         self.queue.append(self.req)
+        if len(self.queue) >= self.lim.max_pipelined:
+            self._flow()
         if self.task is None:
             self._next()
 
     def _next(self) -> None:
         if self.closed or not self.queue:
             self.task = None
+            if not self.closed and self.head == 0 and self.deadline is None:
+                self.deadline = self.server.now + self.lim.idle_timeout_s
             return
         req = self.queue.popleft()
+        if req.refuse is not None:
+            self.task = None
+            self._reject(req.refuse.status, req.refuse.message)
+            return
         self.task = self.server.loop.create_task(self._run(req))
+        if self.paused or self.pending:
+            self._flow()  # room in the queue: parse what waits, read again
 
     async def _run(self, req: _Request) -> None:
         path, _, query = req.url.partition(b"?")
@@ -187,6 +362,8 @@ class _Conn(asyncio.Protocol):
                 t.write(data)
             if not more:
                 state["done"] = True
+            if self.drain is not None:  # the client is not reading: hold the app until it does
+                await self.drain
 
         try:
             await self.server.app(scope, receive, send)
@@ -206,12 +383,13 @@ class _Conn(asyncio.Protocol):
 
 
 class Server:
-    def __init__(self, app: App, host: str, port: int, *, max_body_bytes: int = 8 << 20, grace_s: float = 10.0) -> None:
+    def __init__(self, app: App, host: str, port: int, *, limits: Limits | None = None, grace_s: float = 10.0) -> None:
         self.app, self.host, self.port = app, host, port
-        self.max_body_bytes, self.grace_s = max_body_bytes, grace_s
+        self.limits, self.grace_s = limits or Limits(), grace_s
         self.conns: set[_Conn] = set()
         self.bound: tuple[str, int] | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.now = 0.0  # the loop's time at the last sweep: deadlines are a tick coarse, never a call per request
 
     async def _lifespan(self) -> tuple[asyncio.Queue[dict[str, Any]], asyncio.Task[None], asyncio.Queue[Any]]:
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -230,8 +408,24 @@ class Server:
             raise RuntimeError(f"the gateway did not start: {got}")
         return inbox, task, outbox
 
+    async def _sweep(self) -> None:
+        """Connection deadlines, looked at a few times a second rather than a timer per request."""
+        lim = self.limits
+        tick = min(1.0, max(0.01, min(lim.header_timeout_s, lim.idle_timeout_s) / 10))
+        while True:
+            await asyncio.sleep(tick)
+            self.now = now = self.loop.time()
+            for c in [c for c in self.conns if c.deadline is not None and c.deadline <= now]:
+                try:
+                    c.expire()
+                except Exception:  # one connection's trouble must not end the sweep for all
+                    log.exception("closing an expired connection failed")
+                    if c.transport is not None:
+                        c.transport.abort()
+
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.now = self.loop.time()
         stop = stop or asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
@@ -241,9 +435,11 @@ class Server:
                                                reuse_address=True)
         sock = server.sockets[0].getsockname()
         self.bound = (sock[0], sock[1])
+        sweep = asyncio.create_task(self._sweep())
         try:
             await stop.wait()
         finally:
+            sweep.cancel()
             server.close()
             deadline = self.loop.time() + self.grace_s
             while any(c.task is not None for c in self.conns) and self.loop.time() < deadline:

@@ -2,13 +2,16 @@
 
 Written here rather than taken from httpx or aiohttp: this is the gateway's hot path, and both
 cost several times the whole budget the gateway has per request (httpx about 300 us a request
-on one core, aiohttp about 150 us) in machinery it does not need: it only ever speaks plain
-HTTP/1.1 over loopback or a private network to OpenAI-compatible servers, sends one JSON body,
-and reads a JSON body or an SSE stream. httptools (the parser under uvicorn) does the parsing,
-chunked transfer encoding included.
+on one core, aiohttp about 150 us) in machinery it does not need: it speaks HTTP/1.1 to
+OpenAI-compatible servers (plain on loopback or a private network; TLS, certificate checked, to a
+peer gateway's ``https://`` URL), sends one JSON body, and reads a JSON body or an SSE stream.
+httptools (the parser under uvicorn) does the parsing, chunked transfer encoding included.
+
+What an upstream sends is bounded: a whole body past ``max_body`` is an error, and a stream
+whose reader lags stops being read (at ``_HIGH`` queued bytes) until it catches up.
 
 Errors carry a short ``kind`` that X-Tensora-Attempts shows: connect_refused, connect_timeout,
-reset (the connection died), timeout (no first byte / token in time).
+reset (the connection died), timeout (no first byte / token in time), body_too_large.
 
 A request is never sent twice behind the caller's back: it goes again on a fresh connection only when
 the failure is known to come before the upstream read it (the kept-alive connection was closed before
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
+import ssl
 from collections import deque
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,24 +40,54 @@ class UpstreamError(Exception):
 
 
 _END = object()
+_HIGH, _LOW = 256 << 10, 64 << 10  # body bytes queued unread: stop reading the upstream / read again
+
+
+def peer_url_problem(url: str) -> str | None:
+    """Why a peer gateway's URL is unsafe to send a caller's key to, or None: ``https`` anywhere,
+    plain ``http`` only to loopback (the key would cross the network in clear text)."""
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https"):
+        return f"the scheme must be http or https, not {u.scheme or 'none'!r}"
+    if not u.hostname:
+        return "it names no host"
+    if u.scheme == "http" and not _loopback(u.hostname):
+        return (f"plain http to {u.hostname} would send callers' API keys unencrypted: use https "
+                "(plain http is allowed to loopback only)")
+    return None
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Response:
     """One response: its head, then its body chunk by chunk (``chunks``) or whole (``read``)."""
 
-    __slots__ = ("_done", "_queue", "_waiter", "conn", "head", "headers", "status")
+    __slots__ = ("_done", "_queue", "_queued", "_waiter", "conn", "head", "headers", "max_body", "status")
 
-    def __init__(self, conn: _Conn) -> None:
+    def __init__(self, conn: _Conn, max_body: int) -> None:
         self.conn = conn
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.head: asyncio.Future[None] = conn.loop.create_future()
+        self.max_body = max_body
         self._queue: deque[Any] = deque()
+        self._queued = 0  # body bytes in _queue
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
 
     def _push(self, item: Any) -> None:
         self._queue.append(item)
+        if isinstance(item, bytes):
+            self._queued += len(item)
+            if self._queued > _HIGH:
+                self.conn.pause()
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -69,11 +104,20 @@ class Response:
             return None
         if isinstance(item, BaseException):
             raise item
+        self._queued -= len(item)
+        if self._queued < _LOW:
+            self.conn.resume()
         return item  # type: ignore[no-any-return]
 
     async def read(self) -> bytes:
+        """The whole body; ``body_too_large`` past ``max_body`` bytes (the connection is dropped)."""
         parts = []
+        size = 0
         while (chunk := await self.next_chunk()) is not None:
+            size += len(chunk)
+            if size > self.max_body:
+                self.conn.close()
+                raise UpstreamError("body_too_large", f"over {self.max_body} bytes")
             parts.append(chunk)
         return b"".join(parts)
 
@@ -108,6 +152,17 @@ class _Conn(asyncio.Protocol):
         self.reused = False
         self.complete = False
         self.keep_alive = False
+        self.paused = False
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -158,8 +213,8 @@ class _Conn(asyncio.Protocol):
         else:
             r._push(exc)
 
-    def send(self, data: bytes) -> Response:
-        self.resp = Response(self)
+    def send(self, data: bytes, max_body: int) -> Response:
+        self.resp = Response(self, max_body)
         self.complete = False
         assert self.transport is not None
         self.transport.write(data)
@@ -189,17 +244,20 @@ class _Conn(asyncio.Protocol):
         else:
             self.close()
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         if self.transport is not None and not self.closed:
             self.closed = True
-            self.transport.close()
+            if abort:  # at shutdown: no TLS goodbye that needs the loop to run on
+                self.transport.abort()
+            else:
+                self.transport.close()
 
 
 class Pool:
     """Idle keep-alive connections to one host:port."""
 
-    def __init__(self, host: str, port: int, max_idle: int = 256) -> None:
-        self.host, self.port, self.max_idle = host, port, max_idle
+    def __init__(self, host: str, port: int, max_idle: int = 256, tls: ssl.SSLContext | None = None) -> None:
+        self.host, self.port, self.max_idle, self.tls = host, port, max_idle, tls
         self.idle: deque[_Conn] = deque()
         self.addr: tuple[int, Any] | None = None
 
@@ -232,26 +290,31 @@ class Pool:
                 except BaseException:
                     sock.close()
                     raise
-                _, conn = await loop.create_connection(lambda: _Conn(self, loop, sock), sock=sock)
+                tls: dict[str, Any] = {"ssl": self.tls, "server_hostname": self.host} if self.tls else {}
+                _, conn = await loop.create_connection(lambda: _Conn(self, loop, sock), sock=sock, **tls)
         except TimeoutError:
             raise UpstreamError("connect_timeout", f"{self.host}:{self.port}") from None
         except ConnectionRefusedError:
             raise UpstreamError("connect_refused", f"{self.host}:{self.port}") from None
+        except ssl.SSLError as exc:  # an unverifiable certificate among them: nothing was sent
+            raise UpstreamError("tls_error", getattr(exc, "reason", None) or str(exc)) from None
         except OSError as exc:
             raise UpstreamError("connect_error", str(exc)) from None
         return conn
 
     def close(self) -> None:
         while self.idle:
-            self.idle.pop().close()
+            self.idle.pop().close(abort=True)
 
 
 class Client:
     """POSTs JSON to upstreams, pooling a connection set per host:port."""
 
-    def __init__(self, connect_timeout: float = 2.0) -> None:
-        self.connect_timeout = connect_timeout
-        self.pools: dict[tuple[str, int], Pool] = {}
+    def __init__(self, connect_timeout: float = 2.0, max_body: int = 32 << 20,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.connect_timeout, self.max_body = connect_timeout, max_body
+        self.tls = tls  # for https:// upstreams; None: the system's trusted CAs, certificates checked
+        self.pools: dict[tuple[str, str, int], Pool] = {}
         self._bases: dict[str, tuple[Pool, str, str]] = {}
 
     def _pool(self, base_url: str) -> tuple[Pool, str, str]:
@@ -259,10 +322,13 @@ class Client:
         if found is not None:
             return found
         u = urlsplit(base_url)
-        host, port = u.hostname or "127.0.0.1", u.port or 80
-        pool = self.pools.get((host, port))
+        https = u.scheme == "https"
+        host, port = u.hostname or "127.0.0.1", u.port or (443 if https else 80)
+        pool = self.pools.get((u.scheme, host, port))
         if pool is None:
-            pool = self.pools[(host, port)] = Pool(host, port)
+            if https and self.tls is None:
+                self.tls = ssl.create_default_context()
+            pool = self.pools[(u.scheme, host, port)] = Pool(host, port, tls=self.tls if https else None)
         found = self._bases[base_url] = (pool, f"{host}:{port}", u.path.rstrip("/"))
         return found
 
@@ -279,7 +345,7 @@ class Client:
             fresh = conn is None
             if conn is None:
                 conn = await pool.connect(min(self.connect_timeout, head_timeout))
-            resp = conn.send(data)
+            resp = conn.send(data, self.max_body)
             if conn.closed or conn.transport is None or conn.transport.is_closing():
                 conn.close()  # the write failed at once: nothing reached the upstream
                 if fresh:

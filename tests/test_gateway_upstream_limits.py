@@ -134,6 +134,16 @@ def test_a_whole_answer_past_the_bound_is_a_502(upstream: Scripted, gateway: str
         assert r.json()["choices"][0]["message"]["content"] == "x" * size
 
 
+def test_a_4xx_whose_body_is_past_the_bound_is_passed_on_with_an_error_saying_so(upstream: Scripted,
+                                                                                gateway: str) -> None:
+    body = orjson.dumps({"error": {"message": "x" * (2 * LIMIT), "type": "invalid_request_error"}})
+    upstream.reply = lambda: [b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\n\r\n" % len(body) + body]
+    r = post(gateway, chat())
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["code"] == "upstream_400" and "could not be read" in r.json()["error"]["message"]
+    assert r.headers["x-tensora-attempts"] == "my-llm/r1:http_400"
+
 def test_an_event_past_the_bound_after_the_first_token_ends_the_stream_with_the_error_event(
         upstream: Scripted, gateway: str) -> None:
     upstream.reply = lambda: [SSE_HEAD, chunk(FIRST), *[chunk(HUGE_EVENT[i:i + 8192])

@@ -15,6 +15,7 @@ from stack import T0, Stack, stack
 from tensora import apikeys, replicakeys
 from tensora.gateway.routes import table_from_json
 from tensora.store import repo
+from tensora.tinymodel import MAX_POSITIONS, write_tiny_model
 
 _clients: list[httpx.Client] = []
 
@@ -74,6 +75,27 @@ def test_routes_are_for_admin_keys_name_ready_replicas_and_only_key_digests(s: t
     same = admin.get("/v1/gateway/routes", headers={"If-None-Match": table.headers["etag"]})
     assert same.status_code == 304
 
+
+def test_an_endpoints_known_context_reaches_the_gateway(s: tuple[Stack, str], tmp_path: Path) -> None:
+    """The context length its model's config.json states (the tiny model's: MAX_POSITIONS) is in the route
+    document, for the gateway to send a prompt too long for it to a fallback model."""
+    st, url = s
+    admin, alice = client(url, st.admin), client(url, st.alice)
+    write_tiny_model(tmp_path / "tiny-src")
+    for f in sorted((tmp_path / "tiny-src").iterdir()):
+        r = alice.put(f"/v1/files/tiny/{f.name}", content=f.read_bytes())
+        assert r.status_code in (200, 201), r.text
+    made = alice.post("/v1/workloads", json={"kind": "endpoint", "name": "chat", "gpu_class": "l40s-48gb",
+                                             "model": "tiny"})
+    assert made.status_code == 201, made.text
+    st.controller.run_once()
+    st.controller.run_once()
+    with st.services.db.write() as conn:
+        for r in repo.replicas_of(conn, [made.json()["id"]]):
+            repo.update_replica(conn, r["id"], {"url": "http://127.0.0.1:9/v1"})
+    (ep,) = admin.get("/v1/gateway/routes").json()["endpoints"]
+    assert ep["context"] == MAX_POSITIONS
+    assert table_from_json(admin.get("/v1/gateway/routes").json()).endpoints[0].context == MAX_POSITIONS
 
 def test_on_the_local_driver_each_replica_carries_its_own_key_for_the_gateway(s: tuple[Stack, str]) -> None:
     st, url = s

@@ -49,17 +49,20 @@ def _reset(backends: Backends) -> None:
     backends.reset()
 
 
-def table(b: Backends, **main: Any) -> RouteTable:
-    """my-llm: r1, then CPU c1, then the pool's s1, then fallback models small (f1) and big (g1)."""
+def table(b: Backends, contexts: tuple[int | None, int | None, int | None] = (None, None, None),
+          **main: Any) -> RouteTable:
+    """my-llm: r1, then CPU c1, then the pool's s1, then fallback models small (f1) and big (g1);
+    ``contexts``: the known context lengths of my-llm (and the pool's, the same model), small and big."""
     return make_table([
         {"id": "wl_main", "name": "my-llm", "owner": "alice", "cpu_fallback": True,
          "fallback_models": ["small", "big"],
-         "replicas": [replica("r1", b.url("r1")), replica("c1", b.url("c1"), cpu=True)], **main},
-        {"id": "wl_pool", "name": "m-shared", "owner": "ops", "serverless": True,
+         "replicas": [replica("r1", b.url("r1")), replica("c1", b.url("c1"), cpu=True)], "context": contexts[0],
+         **main},
+        {"id": "wl_pool", "name": "m-shared", "owner": "ops", "serverless": True, "context": contexts[0],
          "replicas": [replica("s1", b.url("s1"))]},
-        {"id": "wl_small", "name": "small", "owner": "alice", "model": "/models/s",
+        {"id": "wl_small", "name": "small", "owner": "alice", "model": "/models/s", "context": contexts[1],
          "replicas": [replica("f1", b.url("f1"), model="/models/s")]},
-        {"id": "wl_big", "name": "big", "owner": "alice", "model": "/models/b",
+        {"id": "wl_big", "name": "big", "owner": "alice", "model": "/models/b", "context": contexts[2],
          "replicas": [replica("g1", b.url("g1"), model="/models/b")]},
         {"id": "wl_keyed", "name": "keyed", "owner": "alice", "model": None,
          "replicas": [replica("k1", b.url("k1"), api_key=REPLICA_KEY)]},
@@ -295,6 +298,44 @@ def test_no_fallback_models_the_context_error_passes_through_as_the_model_server
     assert r.status_code == 400 and r.json()["error"] == VLLM_CONTEXT
     assert trail(r) == "my-llm/r1:context_length_exceeded" and backends.requests("c1") == before
 
+
+# at least (8000 + 16) // 8 + 100 = 1102 tokens of context: the prompt at 8 characters a token, and max_tokens
+LONG = chat(messages=[{"role": "user", "content": "x" * 8000}], max_tokens=100)
+
+
+def test_a_prompt_longer_than_the_known_context_goes_to_a_fallback_model_that_can_take_it(backends: Backends) -> None:
+    before = {n: backends.requests(n) for n in ("r1", "c1", "s1", "f1")}
+    with serving(gateway(table(backends, contexts=(1024, 512, 32768)))) as url:
+        r = post(url, LONG)
+        short = post(url, chat(max_tokens=100))  # fits my-llm: its own replica answers
+    assert r.status_code == 200, r.text
+    assert trail(r) == ("my-llm/r1:context_too_small,my-llm/c1:context_too_small,m-shared/s1:context_too_small,"
+                        "small/f1:context_too_small,big/g1:ok")
+    assert {n: backends.requests(n) for n in before} == {**before, "r1": before["r1"] + 1}  # only `short`
+    assert short.status_code == 200 and trail(short) == "my-llm/r1:ok"
+
+
+def test_a_prompt_no_known_context_can_take_is_a_400_and_nothing_is_sent(backends: Backends) -> None:
+    before = backends.requests("r1"), backends.requests("g1")
+    with serving(gateway(table(backends, contexts=(1024, 512, 1024)))) as url:
+        r = post(url, LONG)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages" and "1102 tokens" in r.json()["error"]["message"]
+    assert (backends.requests("r1"), backends.requests("g1")) == before
+
+
+def test_an_unknown_context_is_tried_as_before(backends: Backends) -> None:
+    with serving(gateway(table(backends, contexts=(None, None, None)))) as url:
+        r = post(url, LONG)
+    assert r.status_code == 200 and trail(r) == "my-llm/r1:ok"
+
+
+def test_after_a_context_error_the_fallback_model_with_the_larger_known_context_goes_first(
+        backends: Backends) -> None:
+    backends.mode("r1", "http_400", error=OPENAI_CONTEXT)
+    with serving(gateway(table(backends, contexts=(None, 8192, 65536)))) as url:
+        r = post(url, chat())
+    assert r.status_code == 200 and trail(r) == "my-llm/r1:context_length_exceeded,big/g1:ok"
 
 def test_a_fallback_model_failing_otherwise_moves_on_and_nothing_left_is_a_503(backends: Backends) -> None:
     backends.mode("r1", "http_400", error=OPENAI_CONTEXT)

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from tensora.errors import ModelFileError
-from tensora.validator import MAX_HEADER_BYTES, check_cpu, read_model
+from tensora.validator import MAX_HEADER_BYTES, check_cpu, read_context, read_model
 
 
 def test_single_file_counts_params_bytes_and_dtypes(tmp_path: Path) -> None:
@@ -82,3 +82,40 @@ def test_directory_without_models_and_index_escaping(tmp_path: Path) -> None:
     (tmp_path / "m.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../etc/passwd"}}))
     with pytest.raises(ModelFileError, match="outside the model directory"):
         read_model(tmp_path)
+
+
+CONTEXTS = [  # (name, config.json bytes or None for no file, expected context)
+    ("llama-style", json.dumps({"max_position_embeddings": 4096}).encode(), 4096),
+    ("gpt2-style", json.dumps({"n_positions": 1024}).encode(), 1024),
+    ("multimodal, under text_config", json.dumps({"text_config": {"max_position_embeddings": 32768}}).encode(), 32768),
+    ("the first key that says it", json.dumps({"seq_length": 2048, "max_position_embeddings": 8192}).encode(), 8192),
+    ("no config", None, None),
+    ("says nothing", json.dumps({"hidden_size": 64}).encode(), None),
+    ("a boolean", json.dumps({"max_position_embeddings": True}).encode(), None),
+    ("negative", json.dumps({"max_position_embeddings": -1}).encode(), None),
+    ("absurd", json.dumps({"max_position_embeddings": 10**12}).encode(), None),
+    ("a string", json.dumps({"max_position_embeddings": "4096"}).encode(), None),
+    ("not json", b"{max_position_embeddings: 4096", None),
+    ("a list", b"[4096]", None),
+]
+
+
+@pytest.mark.parametrize(("config", "expected"), [(c, e) for _, c, e in CONTEXTS], ids=[n for n, *_ in CONTEXTS])
+def test_the_context_length_is_what_config_json_says_or_unknown(tmp_path: Path, config: bytes | None,
+                                                               expected: int | None) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    save_file({"w": np.zeros((2,), dtype=np.float16)}, str(model / "model.safetensors"))
+    if config is not None:
+        (model / "config.json").write_bytes(config)
+    assert read_context(model) == expected
+    assert read_context(model / "model.safetensors") == expected  # a single file: its neighbour's config
+
+
+def test_a_config_json_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    secret = tmp_path / "elsewhere.json"
+    secret.write_text(json.dumps({"max_position_embeddings": 4096}))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").symlink_to(secret)
+    assert read_context(model) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -139,6 +140,34 @@ def _parse_header(where: str, raw: bytes, data_size: int) -> ModelSize:
         if begin_b < end_a:
             raise ModelFileError(where, f"tensors {name_a!r} and {name_b!r} overlap")
     return ModelSize(params, total, dtypes, (where,))
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""Where a Hugging Face ``config.json`` says how many tokens the model takes (prompt and answer together)."""
+
+
+def read_context(path: Path | str) -> int | None:
+    """The context length the model's ``config.json`` states (a model directory's, or a single file's
+    neighbour: None when there is none, or it says nothing usable). The gateway uses it to send a prompt
+    too long for a model to a fallback model that can take it. Never follows a symlink, reads at most
+    1 MiB, and never fails: a config it cannot read is one it does not know."""
+    path = Path(path)
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    try:
+        fd = os.open(config, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    for part in (data, data.get("text_config")):  # multimodal configs keep it under text_config
+        if isinstance(part, dict):
+            for k in CONTEXT_KEYS:
+                v = part.get(k)
+                if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 1 << 24:
+                    return v
+    return None
 
 
 def read_model(path: Path | str) -> ModelSize:

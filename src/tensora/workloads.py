@@ -17,7 +17,7 @@ from tensora.errors import ModelFileError, SpecError
 from tensora.spec import WorkloadSpec, check_against
 from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo
-from tensora.validator import read_model
+from tensora.validator import read_context, read_model
 
 ON_CPU: dict[WorkloadKind, str] = {
     WorkloadKind.NOTEBOOK: "JupyterLab runs without a GPU while on CPU; restart on GPU when one frees "
@@ -57,6 +57,8 @@ class Checked:
     owner: str
     model_path: str | None = None
     image_path: str | None = None
+    context: int | None = None
+    """The model's context length in tokens, as its config.json says (None: not known)."""
 
 
 def validate(spec: WorkloadSpec, catalog: Catalog, owner: str, storage: Storage | None) -> Checked:
@@ -74,6 +76,7 @@ def validate(spec: WorkloadSpec, catalog: Catalog, owner: str, storage: Storage 
             message += ": known classes are " + ", ".join(sorted(catalog))
         raise SpecError(message, field=field)
     model_path = image_path = None
+    context = None
     if spec.kind == WorkloadKind.ENDPOINT:
         if spec.model is None and spec.model_params is None:
             raise SpecError("endpoints need a model: the name of a safetensors file or directory in your files "
@@ -92,12 +95,13 @@ def validate(spec: WorkloadSpec, catalog: Catalog, owner: str, storage: Storage 
                                 field="model") from None
             spec = spec.model_copy(update={"model_params": size.params, "model_bytes": size.bytes})
             model_path = str(found)
+            context = read_context(found)
     if spec.image is not None:
         found = _resolve(storage, owner, spec.image, "image")
         if not found.is_file():  # a directory of the owner's is no disk either
             raise SpecError(NOT_FOUND, field="image")
         image_path = str(found)
-    return Checked(spec, owner, model_path, image_path)
+    return Checked(spec, owner, model_path, image_path, context)
 
 
 def _resolve(storage: Storage | None, owner: str, name: str, field: str) -> Path:
@@ -147,7 +151,7 @@ def create(conn: Any, checked: Checked, now: float) -> dict[str, Any]:
         "model_bytes": spec.model_bytes,
         "spec": {"kind_spec": spec.spec, "image": spec.image, "fallback_models": spec.fallback_models,
                  "allow_cross_region": spec.allow_cross_region, "model_path": checked.model_path,
-                 "image_path": checked.image_path},
+                 "image_path": checked.image_path, "context": checked.context},
         "created_at": now, "updated_at": now, "queued_since": now, "deleted_at": None,
     }
     repo.insert_workload(conn, row)

@@ -117,7 +117,7 @@ def routes_table(conn: Any, svc: Services) -> dict[str, Any]:
             "fallback_models": spec.get("fallback_models") or [],
             "allow_cross_region": bool(spec.get("allow_cross_region")),
             "serverless": bool(kind_spec.get("serverless")), "ttft_s": kind_spec.get("ttft_deadline_s"),
-            "stream_idle_s": kind_spec.get("stream_idle_s"),
+            "stream_idle_s": kind_spec.get("stream_idle_s"), "context": spec.get("context"),
             "replicas": [{"id": r["id"], "url": r["url"], "cls": r["cls"], "cpu": is_cpu(r["cls"]),
                           "upstream_model": r["served_model"] or upstream, **_api_key(svc, r["id"])}
                          for r in sorted(by_w.get(w["id"], []), key=_slot)]})

@@ -21,6 +21,7 @@ class Body:
     stream: bool
     include_usage: bool  # a stream whose client asked for the usage chunk
     reserve: int  # tokens to reserve at admission: the prompt estimate + what the answers may take
+    least: int = 0  # a lower bound on the context it needs: the prompt at 8 characters a token + max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,10 @@ def parse(obj: Any, default_max_tokens: int) -> Body | Invalid:
             if (bad := _count(obj, name)) is not None:
                 return bad
         answers = max(obj.get("n") or 1, obj.get("best_of") or 1)
-    return Body(obj, model, stream is True, include_usage, chars // 4 + 1 + answers * (most or default_max_tokens))
+    # ``least``: few tokenizers give a token more than 8 characters on average, so a prompt of that many
+    # characters needs at least chars / 8 tokens; a model server refuses prompt + max_tokens past its context
+    return Body(obj, model, stream is True, include_usage, chars // 4 + 1 + answers * (most or default_max_tokens),
+                chars // 8 + (most or 0))
 
 
 def _count(obj: dict[str, Any], name: str) -> Invalid | None:

@@ -43,6 +43,7 @@ class Backend:
     peer: bool = False
     api_key: str | None = None  # a replica's own key (the proxy sends it as Authorization); None for peers
     stream_idle_s: float | None = None  # the endpoint's own limit on a stream's silence after its first token
+    context: int | None = None  # its model's context length in tokens, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,7 @@ def _rotate(items: Sequence[Backend], turn: int) -> list[Backend]:
 
 def _replicas(e: EndpointRoute, served_by: ServedBy, *, cpu: bool | None, model: str) -> list[Backend]:
     return [Backend(f"{e.name}/{r.id}", r.url, r.upstream_model, model, served_by, e.id, e.region, e.ttft_s,
-                    api_key=r.api_key, stream_idle_s=e.stream_idle_s)
+                    api_key=r.api_key, stream_idle_s=e.stream_idle_s, context=e.context)
             for r in e.replicas if cpu is None or r.cpu == cpu]
 
 
@@ -94,7 +95,8 @@ def tiers(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], *,
     remote: list[Backend] = []
     if e.allow_cross_region and not hopped:
         remote = [Backend(f"peer:{p.region}", p.url, e.name, e.name, ServedBy.REPLICA, e.id, p.region, e.ttft_s,
-                          peer=True, stream_idle_s=e.stream_idle_s) for p in peers if p.region != e.region]
+                          peer=True, stream_idle_s=e.stream_idle_s, context=e.context)
+                  for p in peers if p.region != e.region]
     return [own, cpu, pool, *fallbacks, remote]
 
 
@@ -131,6 +133,18 @@ def order(all_tiers: Sequence[Sequence[Backend]], open_until: Callable[[str], fl
 def longer_context(remaining: Sequence[Backend], failed: Backend) -> list[Backend]:
     """What is left to try after ``failed`` said the request is longer than its model's context: the
     same model cannot take it anywhere (its other replicas, CPU, the pool, peers), so only the fallback
-    models, those other than the one that said so. They keep their listed order: the route table knows
-    no model's context length, so a larger one cannot be put first."""
-    return [b for b in remaining if b.served_by is ServedBy.FALLBACK_MODEL and b.endpoint_id != failed.endpoint_id]
+    models, those other than the one that said so: those whose known context is larger than the failed
+    model's first (largest first), then the rest in their listed order (a context no config states is not
+    known to be smaller)."""
+    left = [b for b in remaining if b.served_by is ServedBy.FALLBACK_MODEL and b.endpoint_id != failed.endpoint_id]
+    return sorted(left, key=lambda b: -b.context if b.context and b.context > (failed.context or 0) else 0)
+
+
+def too_small(backends: Sequence[Backend], least: int) -> tuple[list[Backend], list[Backend]]:
+    """(those whose known context can hold ``least`` tokens or is unknown, those known too small for it):
+    a request that cannot fit a model's context is not sent to it (it would only answer 400)."""
+    fits: list[Backend] = []
+    small: list[Backend] = []
+    for b in backends:
+        (small if b.context is not None and least > b.context else fits).append(b)
+    return fits, small

@@ -286,7 +286,7 @@ class Gateway:
         served: Served | None = None
         try:
             served = await self._walk(scope, send, rid, path, key, endpoint, ask.obj, ask.stream, ask.include_usage,
-                                      limit_headers)
+                                      limit_headers, ask.least)
         finally:
             used = served.prompt_tokens + served.completion_tokens if served is not None else 0
             await self.limiter.settle(adm, used)
@@ -383,7 +383,7 @@ class Gateway:
 
     async def _walk(self, scope: Scope, send: Send, rid: str, path: str, key: KeyRoute, endpoint: EndpointRoute,
                     body: dict[str, Any], stream: bool, client_usage: bool,
-                    limit_headers: list[tuple[bytes, bytes]]) -> Served | None:
+                    limit_headers: list[tuple[bytes, bytes]], least: int = 0) -> Served | None:
         start = self.clock()
         deadline = start + self.o.deadline_s
         self._turn += 1
@@ -392,7 +392,18 @@ class Gateway:
         attempts = [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
         attempts += [f"{b.key}:rate_limited" for b in plan.limited]
         auth = _header(scope, b"authorization") or b""
-        todo, i = list(plan.attempts), 0
+        todo, small = chain.too_small(plan.attempts, least)
+        if small:  # known too small for this request: not sent, a fallback model may take it
+            attempts += [f"{b.key}:context_too_small" for b in small]
+            if not todo:
+                await self._error(send, rid, 400, f"this request needs at least {least} tokens (the prompt and "
+                                  f"max_tokens), more than the context of {endpoint.name} and of every fallback "
+                                  f"model that could take it (largest: {max(b.context or 0 for b in small)})",
+                                  "invalid_request_error", "context_length_exceeded", "messages", headers=[
+                                      (b"x-tensora-fallback", b"false"),
+                                      (b"x-tensora-attempts", ",".join(attempts).encode()), *limit_headers])
+                return None
+        i = 0
         hints: list[float] = []  # when the 429s of this request said to come back
         while i < len(todo):
             b = todo[i]

@@ -35,6 +35,7 @@ class EndpointRoute:
     serverless: bool = False  # operator-run, shared by all users
     ttft_s: float | None = None  # time-to-first-token deadline per attempt; None: the gateway's default
     stream_idle_s: float | None = None  # after the first token, the longest gap between events; None: default
+    context: int | None = None  # the model's context length (tokens, prompt and answer), when its config says
     replicas: tuple[ReplicaRoute, ...] = ()
 
 
@@ -78,6 +79,11 @@ class RouteTable:
         return own + list(self.serverless.values())
 
 
+def _context(v: Any) -> int | None:
+    """A known context length, or None (an older control API, or nothing usable)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
 def table_from_json(data: Mapping[str, Any]) -> RouteTable:
     endpoints = tuple(
         EndpointRoute(
@@ -85,6 +91,7 @@ def table_from_json(data: Mapping[str, Any]) -> RouteTable:
             requested_cpu=bool(e.get("requested_cpu")), cpu_fallback=bool(e.get("cpu_fallback")),
             fallback_models=tuple(e.get("fallback_models") or ()), allow_cross_region=bool(e.get("allow_cross_region")),
             serverless=bool(e.get("serverless")), ttft_s=e.get("ttft_s"), stream_idle_s=e.get("stream_idle_s"),
+            context=_context(e.get("context")),
             replicas=tuple(ReplicaRoute(r["id"], r["url"].rstrip("/"), r["cls"], bool(r["cpu"]), r["upstream_model"],
                                         r.get("api_key"))
                            for r in e.get("replicas") or ()))

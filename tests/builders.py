@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tensora.admission import Queued, Running, WorkloadKind
+from tensora.admission import Place, Promote, Queued, RestartAvailable, Running, Wait, WorkloadKind
 from tensora.capacity import CORES_LABEL, Capacity, Node, Placed
 from tensora.catalog import Catalog, default_catalog
 
@@ -47,3 +47,20 @@ def running(
     kind: WorkloadKind = WorkloadKind.ENDPOINT, moving: bool = False,
 ) -> Running:
     return Running(id, kind, cls, placed, node, id, "local", fallback, None, None, moving)
+
+
+def outcomes(decisions: Iterable[object]) -> tuple[dict[str, str], dict[str, str]]:
+    """What ``decide`` said, as table tests compare it: (workload -> placed class or "wait", workload ->
+    the class it moves to, or "restart:<class>" for a restart offered)."""
+    got: dict[str, str] = {}
+    moves: dict[str, str] = {}
+    for d in decisions:
+        if isinstance(d, Place):
+            got[d.workload.id] = d.cls
+        elif isinstance(d, Wait):
+            got[d.workload.id] = "wait"
+        elif isinstance(d, Promote):
+            moves[d.workload.id] = d.to_class
+        elif isinstance(d, RestartAvailable):
+            moves[d.workload.id] = f"restart:{d.to_class}"
+    return got, moves

@@ -6,14 +6,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from builders import cap, cores_node, cpu_node, ep, gpu_node, running, w
+from builders import cap, cores_node, cpu_node, ep, gpu_node, outcomes, running, w
 from tensora.admission import (
     Outcome,
     Place,
     Policy,
-    Promote,
     Queued,
-    RestartAvailable,
     Running,
     Wait,
     WorkloadKind,
@@ -149,17 +147,7 @@ CASES = {
 def test_decide(case: Case) -> None:
     capacity = cap(case.nodes, case.placed)
     decisions = decide(case.queue, capacity, case.running, case.now, case.policy)
-    got: dict[str, str] = {}
-    moves: dict[str, str] = {}
-    for d in decisions:
-        if isinstance(d, Place):
-            got[d.workload.id] = d.cls
-        elif isinstance(d, Wait):
-            got[d.workload.id] = "wait"
-        elif isinstance(d, Promote):
-            moves[d.workload.id] = d.to_class
-        elif isinstance(d, RestartAvailable):
-            moves[d.workload.id] = f"restart:{d.to_class}"
+    got, moves = outcomes(decisions)
     assert got == case.want
     assert moves == case.moves
     by_id = {d.workload.id: d for d in decisions}

@@ -8,15 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import CATALOG, cap, cpu_node, ep, gpu_node, w
+from builders import CATALOG, cap, cpu_node, ep, gpu_node, outcomes, w
 from tensora.admission import (
     Outcome,
     OwnerQuotas,
     Place,
     Policy,
-    Promote,
     Queued,
-    RestartAvailable,
     Running,
     Wait,
     WorkloadKind,
@@ -137,17 +135,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_decide_with_quotas(case: Case) -> None:
     decisions = decide(case.queue, cap(case.nodes, case.placed), case.running, case.now, case.policy, case.quotas)
-    got: dict[str, str] = {}
-    moves: dict[str, str] = {}
-    for d in decisions:
-        if isinstance(d, Place):
-            got[d.workload.id] = d.cls
-        elif isinstance(d, Wait):
-            got[d.workload.id] = "wait"
-        elif isinstance(d, Promote):
-            moves[d.workload.id] = d.to_class
-        elif isinstance(d, RestartAvailable):
-            moves[d.workload.id] = f"restart:{d.to_class}"
+    got, moves = outcomes(decisions)
     assert got == case.want
     assert moves == case.moves
     by_id = {d.workload.id: d for d in decisions}

@@ -30,14 +30,14 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 
 from tensora import apikeys
 from tensora.gateway import chain, idempotency, sse
-from tensora.gateway.body import Body, Invalid, parse
+from tensora.gateway.body import Invalid, parse
 from tensora.gateway.breaker import Breaker, Policy, State
 from tensora.gateway.chain import Backend, Peer, ServedBy
 from tensora.gateway.limits import Admission, Caller, Limiter, Quota, Refused
@@ -77,6 +77,29 @@ class Options:
     breaker: Policy = field(default_factory=Policy)
     rate_limit_backoff_s: float = 1.0  # a backend's 429 without Retry-After: skip it this long (x0.5-1.5)
     peers: tuple[Peer, ...] = ()
+
+
+@dataclass(slots=True)
+class Call:
+    """One request on its way: what every step of the walk and the relay needs of it, made once in ``_infer``
+    rather than handed down through each signature. ``attempts`` grows as the walk goes (X-Tensora-Attempts);
+    ``deadline`` is set when the walk starts."""
+
+    send: Send
+    rid: str
+    path: str  # upstream: /chat/completions or /completions
+    key: KeyRoute
+    table: RouteTable  # the route table as the request found it
+    endpoint: EndpointRoute
+    body: dict[str, Any]  # as it came; passed upstream with ``model`` replaced
+    stream: bool
+    client_usage: bool  # a stream whose client asked for the usage chunk
+    reserve: int  # tokens reserved at admission
+    auth: bytes  # the caller's Authorization, for a peer gateway only
+    hopped: bool  # came from a peer gateway: no peers again
+    limit_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    deadline: float = 0.0
+    attempts: list[str] = field(default_factory=list)
 
 
 class Failed(Exception):
@@ -247,14 +270,15 @@ class Gateway:
             await self._error(send, rid, 404, f"The model '{ask.model}' does not exist or you do not have access "
                               "to it.", "invalid_request_error", "model_not_found", "model")
             return
+        call = Call(send, rid, path, key, table, endpoint, ask.obj, ask.stream, ask.include_usage, ask.reserve,
+                    _header(scope, b"authorization") or b"", _header(scope, HOP) is not None)
         idem = self.idem
         ik = _header(scope, idempotency.HEADER) if idem is not None else None
         if idem is None or ik is None:
-            await self._serve(scope, send, rid, path, key, table, endpoint, ask)
+            await self._serve(call)
         else:  # replayed, refused, or served once and kept
             head = [(b"x-request-id", rid.encode()), (b"x-tensora-region", self.o.region.encode())]
-            await idem.run(send, head, key.id, path, ik, ask.obj,
-                           lambda s: self._serve(scope, s, rid, path, key, table, endpoint, ask),
+            await idem.run(send, head, key.id, path, ik, ask.obj, lambda s: self._serve(replace(call, send=s)),
                            lambda: self._count(send, rid, key, table))
 
     async def _count(self, send: Send, rid: str, key: KeyRoute, table: RouteTable) -> bool:
@@ -265,11 +289,11 @@ class Gateway:
             await self._refuse(send, rid, adm)
         return adm.ok
 
-    async def _serve(self, scope: Scope, send: Send, rid: str, path: str, key: KeyRoute, table: RouteTable,
-                     endpoint: EndpointRoute, ask: Body) -> Served | None:
+    async def _serve(self, call: Call) -> Served | None:
         # step 3: admission, tokens reserved in the owner's windows (and the key's, when held lower)
-        caller = self._caller_limits(key, table)
-        reserve = ask.reserve
+        send, rid, key, endpoint = call.send, call.rid, call.key, call.endpoint
+        caller = self._caller_limits(key, call.table)
+        reserve = call.reserve
         tpm = caller.key_quota.tpm if caller.key_quota is not None else caller.quota.tpm
         if reserve > tpm:
             await self._error(send, rid, 429, f"this request reserves {reserve} tokens (prompt + max_tokens x n), "
@@ -280,13 +304,12 @@ class Gateway:
         if not adm.ok:
             await self._refuse(send, rid, adm)
             return None
-        limit_headers = adm.headers()
+        call.limit_headers = adm.headers()
 
         # step 4: the chain
         served: Served | None = None
         try:
-            served = await self._walk(scope, send, rid, path, key, endpoint, ask.obj, ask.stream, ask.include_usage,
-                                      limit_headers)
+            served = await self._walk(call)
         finally:
             used = served.prompt_tokens + served.completion_tokens if served is not None else 0
             await self.limiter.settle(adm, used)
@@ -331,9 +354,8 @@ class Gateway:
                           f" retry after {adm.retry_after} s", str(adm.reason), "rate_limit_exceeded",
                           headers=[(b"retry-after", str(adm.retry_after).encode()), *adm.headers()])
 
-    def _tiers(self, endpoint: EndpointRoute, hopped: bool) -> list[list[Backend]]:
+    def _tiers(self, endpoint: EndpointRoute, table: RouteTable, hopped: bool) -> list[list[Backend]]:
         """``chain.tiers`` for this endpoint, kept until the route table changes."""
-        table = self.table()
         if table.version != self._tiers_version:
             self._tiers_cache.clear()
             self._tiers_version = table.version
@@ -381,17 +403,15 @@ class Gateway:
         else:
             breaker.release()
 
-    async def _walk(self, scope: Scope, send: Send, rid: str, path: str, key: KeyRoute, endpoint: EndpointRoute,
-                    body: dict[str, Any], stream: bool, client_usage: bool,
-                    limit_headers: list[tuple[bytes, bytes]]) -> Served | None:
+    async def _walk(self, call: Call) -> Served | None:
         start = self.clock()
-        deadline = start + self.o.deadline_s
+        deadline = call.deadline = start + self.o.deadline_s
         self._turn += 1
-        tiers = self._tiers(endpoint, _header(scope, HOP) is not None)
+        tiers = self._tiers(call.endpoint, call.table, call.hopped)
         plan = chain.order(tiers, self._open_until(start), self._turn, self._limited_until(start))
-        attempts = [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
+        attempts = call.attempts
+        attempts += [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
         attempts += [f"{b.key}:rate_limited" for b in plan.limited]
-        auth = _header(scope, b"authorization") or b""
         todo, i = list(plan.attempts), 0
         hints: list[float] = []  # when the 429s of this request said to come back
         while i < len(todo):
@@ -407,15 +427,14 @@ class Gateway:
                 continue
             ttft = min(b.ttft_s or self.o.ttft_s, deadline - now)
             try:
-                served = await self._attempt(send, rid, path, b, body, stream, client_usage, attempts, ttft,
-                                             deadline, auth, limit_headers, alone=_alone(tiers, b))
+                served = await self._attempt(call, b, ttft, alone=_alone(tiers, b))
             except Failed as f:
                 attempts.append(f"{b.key}:{f.kind}")
                 self._failed(b, breaker, f, hints)
                 if f.reply is not None:  # too long for this model: only the fallback models are left
                     todo, i = chain.longer_context(todo[i:], b), 0
                     if not todo:  # none: the model server's own 400, as it said it
-                        return await self._pass(send, rid, attempts, *f.reply)
+                        return await self._pass(call, *f.reply)
                 continue
             if served.broken:  # a stream that stalled or dropped after its first token
                 breaker.failure(self.clock())
@@ -431,39 +450,36 @@ class Gateway:
         wait = min(soonest) - now if soonest else float(self.o.retry_after_s)
         retry = max(1, math.ceil(wait))
         what = "no replica of it is ready" if not attempts else "every backend failed or is cooling down"
-        await self._error(send, rid, 503, f"{endpoint.name} cannot serve now: {what}; retry after {retry} s",
+        await self._error(call.send, call.rid, 503, f"{call.endpoint.name} cannot serve now: {what}; retry after "
+                          f"{retry} s",
                           "server_error", "service_unavailable", headers=[
                               (b"retry-after", str(retry).encode()), (b"retry-after-ms", b"%d" % max(1, wait * 1000)),
                               (b"x-tensora-fallback", b"false"), (b"x-tensora-attempts", ",".join(attempts).encode()),
-                              *limit_headers])
+                              *call.limit_headers])
         return None
 
-    async def _pass(self, send: Send, rid: str, attempts: list[str], headers: list[tuple[bytes, bytes]], data: bytes,
-                    served: Served) -> Served:
+    async def _pass(self, call: Call, headers: list[tuple[bytes, bytes]], data: bytes, served: Served) -> Served:
         """Pass a backend's client error through unchanged (its status and body), with the whole trail."""
-        trail = (b"x-tensora-attempts", ",".join(attempts).encode())
-        await send({"type": "http.response.start", "status": served.status, "headers": [
-            _JSON, (b"content-length", str(len(data)).encode()), (b"x-request-id", rid.encode()),
+        trail = (b"x-tensora-attempts", ",".join(call.attempts).encode())
+        await call.send({"type": "http.response.start", "status": served.status, "headers": [
+            _JSON, (b"content-length", str(len(data)).encode()), (b"x-request-id", call.rid.encode()),
             (b"x-tensora-region", served.region.encode()),
             *(trail if k == b"x-tensora-attempts" else (k, v) for k, v in headers)]})
-        await send({"type": "http.response.body", "body": data})
+        await call.send({"type": "http.response.body", "body": data})
         return served
 
-    async def _attempt(self, send: Send, rid: str, path: str, b: Backend, body: dict[str, Any], stream: bool,
-                       client_usage: bool, attempts: list[str], ttft: float, deadline: float, auth: bytes,
-                       limit_headers: list[tuple[bytes, bytes]], *, alone: bool = False) -> Served:
+    async def _attempt(self, call: Call, b: Backend, ttft: float, *, alone: bool = False) -> Served:
         """One backend; when it is its tier's only one, a 5xx or a reset gets one more try of it after a
         short jittered delay (a restart or a dropped connection often clears in that time), both in
         X-Tensora-Attempts. Not a 4xx, not a timeout, not when the deadline leaves no room."""
         try:
-            return await self._once(send, rid, path, b, body, stream, client_usage, attempts, ttft, deadline, auth,
-                                    limit_headers)
+            return await self._once(call, b, ttft)
         except Failed as f:
             if not (alone and (f.kind == "reset" or f.kind.startswith("http_5"))):
                 raise
             delay = self.o.retry_delay_s * random.uniform(0.5, 1.5)
             now = self.clock()
-            if deadline - now - delay < self.o.retry_room_s:
+            if call.deadline - now - delay < self.o.retry_room_s:
                 raise
             breaker = self._breaker(b.key)
             breaker.failure(now)  # the first try counts; the retry's outcome is the walk's to record
@@ -471,59 +487,54 @@ class Gateway:
                 self.ejected[b.key] = b  # probed until it answers again
             if not breaker.allow(now):  # that failure opened it (or ended its probe): no retry
                 raise Failed(f.kind, breaker=False) from None
-            attempts.append(f"{b.key}:{f.kind}")
+            call.attempts.append(f"{b.key}:{f.kind}")
         await asyncio.sleep(delay)
-        return await self._once(send, rid, path, b, body, stream, client_usage, attempts,
-                                min(ttft, deadline - self.clock()), deadline, auth, limit_headers)
+        return await self._once(call, b, min(ttft, call.deadline - self.clock()))
 
-    async def _once(self, send: Send, rid: str, path: str, b: Backend, body: dict[str, Any], stream: bool,
-                    client_usage: bool, attempts: list[str], ttft: float, deadline: float, auth: bytes,
-                    limit_headers: list[tuple[bytes, bytes]]) -> Served:
+    async def _once(self, call: Call, b: Backend, ttft: float) -> Served:
+        body = call.body
         up = dict(body)
         up["model"] = b.upstream_model
-        headers = [("x-request-id", rid)]
+        headers = [("x-request-id", call.rid)]
         if b.peer:  # a peer gateway checks the caller's own key
-            headers += [("authorization", auth.decode("latin-1")), (HOP.decode(), self.o.region)]
+            headers += [("authorization", call.auth.decode("latin-1")), (HOP.decode(), self.o.region)]
         elif b.api_key:  # a replica gets its own key, never the caller's
             headers.append(("authorization", f"Bearer {b.api_key}"))
-        if stream:
+        if call.stream:
             opts = body.get("stream_options")
             up["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
         first_by = self.clock() + ttft
         try:
-            resp = await self.client.post(b.base_url, path, orjson.dumps(up), headers, ttft)
+            resp = await self.client.post(b.base_url, call.path, orjson.dumps(up), headers, ttft)
         except UpstreamError as exc:
             raise Failed(exc.kind) from None
         try:
             if resp.status != 200:
-                return await self._not_ok(send, rid, b, resp, deadline, attempts, limit_headers)
-            if stream:
-                return await self._stream(send, rid, b, resp, client_usage, attempts, first_by, deadline,
-                                          limit_headers, b.stream_idle_s or self.o.stream_idle_s)
-            return await self._whole(send, rid, b, resp, attempts, deadline, limit_headers)
+                return await self._not_ok(call, b, resp)
+            if call.stream:
+                return await self._stream(call, b, resp, first_by, b.stream_idle_s or self.o.stream_idle_s)
+            return await self._whole(call, b, resp)
         finally:
             resp.release()
 
-    def _headers(self, b: Backend, resp: Response, attempts: list[str], ok: str,
-                 limit_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], str, str]:
+    def _headers(self, call: Call, b: Backend, resp: Response, ok: str) -> tuple[list[tuple[bytes, bytes]], str, str]:
         served_by, region = b.served_by.value, b.region
         if b.peer:  # the peer says what served it there
             served_by = (resp.header(b"x-tensora-served-by") or b"replica").decode("latin-1")
             region = (resp.header(b"x-tensora-region") or b.region.encode()).decode("latin-1")
         fallback = b.peer or b.served_by is not ServedBy.REPLICA
-        trail = ",".join([*attempts, f"{b.key}:{ok}"])
+        trail = ",".join([*call.attempts, f"{b.key}:{ok}"])
         return [(b"x-tensora-served-by", served_by.encode()),
                 (b"x-tensora-fallback", b"true" if fallback else b"false"),
-                (b"x-tensora-attempts", trail.encode()), *limit_headers], served_by, region
+                (b"x-tensora-attempts", trail.encode()), *call.limit_headers], served_by, region
 
-    async def _not_ok(self, send: Send, rid: str, b: Backend, resp: Response, deadline: float, attempts: list[str],
-                      limit_headers: list[tuple[bytes, bytes]]) -> Served:
+    async def _not_ok(self, call: Call, b: Backend, resp: Response) -> Served:
         status = resp.status
         # what is passed on should its body not come (slow, dropped, or past max_upstream_body_bytes)
         data = error_body(f"the model server answered {status} with a body that could not be read",
                           "invalid_request_error" if status < 500 else "server_error", f"upstream_{status}")
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(max(0.0, min(deadline - self.clock(), 2.0))):
+            async with asyncio.timeout(max(0.0, min(call.deadline - self.clock(), 2.0))):
                 data = await resp.read()
         if status >= 500:
             raise Failed(f"http_{status}")
@@ -531,24 +542,24 @@ class Gateway:
             raise Failed("http_429", breaker=False, retry_s=retry_after(resp.header))
         # a client error (400, 422...): the same request fails everywhere; pass it through as is, unless
         # it is too long for this model, and a fallback model may take it
-        headers, served_by, region = self._headers(b, resp, attempts, f"http_{status}", limit_headers)
+        headers, served_by, region = self._headers(call, b, resp, f"http_{status}")
         served = Served(b, served_by, region, status=status)
         if status == 400 and context_exceeded(data):
             raise Failed("context_length_exceeded", breaker=False, reply=(headers, data, served))
-        return await self._pass(send, rid, [*attempts, f"{b.key}:http_{status}"], headers, data, served)
+        call.attempts.append(f"{b.key}:http_{status}")
+        return await self._pass(call, headers, data, served)
 
-    async def _whole(self, send: Send, rid: str, b: Backend, resp: Response, attempts: list[str], deadline: float,
-                     limit_headers: list[tuple[bytes, bytes]]) -> Served:
+    async def _whole(self, call: Call, b: Backend, resp: Response) -> Served:
         try:
-            async with asyncio.timeout(max(0.0, deadline - self.clock())):
+            async with asyncio.timeout(max(0.0, call.deadline - self.clock())):
                 data = await resp.read()
         except TimeoutError:
             raise Failed("timeout") from None
         except UpstreamError as exc:
             if exc.kind == "body_too_large":  # as large from any replica of the model: no other tier
-                await self._error(send, rid, 502, f"the model server's answer is over {self.o.max_upstream_body_bytes}"
-                                  " bytes", "server_error", "upstream_too_large", headers=self._headers(
-                                      b, resp, attempts, exc.kind, limit_headers)[0])
+                await self._error(call.send, call.rid, 502, "the model server's answer is over "
+                                  f"{self.o.max_upstream_body_bytes} bytes", "server_error", "upstream_too_large",
+                                  headers=self._headers(call, b, resp, exc.kind)[0])
                 return Served(b, b.served_by.value, b.region, status=502)
             raise Failed(exc.kind) from None
         try:
@@ -561,21 +572,21 @@ class Gateway:
         usage = obj.get("usage")
         if not isinstance(usage, dict):
             usage = {}
-        headers, served_by, region = self._headers(b, resp, attempts, "ok", limit_headers)
+        headers, served_by, region = self._headers(call, b, resp, "ok")
         out = orjson.dumps(obj)
+        send = call.send
         await send({"type": "http.response.start", "status": 200, "headers": [
-            _JSON, (b"content-length", str(len(out)).encode()), (b"x-request-id", rid.encode()),
+            _JSON, (b"content-length", str(len(out)).encode()), (b"x-request-id", call.rid.encode()),
             (b"x-tensora-region", region.encode()), *headers]})
         await send({"type": "http.response.body", "body": out})
         return Served(b, served_by, region, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
 
-    async def _stream(self, send: Send, rid: str, b: Backend, resp: Response, client_usage: bool,
-                      attempts: list[str], first_by: float, deadline: float,
-                      limit_headers: list[tuple[bytes, bytes]], idle_s: float) -> Served:
+    async def _stream(self, call: Call, b: Backend, resp: Response, first_by: float, idle_s: float) -> Served:
         """Hold the status until the first content event: a failure before it moves on (a real
         503 or 429 later, never a 200 with an empty stream); a failure after it ends the stream
         with an error event, never splicing another model's output in. After it, an event must come
         every ``idle_s`` (comments do not count): a stalled model server is not held to the deadline."""
+        send, client_usage, deadline = call.send, call.client_usage, call.deadline
         events = sse.Events(self.o.max_sse_event_bytes)
         held: list[bytes] = []
         sending = False  # the head is out: from here a failure ends the stream with an error event
@@ -594,7 +605,7 @@ class Gateway:
                     raise Failed(kind) from None
                 if kind == "timeout" and idle_by < deadline:
                     kind = "stream_idle"
-                log.warning("stream %s from %s ended early: %s", rid, b.key, kind)
+                log.warning("stream %s from %s ended early: %s", call.rid, b.key, kind)
                 await send({"type": "http.response.body", "body": sse.event(error_body(
                     f"the model server failed mid-stream ({kind}); the answer is incomplete", "server_error",
                     "upstream_failed")) + sse.event(sse.DONE), "more_body": False})
@@ -638,9 +649,10 @@ class Gateway:
                 held += out
                 if not (content or done):
                     continue
-                headers, served.served_by, served.region = self._headers(b, resp, attempts, "ok", limit_headers)
+                headers, served.served_by, served.region = self._headers(call, b, resp, "ok")
                 await send({"type": "http.response.start", "status": 200, "headers": [
-                    *_SSE, (b"x-request-id", rid.encode()), (b"x-tensora-region", served.region.encode()), *headers]})
+                    *_SSE, (b"x-request-id", call.rid.encode()), (b"x-tensora-region", served.region.encode()),
+                    *headers]})
                 sending, out, held = True, held, []
             if out or done:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": not done})

@@ -18,7 +18,7 @@ import orjson
 from tensora.gateway import sse
 from tensora.gateway.call import JSON, Call, Failed, Headers, Options, Served, answer, error_body
 from tensora.gateway.chain import Backend, ServedBy
-from tensora.gateway.upstream import Response, UpstreamError
+from tensora.gateway.upstream import Reply, UpstreamError
 
 log = logging.getLogger("tensora.gateway")
 
@@ -32,7 +32,7 @@ class Relay:
     def __init__(self, options: Options, clock: Callable[[], float]) -> None:
         self.o, self.clock = options, clock
 
-    def headers(self, call: Call, b: Backend, resp: Response, ok: str) -> tuple[Headers, str, str]:
+    def headers(self, call: Call, b: Backend, resp: Reply, ok: str) -> tuple[Headers, str, str]:
         served_by, region = b.served_by.value, b.region
         if b.peer:  # the peer says what served it there
             served_by = (resp.header(b"x-tensora-served-by") or b"replica").decode("latin-1")
@@ -53,7 +53,7 @@ class Relay:
         await call.send({"type": "http.response.body", "body": data})
         return served
 
-    async def whole(self, call: Call, b: Backend, resp: Response) -> Served:
+    async def whole(self, call: Call, b: Backend, resp: Reply) -> Served:
         try:
             async with asyncio.timeout(max(0.0, call.deadline - self.clock())):
                 data = await resp.read()
@@ -85,7 +85,7 @@ class Relay:
         await send({"type": "http.response.body", "body": out})
         return Served(b, served_by, region, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
 
-    async def stream(self, call: Call, b: Backend, resp: Response, first_by: float, idle_s: float) -> Served:
+    async def stream(self, call: Call, b: Backend, resp: Reply, first_by: float, idle_s: float) -> Served:
         """Hold the status until the first content event: a failure before it moves on (a real
         503 or 429 later, never a 200 with an empty stream); a failure after it ends the stream
         with an error event, never splicing another model's output in. After it, an event must come

@@ -26,14 +26,14 @@ from tensora.gateway.call import HOP, Call, Failed, Options, Served, answer, err
 from tensora.gateway.chain import Backend
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import EndpointRoute, RouteTable
-from tensora.gateway.upstream import Client, Response, UpstreamError
+from tensora.gateway.upstream import Reply, Upstream, UpstreamError
 
 
 class Walk:
     """The chain's state across requests: each backend's breaker, the ejected backends (what ``probe.Prober``
     probes), the round-robin turn, and the tiers of each endpoint for the route table's version."""
 
-    def __init__(self, options: Options, clock: Callable[[], float], client: Client, relay: Relay) -> None:
+    def __init__(self, options: Options, clock: Callable[[], float], client: Upstream, relay: Relay) -> None:
         self.o, self.clock, self.client, self.relay = options, clock, client, relay
         self.breakers: dict[str, Breaker] = {}
         self.ejected: dict[str, Backend] = {}  # whose breakers opened: what ``probe.Prober`` probes
@@ -194,7 +194,7 @@ class Walk:
         finally:
             resp.release()
 
-    async def _not_ok(self, call: Call, b: Backend, resp: Response) -> Served:
+    async def _not_ok(self, call: Call, b: Backend, resp: Reply) -> Served:
         status = resp.status
         # what is passed on should its body not come (slow, dropped, or past max_upstream_body_bytes)
         data = error_body(f"the model server answered {status} with a body that could not be read",

@@ -15,7 +15,7 @@ from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable, table_from_json
 from tensora.gateway.walk import Walk
 
-GPU, CPU = "http://10.0.0.1:1/r1/v1", "http://10.0.0.1:1/c1/v1"
+GPU, CPU, BIG = "http://10.0.0.1:1/r1/v1", "http://10.0.0.1:1/c1/v1", "http://10.0.0.1:1/g1/v1"
 KEY = KeyRoute("key_1", "alice", ("inference",), None, None)
 
 
@@ -49,13 +49,16 @@ class Sent:
         return b"".join(m.get("body", b"") for m in self.msgs[1:])
 
 
-def table() -> RouteTable:
-    """Two tiers of one replica each: the endpoint's GPU replica, then its CPU fallback."""
-    reps = [{"id": rid, "url": url, "cls": "cpu-4c-16g" if cpu else "l40s-48gb", "cpu": cpu, "upstream_model": "/m"}
-            for rid, url, cpu in (("r1", GPU, False), ("c1", CPU, True))]
+def table(fallback: bool = False) -> RouteTable:
+    """Two tiers of one replica each: the endpoint's GPU replica, then its CPU fallback; with ``fallback``, a
+    third: the owner's model ``big`` as its fallback model."""
+    def rep(rid: str, url: str, cpu: bool = False) -> dict[str, Any]:
+        return {"id": rid, "url": url, "cls": "cpu-4c-16g" if cpu else "l40s-48gb", "cpu": cpu, "upstream_model": "/m"}
     return table_from_json({"version": "1", "region": "eu", "keys": [], "endpoints": [
         {"id": "wl_main", "name": "my-llm", "owner": "alice", "region": "eu", "model": "/m", "cpu_fallback": True,
-         "replicas": reps}]})
+         "fallback_models": ["big"] if fallback else [], "replicas": [rep("r1", GPU), rep("c1", CPU, cpu=True)]},
+        {"id": "wl_big", "name": "big", "owner": "alice", "region": "eu", "model": "/b",
+         "replicas": [rep("g1", BIG)]}]})
 
 
 def walk(script: dict[str, list[Step]], clock: Clock, **options: Any) -> tuple[Walk, FakeUpstream]:
@@ -64,8 +67,8 @@ def walk(script: dict[str, list[Step]], clock: Clock, **options: Any) -> tuple[W
     return Walk(o, clock, fake, Relay(o, clock)), fake
 
 
-def run(w: Walk, *, stream: bool = False) -> tuple[Served | None, Sent]:
-    t = table()
+def run(w: Walk, *, stream: bool = False, fallback: bool = False) -> tuple[Served | None, Sent]:
+    t = table(fallback)
     endpoint = t.resolve("alice", "my-llm")
     assert endpoint is not None
     sent = Sent()
@@ -130,3 +133,25 @@ def test_when_every_backend_is_rate_limited_the_503_carries_the_soonest_retry_af
     assert served is None and sent.status == 503
     assert sent.header(b"x-tensora-attempts") == "my-llm/r1:http_429,my-llm/c1:http_429"
     assert (sent.header(b"retry-after"), sent.header(b"retry-after-ms")) == ("1", "500")
+
+
+def test_a_prompt_over_the_models_context_goes_to_the_fallback_model_only() -> None:
+    clock = Clock()
+    too_long = Step(400, orjson.dumps({"error": {"message": "This model's maximum context length is 4096 tokens",
+                                                 "type": "BadRequestError", "code": 400}}))
+    w, fake = walk({GPU: [too_long]}, clock)
+    served, sent = run(w, fallback=True)
+    assert sent.status == 200 and sent.header(b"x-tensora-attempts") == "my-llm/r1:context_length_exceeded,big/g1:ok"
+    assert served is not None and served.backend.key == "big/g1" and sent.header(b"x-tensora-fallback") == "true"
+    assert [p[0] for p in fake.posts] == [GPU, BIG]  # not the same model on CPU
+    assert w.breakers["my-llm/r1"].failures == 0  # the request's fault, not the backend's
+
+
+def test_any_other_4xx_is_passed_through_as_it_came_and_never_retried() -> None:
+    clock = Clock()
+    refused = status(400)
+    w, fake = walk({GPU: [refused]}, clock)
+    served, sent = run(w, fallback=True)
+    assert sent.status == 400 and sent.body == refused.body
+    assert sent.header(b"x-tensora-attempts") == "my-llm/r1:http_400" and [p[0] for p in fake.posts] == [GPU]
+    assert served is not None and served.status == 400

@@ -3,8 +3,9 @@
 Every attempt has a time-to-first-token deadline, and a failure before the first token moves on: a 5xx or a reset
 from the only backend of its tier is tried once more there first, after a short jittered delay, when the deadline
 leaves room; a 429 skips that backend until its Retry-After, without counting against its breaker; a 400 saying
-the prompt is over the model's context goes to the fallback models (longer context first); any other 4xx is passed
-through. Each backend's breaker hears how it went. Nothing left to try: 503 with the soonest Retry-After.
+the prompt is over the model's context goes to the fallback models only (in their listed order: the route table
+knows no model's context length); any other 4xx is passed through. Each backend's breaker hears how it went.
+Nothing left to try: 503 with the soonest Retry-After.
 """
 
 from __future__ import annotations

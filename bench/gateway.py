@@ -2,7 +2,7 @@
 
 The same bounded loopback load goes to:
 
-* **direct**: a fast fake OpenAI backend (``tensora.gateway.fakebackend``: raw asyncio + uvloop
+* **direct**: a fast fake OpenAI backend (``tests/fakebackend.py``: raw asyncio + uvloop
   + httptools, SSE too), two of them (two "replicas");
 * **tensora**: ``python -m tensora.gateway`` in front of them, keys, metering (records spooled and
   sent to a usage sink) and rate limits ON; routes from its disk cache, as after a control API
@@ -53,6 +53,7 @@ from services import free_port
 from tensora import apikeys
 
 ROOT = Path(__file__).resolve().parent.parent
+FAKEBACKEND = str(ROOT / "tests" / "fakebackend.py")  # a child process: not part of the product
 BODY = {"model": "my-llm", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
 CONTENT = re.compile(rb'"content": ?"[^"]')
 
@@ -213,7 +214,7 @@ def main() -> int:
         with contextlib.ExitStack() as stack:
             for i, p in enumerate(ports):
                 stack.enter_context(process(
-                    [*taskset(a.load_cpu), py, "-m", "tensora.gateway.fakebackend", "--port", str(p),
+                    [*taskset(a.load_cpu), py, FAKEBACKEND, "--port", str(p),
                      "--name", f"b{i}", "--chunks", "20"], tmp / f"backend{i}.log", f"{backs[i]}/v1/models"))
             sink = backs[2]  # takes the gateway's usage batches; has no route table
             print(f"gateway benchmark: proxy on cpu {a.proxy_cpu}, load and backends on cpu {a.load_cpu}; "

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +22,8 @@ from tensora import apikeys
 from tensora.gateway.proxy import Gateway
 from tensora.gateway.routes import RouteTable, table_from_json
 
+FAKEBACKEND = str(Path(__file__).resolve().parent / "fakebackend.py")
+
 
 class Backends:
     """Fake OpenAI servers by name, each a child process on its own port; ``api_keys``: name -> the key that
@@ -29,7 +32,7 @@ class Backends:
     def __init__(self, names: list[str], api_keys: dict[str, str] | None = None) -> None:
         self.ports = {n: free_port() for n in names}
         env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
-        self.procs = {n: subprocess.Popen([sys.executable, "-m", "tensora.gateway.fakebackend", "--port", str(p),
+        self.procs = {n: subprocess.Popen([sys.executable, FAKEBACKEND, "--port", str(p),
                                            "--name", n, "--chunks", "8"],
                                           env=env | ({"VLLM_API_KEY": api_keys[n]} if n in (api_keys or {}) else {}))
                       for n, p in self.ports.items()}

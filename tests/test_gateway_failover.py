@@ -23,8 +23,9 @@ from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Backend, Peer, ServedBy
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.probe import Prober, probe_url
-from tensora.gateway.proxy import Gateway, Options, context_exceeded, retry_after
+from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
+from tensora.gateway.walk import context_exceeded, retry_after
 
 pytestmark = pytest.mark.timeout(120)
 

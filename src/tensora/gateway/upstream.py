@@ -27,7 +27,7 @@ import ipaddress
 import socket
 import ssl
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -37,6 +37,28 @@ class UpstreamError(Exception):
     def __init__(self, kind: str, detail: str = "") -> None:
         super().__init__(f"{kind}: {detail}" if detail else kind)
         self.kind = kind
+
+
+class Reply(Protocol):
+    """What the walk and the relay need of an upstream's answer: ``Response`` here, ``fakeupstream`` in tests."""
+
+    status: int
+
+    def header(self, name: bytes) -> bytes | None: ...
+
+    async def read(self) -> bytes: ...
+
+    async def next_chunk(self) -> bytes | None: ...
+
+    def release(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """What the walk needs of the client to its upstreams (``Client``): one POST, answered once its head is in
+    (or an ``UpstreamError``)."""
+
+    async def post(self, base_url: str, path: str, body: bytes, headers: list[tuple[str, str]],
+                   head_timeout: float) -> Reply: ...
 
 
 _END = object()

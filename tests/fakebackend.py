@@ -1,6 +1,6 @@
 """A fast fake OpenAI-compatible backend, for fault injection and the gateway benchmark.
 
-``python -m tensora.gateway.fakebackend --port N --name r1 [--mode ok] [--chunks 20]``. It answers
+``python tests/fakebackend.py --port N --name r1 [--mode ok] [--chunks 20]``. It answers
 ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE) and ``GET /v1/models``, and misbehaves
 on purpose by mode: ``http_500``, ``http_503``, ``http_429``, ``http_400``, ``close`` (drops the
 connection), ``stall_head`` (never answers), ``stall_after_headers`` (a 200 stream with no event),
@@ -17,7 +17,8 @@ at once, as a server with a short idle timeout does), ``down`` (503 to every ``/
 again); ``GET /_stats`` counts requests (and probes: ``GET /v1/models``) and shows the last completion's
 Authorization header (what the gateway sent upstream); ``POST /v1/gateway/usage`` takes usage batches (a
 sink for a gateway under benchmark) and other paths are 404. Raw asyncio and httptools: it must be much
-faster than what it is put behind, or the benchmark measures it.
+faster than what it is put behind, or the benchmark measures it. Not part of the product: the gateway tests
+(``gateway_harness``) and ``bench/gateway.py`` run it as a child process; it imports nothing from tensora.
 """
 
 from __future__ import annotations

@@ -1,0 +1,183 @@
+"""The relay: a backend's answer on its way to the client, whole or streamed.
+
+A whole answer is read (within the request's deadline, bounded by ``max_upstream_body_bytes``), its ``model`` set
+to what the client asked for, and sent on with what really served it (X-Tensora-* headers). A stream's status is
+held until its first content event, so that a failure before it is the walk's to move on from (``Failed``); after
+it, a failure or a stall ends the stream with an error event and ``[DONE]``, never splicing another model's output in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from tensora.gateway import sse
+from tensora.gateway.call import JSON, Call, Failed, Headers, Options, Served, answer, error_body
+from tensora.gateway.chain import Backend, ServedBy
+from tensora.gateway.upstream import Reply, UpstreamError
+
+log = logging.getLogger("tensora.gateway")
+
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class Relay:
+    """Sends a backend's answer on; each call returns what served it (``Served``), or raises ``Failed`` while the
+    client has seen nothing yet."""
+
+    def __init__(self, options: Options, clock: Callable[[], float]) -> None:
+        self.o, self.clock = options, clock
+
+    def headers(self, call: Call, b: Backend, resp: Reply, ok: str) -> tuple[Headers, str, str]:
+        served_by, region = b.served_by.value, b.region
+        if b.peer:  # the peer says what served it there
+            served_by = (resp.header(b"x-tensora-served-by") or b"replica").decode("latin-1")
+            region = (resp.header(b"x-tensora-region") or b.region.encode()).decode("latin-1")
+        fallback = b.peer or b.served_by is not ServedBy.REPLICA
+        trail = ",".join([*call.attempts, f"{b.key}:{ok}"])
+        return [(b"x-tensora-served-by", served_by.encode()),
+                (b"x-tensora-fallback", b"true" if fallback else b"false"),
+                (b"x-tensora-attempts", trail.encode()), *call.limit_headers], served_by, region
+
+    async def pass_through(self, call: Call, headers: Headers, data: bytes, served: Served) -> Served:
+        """Pass a backend's client error through unchanged (its status and body), with the whole trail."""
+        trail = (b"x-tensora-attempts", ",".join(call.attempts).encode())
+        await call.send({"type": "http.response.start", "status": served.status, "headers": [
+            JSON, (b"content-length", str(len(data)).encode()), (b"x-request-id", call.rid.encode()),
+            (b"x-tensora-region", served.region.encode()),
+            *(trail if k == b"x-tensora-attempts" else (k, v) for k, v in headers)]})
+        await call.send({"type": "http.response.body", "body": data})
+        return served
+
+    async def whole(self, call: Call, b: Backend, resp: Reply) -> Served:
+        try:
+            async with asyncio.timeout(max(0.0, call.deadline - self.clock())):
+                data = await resp.read()
+        except TimeoutError:
+            raise Failed("timeout") from None
+        except UpstreamError as exc:
+            if exc.kind == "body_too_large":  # as large from any replica of the model: no other tier
+                await answer(call.send, 502, error_body(
+                    f"the model server's answer is over {self.o.max_upstream_body_bytes} bytes", "server_error",
+                    "upstream_too_large"), call.rid, self.o.region, self.headers(call, b, resp, exc.kind)[0])
+                return Served(b, b.served_by.value, b.region, status=502)
+            raise Failed(exc.kind) from None
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise Failed("bad_response") from None
+        if not isinstance(obj, dict):
+            raise Failed("bad_response")
+        obj["model"] = b.model
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            usage = {}
+        headers, served_by, region = self.headers(call, b, resp, "ok")
+        out = orjson.dumps(obj)
+        send = call.send
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            JSON, (b"content-length", str(len(out)).encode()), (b"x-request-id", call.rid.encode()),
+            (b"x-tensora-region", region.encode()), *headers]})
+        await send({"type": "http.response.body", "body": out})
+        return Served(b, served_by, region, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+
+    async def stream(self, call: Call, b: Backend, resp: Reply, first_by: float, idle_s: float) -> Served:
+        """Hold the status until the first content event: a failure before it moves on (a real
+        503 or 429 later, never a 200 with an empty stream); a failure after it ends the stream
+        with an error event, never splicing another model's output in. After it, an event must come
+        every ``idle_s`` (comments do not count): a stalled model server is not held to the deadline."""
+        send, client_usage, deadline = call.send, call.client_usage, call.deadline
+        events = sse.Events(self.o.max_sse_event_bytes)
+        held: list[bytes] = []
+        sending = False  # the head is out: from here a failure ends the stream with an error event
+        served = Served(b, b.served_by.value, b.region)
+        content = counted = 0
+        done = False
+        idle_by = deadline
+        while not done:
+            try:
+                async with asyncio.timeout(max(0.0, (idle_by if sending else first_by) - self.clock())):
+                    chunk = await resp.next_chunk()
+                payloads = events.feed(chunk) if chunk is not None else events.tail()
+            except (TimeoutError, UpstreamError) as exc:
+                kind = exc.kind if isinstance(exc, UpstreamError) else "timeout"
+                if not sending:
+                    raise Failed(kind) from None
+                if kind == "timeout" and idle_by < deadline:
+                    kind = "stream_idle"
+                log.warning("stream %s from %s ended early: %s", call.rid, b.key, kind)
+                await send({"type": "http.response.body", "body": sse.event(error_body(
+                    f"the model server failed mid-stream ({kind}); the answer is incomplete", "server_error",
+                    "upstream_failed")) + sse.event(sse.DONE), "more_body": False})
+                served.status, served.broken = 502, kind
+                served.completion_tokens = served.completion_tokens or counted
+                return served
+            if chunk is None:
+                done = True
+            out: list[bytes] = []
+            if payloads:
+                idle_by = min(deadline, self.clock() + idle_s)
+            for p in payloads:
+                if p == sse.DONE:
+                    done = True
+                    break
+                try:
+                    obj = orjson.loads(p)
+                except orjson.JSONDecodeError:
+                    continue
+                if not isinstance(obj, dict):
+                    continue
+                if "error" in obj and not sending:
+                    raise Failed("stream_error")
+                usage, choices = obj.get("usage"), obj.get("choices")
+                if isinstance(usage, dict):  # what the gateway asked for (alone, or on the last chunk)
+                    served.prompt_tokens = _int(usage.get("prompt_tokens"))
+                    served.completion_tokens = _int(usage.get("completion_tokens"))
+                if not client_usage and "usage" in obj:  # the client did not ask: it never sees it
+                    if not choices:
+                        continue
+                    del obj["usage"]
+                if "model" in obj:
+                    obj["model"] = b.model
+                has = _has_content(choices)
+                content |= has
+                counted += has
+                out.append(sse.event(orjson.dumps(obj)))
+            if done:
+                out.append(sse.event(sse.DONE))  # always, even when the runtime leaves it out
+            if not sending:
+                held += out
+                if not (content or done):
+                    continue
+                headers, served.served_by, served.region = self.headers(call, b, resp, "ok")
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    *_SSE, (b"x-request-id", call.rid.encode()), (b"x-tensora-region", served.region.encode()),
+                    *headers]})
+                sending, out, held = True, held, []
+            if out or done:
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": not done})
+        served.completion_tokens = served.completion_tokens or counted
+        return served
+
+
+def _has_content(choices: Any) -> int:
+    if not isinstance(choices, list):
+        return 0
+    for c in choices:
+        if not isinstance(c, dict):
+            continue
+        if c.get("finish_reason") or c.get("text"):
+            return 1
+        delta = c.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")
+                                        or delta.get("reasoning_content")):
+            return 1
+    return 0
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and v >= 0 else 0

@@ -536,7 +536,7 @@ def test_an_endpoint_moves_back_to_its_class_with_zero_failed_requests(tmp_path:
     _runtimes()
     write_tiny_model(tmp_path / "tiny")
     (tmp_path / "up.yaml").write_text("node: {cpu: 5, memory: 24Gi, reserve_cpu: 0, reserve_memory: 0}\ntick_s: 1\n"
-                                      "gateway: {requests_per_minute: 100000}\n")
+                                      "limits: {requests_per_minute: 100000}\n")  # the owner's: its requests come fast
     port, gw_port = free_port(), free_port()
     proc, log = _up(tmp_path, port, 0, write_config=False, gateway_port=gw_port)
     pids: list[int] = []

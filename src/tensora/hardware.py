@@ -79,6 +79,10 @@ class NodeOverrides(BaseModel):
     vfio: dict[int, str] = Field(default_factory=dict, description="VM GPU passthrough: GPU index -> the PCI "
                                  "address of that GPU bound to vfio-pci, e.g. {0: '0000:65:00.0'} (a GPU bound "
                                  "to vfio-pci is invisible to nvidia-smi: declare it in gpus too)")
+    nvidia_driver: list[str] = Field(default_factory=list, description="the NVIDIA driver's user-space files "
+                                     "a sandboxed GPU replica gets, as folders or files, e.g. "
+                                     "[/usr/local/nvidia/lib64, /usr/local/nvidia/bin] (default: found as "
+                                     "nvidia-container-toolkit finds them: ldconfig -p, then the usual folders)")
 
 
 def parse_nvidia_smi(text: str) -> list[tuple[int, str, int]]:

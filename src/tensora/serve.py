@@ -280,7 +280,8 @@ def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
     allow = (settings.port, gateway_settings_for(settings, {"port": settings.gateway_port}).port)
     return LocalDriver(settings.data_dir, node, catalog, [g.index for g in hw.gpus if g.model],
                        vfio=settings.node.vfio, isolation=mode, allow_host_ports=[p for p in allow if p],
-                       files_root=settings.data_dir / "files", shared_models=settings.shared_models)
+                       files_root=settings.data_dir / "files", shared_models=settings.shared_models,
+                       nvidia_driver=settings.node.nvidia_driver)
 
 
 def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:

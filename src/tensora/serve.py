@@ -38,7 +38,7 @@ from tensora.clock import Clock, SystemClock
 from tensora.controller import Controller
 from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
 from tensora.errors import ConfigError, TensoraError
-from tensora.hardware import NodeOverrides, offered
+from tensora.hardware import NodeOverrides, gpu_notes, offered
 from tensora.quotas import Limits, OwnerSettings, Quotas
 from tensora.storage import Storage
 from tensora.store import repo
@@ -472,6 +472,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     if profile == "up" and services.controller is not None:
         node = services.controller.driver.nodes()[0]
         print(f"this machine as node {node.name}: {offered(node)}", flush=True)
+        for note in gpu_notes(node, services.controller.catalog):
+            print(f"  note: {note}", flush=True)
         print(describe_isolation(services.isolation or "", services.isolation_reason), flush=True)
         print(f"replicas and their logs in {settings.data_dir / 'replicas'}; Ctrl-C stops the servers, "
               "not the workloads (the next `tensora up` adopts them)", flush=True)

@@ -185,3 +185,16 @@ def test_a_gpu_sandbox_gets_the_driver(check: Callable[[dict[str, Any], Path], b
 def test_a_gpu_replica_without_the_driver_fails_and_names_the_setting(tmp_path: Path) -> None:
     with pytest.raises(plan.LaunchError, match=r"libcuda\.so\.1.*nvidia_driver"):
         _gpu_config(nvidia_driver(ldconfig="", lib_dirs=[tmp_path], bin_dirs=[tmp_path]))
+
+
+def test_the_operators_setting_reaches_the_local_driver(tmp_path: Path) -> None:
+    from tensora.catalog import default_catalog
+    from tensora.drivers.local import LocalDriver
+    from tensora.serve import ServeSettings, local_driver
+
+    lib, bin_ = _driver_folder(tmp_path)
+    settings = ServeSettings(data_dir=tmp_path / "data", driver="local", isolation="none",
+                             node={"nvidia_driver": [str(lib), str(bin_)]})  # type: ignore[arg-type]
+    driver = local_driver(settings, default_catalog())
+    assert isinstance(driver, LocalDriver) and driver.nvidia_paths == (str(lib), str(bin_))
+    assert driver._nvidia_driver().cuda and dict(driver._nvidia_driver().binaries).keys() == {"nvidia-smi"}

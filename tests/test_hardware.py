@@ -14,7 +14,17 @@ import pytest
 from tensora.admission import Place, Queued, WorkloadKind, decide
 from tensora.capacity import Capacity, Node, Placed
 from tensora.catalog import default_catalog
-from tensora.hardware import Gpu, Hardware, NodeOverrides, detect, gpu_model_for, local_node, offered, parse_nvidia_smi
+from tensora.hardware import (
+    Gpu,
+    Hardware,
+    NodeOverrides,
+    detect,
+    gpu_model_for,
+    gpu_notes,
+    local_node,
+    offered,
+    parse_nvidia_smi,
+)
 
 GIB = 2**30
 MIB = 2**20
@@ -192,6 +202,38 @@ def test_tensora_node_says_how_a_small_machine_is_shared(tmp_path: Path) -> None
     assert out.returncode == 0, out.stderr
     assert ("offered as node box (local): 2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; "
             "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs (after the host reserve of 0 cores, 2Gi)") in out.stdout
+
+
+# the node -> the notes' telling words (none: no note)
+GPU_NOTES = {
+    "one H200 on a 128 GiB machine, as seen on the device host: the 240 GiB class never fits": (
+        Node("vm", "local", 60, int(123.8 * GIB), {"H200": 1}),
+        ["1x H200 offered, but no class of it fits this node (60 vCPU, 123.8 GiB): h200-141gb needs 1 GPU, "
+         "16 vCPU, 240.0 GiB. Use a catalog with a class that fits, or declare node: memory"]),
+    "the same GPU on a machine with the memory: no note": (Node("big", "local", 60, 256 * GIB, {"H200": 1}), []),
+    "too few vCPUs for the class": (Node("small", "local", 8, 256 * GIB, {"H200": 1}), ["8 vCPU"]),
+    "a GPU model no class uses": (Node("odd", "local", 60, 256 * GIB, {"B200": 2}),
+                                  ["2x B200 offered, but no catalog class uses it"]),
+    "a CPU-only node: nothing to say": (Node("cpu", "local", 8, 16 * GIB, {}), []),
+    "a model declared with none of it: nothing to say": (Node("zero", "local", 8, 16 * GIB, {"H200": 0}), []),
+}
+
+
+@pytest.mark.parametrize("case", GPU_NOTES.values(), ids=GPU_NOTES.keys())
+def test_a_gpu_no_class_can_use_is_said(case: tuple[Node, list[str]]) -> None:
+    node, words = case
+    notes = gpu_notes(node, CATALOG)
+    assert len(notes) == len(words) and all(w in n for w, n in zip(words, notes, strict=True)), notes
+
+
+def test_tensora_node_says_when_its_gpu_fits_no_class(tmp_path: Path) -> None:
+    config = tmp_path / "up.yaml"
+    config.write_text("node: {cpu: 16, memory: 128Gi, gpus: {H200: 1}}\n")
+    out = subprocess.run([sys.executable, "-m", "tensora.cli", "node", "--config", str(config), "-o", "json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    (note,) = json.loads(out.stdout)["node"]["notes"]
+    assert "no class of it fits this node" in note and "h200-141gb needs 1 GPU, 16 vCPU, 240.0 GiB" in note
 
 
 def test_tensora_node_names_a_bad_override(tmp_path: Path) -> None:

@@ -459,12 +459,22 @@ def test_a_vm_on_a_gpu_class_gets_its_gpu_by_vfio_passthrough(
 
 
 def test_gpu_placements_get_their_own_gpus_and_no_more(tmp_path: Path) -> None:
-    """Device nodes and CUDA_VISIBLE_DEVICES per replica on a node declared with two L40S (no GPU needed to
-    check it: the host's nodes are stand-ins with /dev/null's numbers)."""
+    """Device nodes, the NVIDIA driver's files and CUDA_VISIBLE_DEVICES per replica on a node declared with two
+    L40S (no GPU needed to check it: the host's nodes are stand-ins with /dev/null's numbers, the driver a
+    folder of stand-in files named in the setting)."""
     for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
         _char_device(tmp_path / "dev" / name)
+    driver = tmp_path / "nvidia"
+    driver.mkdir()
+    (driver / "libcuda.so.580.1").write_text("stand-in libcuda")
+    (driver / "libcuda.so.1").symlink_to("libcuda.so.580.1")
     gpu_node = Node("box", "local", 32, 128 * 2**30, {"L40S": 2})
-    d = LocalDriver(tmp_path / "data", gpu_node, CATALOG, gpu_indices=[0, 1], devfs=tmp_path / "dev")
+    none = LocalDriver(tmp_path / "none", gpu_node, CATALOG, gpu_indices=[0, 1], devfs=tmp_path / "dev",
+                       nvidia_driver=[tmp_path / "dev"])
+    failed = none.start(replica("g0", WorkloadKind.NOTEBOOK, "l40s-48gb"))
+    assert failed.state is ReplicaState.FAILED and "libcuda.so.1" in failed.detail, failed.detail
+    d = LocalDriver(tmp_path / "data", gpu_node, CATALOG, gpu_indices=[0, 1], devfs=tmp_path / "dev",
+                    nvidia_driver=[driver])
     try:
         for name in ("g1", "g2"):
             assert d.start(replica(name, WorkloadKind.NOTEBOOK, "l40s-48gb")).state is ReplicaState.STARTING
@@ -475,6 +485,8 @@ def test_gpu_placements_get_their_own_gpus_and_no_more(tmp_path: Path) -> None:
             pid = meta(d, rid(name))["pid"]
             nodes = {n for n in os.listdir(f"/proc/{pid}/root/dev") if n.startswith("nvidia")}
             seen[environ(pid)["CUDA_VISIBLE_DEVICES"]] = nodes
+            assert Path(f"/proc/{pid}/root/opt/nvidia/lib/libcuda.so.1").read_text() == "stand-in libcuda"
+            assert environ(pid)["LD_LIBRARY_PATH"] == "/opt/nvidia/lib"
         assert seen == {"0": {"nvidia0", "nvidiactl", "nvidia-uvm"}, "1": {"nvidia1", "nvidiactl", "nvidia-uvm"}}
         d.stop(rid("g1"))
         wait_for(d, rid("g1"), {ReplicaState.STOPPED, ReplicaState.FAILED}, 30)

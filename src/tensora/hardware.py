@@ -79,6 +79,10 @@ class NodeOverrides(BaseModel):
     vfio: dict[int, str] = Field(default_factory=dict, description="VM GPU passthrough: GPU index -> the PCI "
                                  "address of that GPU bound to vfio-pci, e.g. {0: '0000:65:00.0'} (a GPU bound "
                                  "to vfio-pci is invisible to nvidia-smi: declare it in gpus too)")
+    nvidia_driver: list[str] = Field(default_factory=list, description="the NVIDIA driver's user-space files "
+                                     "a sandboxed GPU replica gets, as folders or files, e.g. "
+                                     "[/usr/local/nvidia/lib64, /usr/local/nvidia/bin] (default: found as "
+                                     "nvidia-container-toolkit finds them: ldconfig -p, then the usual folders)")
 
 
 def parse_nvidia_smi(text: str) -> list[tuple[int, str, int]]:
@@ -211,6 +215,27 @@ def offered(node: Node) -> str:
         cpu = (f"{_cores(cores)} offered as {node.cpu:g} vCPU (overcommit {node.cpu / cores:g}x: replicas share "
                f"the cores; CPU classes up to {cores:g} vCPU)")
     return f"{cpu}, {node.memory / GIB:.1f} GiB, {gpus}"
+
+
+def gpu_notes(node: Node, catalog: Catalog) -> list[str]:
+    """Why a GPU the node offers would never run anything: no class of its model in the catalog, or none that
+    fits the node (a one-H200 machine of 128 GiB under the default h200-141gb's 240 GiB, seen on such a host).
+    Without the note the GPU shows as offered while every workload asking for it waits."""
+    notes = []
+    for model, count in node.gpus.items():
+        classes = [c for c in catalog.values() if c.gpu_model == model]
+        if count <= 0 or any(c.gpu_count <= count and c.cpu <= node.cpu and c.memory <= node.memory
+                             for c in classes):
+            continue
+        if not classes:
+            notes.append(f"{count}x {model} offered, but no catalog class uses it")
+            continue
+        need = "; ".join(f"{c.name} needs {c.gpu_count} GPU, {c.cpu:g} vCPU, {c.memory / GIB:.1f} GiB"
+                         for c in classes)
+        notes.append(f"{count}x {model} offered, but no class of it fits this node ({node.cpu:g} vCPU, "
+                     f"{node.memory / GIB:.1f} GiB): {need}. Use a catalog with a class that fits, or declare "
+                     "node: memory")
+    return notes
 
 
 def _cores(n: float) -> str:

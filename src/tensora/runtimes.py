@@ -78,7 +78,11 @@ REGISTRY: dict[str, Runtime] = {r.name: r for r in (
             (TORCH, "transformers[serving]>=5.20"),
             ("{python}", "-m", "transformers.cli.transformers", "serve", "{model}", "--device", "{device}",
              "--host", "{host}", "--port", "{port}"),
-            served_as_path=True, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"},
+            # USE_HUB_KERNELS=NO: on CUDA, transformers (>= 5.2x, with its `kernels` dependency) swaps layers
+            # for kernels it downloads from the Hub; offline that fails the load ("Version 2 of
+            # 'kernels-community/rotary' is not available in the local cache"), seen on an H200
+            served_as_path=True, env={"HF_HUB_OFFLINE": "1", "USE_HUB_KERNELS": "NO",
+                                      "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"},
             stream_ends_with_done=False),
 )}
 

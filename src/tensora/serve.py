@@ -38,7 +38,7 @@ from tensora.clock import Clock, SystemClock
 from tensora.controller import Controller
 from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
 from tensora.errors import ConfigError, TensoraError
-from tensora.hardware import NodeOverrides, offered
+from tensora.hardware import NodeOverrides, gpu_notes, offered
 from tensora.quotas import Limits, OwnerSettings, Quotas
 from tensora.storage import Storage
 from tensora.store import repo
@@ -280,7 +280,8 @@ def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
     allow = (settings.port, gateway_settings_for(settings, {"port": settings.gateway_port}).port)
     return LocalDriver(settings.data_dir, node, catalog, [g.index for g in hw.gpus if g.model],
                        vfio=settings.node.vfio, isolation=mode, allow_host_ports=[p for p in allow if p],
-                       files_root=settings.data_dir / "files", shared_models=settings.shared_models)
+                       files_root=settings.data_dir / "files", shared_models=settings.shared_models,
+                       nvidia_driver=settings.node.nvidia_driver)
 
 
 def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
@@ -471,6 +472,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     if profile == "up" and services.controller is not None:
         node = services.controller.driver.nodes()[0]
         print(f"this machine as node {node.name}: {offered(node)}", flush=True)
+        for note in gpu_notes(node, services.controller.catalog):
+            print(f"  note: {note}", flush=True)
         print(describe_isolation(services.isolation or "", services.isolation_reason), flush=True)
         print(f"replicas and their logs in {settings.data_dir / 'replicas'}; Ctrl-C stops the servers, "
               "not the workloads (the next `tensora up` adopts them)", flush=True)

@@ -177,6 +177,7 @@ def node_command(
     hw = hardware.detect(cat)
     node = hardware.local_node(hw, settings.node, settings.region)
     info = hardware.describe(hw, node)
+    info["node"]["notes"] = notes = hardware.gpu_notes(node, cat)
     mode, why = serve.isolation_of(settings.model_copy(update={"driver": "local"}))  # as tensora up runs it
     info["isolation"] = {"mode": mode, "reason": why}
     if output == "json":
@@ -191,6 +192,8 @@ def node_command(
     out.print(f"offered as node {node.name} ({node.region}): {hardware.offered(node)} (after the host reserve "
               f"of {hardware.reserve_cpu(cores, settings.node):g} cores, {settings.node.reserve_memory})",
               highlight=False, soft_wrap=True)
+    for note in notes:
+        out.print(f"  note: {note}", highlight=False, soft_wrap=True)
     out.print(serve.describe_isolation(mode, why), highlight=False, soft_wrap=True)
 
 

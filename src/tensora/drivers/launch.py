@@ -21,11 +21,16 @@ its own path        the Python those venvs were made from             read-only
 ``/vm``             ``DATA_DIR/replicas/<id>/vm`` (QMP, console,      read-write, the owner's uid
                     the disk's overlay ``disk.qcow2``)
 ``/image/<i>``      each image of a VM disk's checked backing chain   read-only, each file bound alone
+``/opt/nvidia``     a GPU replica's NVIDIA driver: ``lib/<name>``,    read-only, each file bound alone
+                    ``bin/<name>`` (``sandbox.host.nvidia_driver``)
 ``/tmp``            private tmpfs, charged to the memory limit        read-write
 ==================  ===============================================  ==================================
 
 Nothing else of the host but its system dirs (read-only, see ``tensora.sandbox.spec``): no DATA_DIR, no
-other owner's files.
+other owner's files. Why the driver is bound on its own: the sandbox's ``/usr`` is the host's without what is
+mounted below it (a CUDA host's ``/usr/local/nvidia``, as on the H200 hosts Tensora was checked on), and the
+host may find the driver by an LD_LIBRARY_PATH the sandbox does not inherit; without ``libcuda.so.1`` a
+GPU replica's device nodes are of no use (``cuInit`` fails, torch sees no GPU).
 
 A VM's disk is always its owner's image checked by ``drivers.vmdisk`` (the whole backing chain inside the
 owner's files, or inside the one shared root the image lies in) under a copy-on-write overlay of its own:
@@ -39,13 +44,14 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tensora import runtimes
 from tensora.catalog import ComputeClass
 from tensora.drivers.vmdisk import ImageInfo, qemu_disk_args, qemu_sandbox_args
 from tensora.sandbox import SERVER_HOST, Device, Limits, Mount, SandboxSpec
+from tensora.sandbox.host import NvidiaDriver
 from tensora.sandbox.spec import RESERVED_TARGETS, SYSTEM_DIRS
 
 OWNER = "owner"
@@ -61,6 +67,8 @@ PIDS = 4096
 """Processes and threads per replica (a fork bomb stops here, not at the host's limit)."""
 GPU_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 """NVIDIA's shared device nodes a GPU class needs beside its own ``/dev/nvidiaN`` (those the host has)."""
+NVIDIA_DIR = "/opt/nvidia"
+"""Where a sandboxed GPU replica sees the host's NVIDIA driver: ``lib/`` and ``bin/``, first on its paths."""
 
 
 class LaunchError(ValueError):
@@ -175,6 +183,23 @@ def endpoint(runtime: runtimes.Runtime, venv: PythonEnv, model: str, name: str, 
     if api_key and runtime.api_key_env:
         env[runtime.api_key_env] = api_key
     return Launch(tuple(argv), env, home, mounts, port=port, served_model=served)
+
+
+def with_nvidia_driver(launch: Launch, driver: NvidiaDriver) -> Launch:
+    """A sandboxed GPU replica's launch with the host's NVIDIA driver shown read-only: each library at
+    ``/opt/nvidia/lib/<name>`` and each binary at ``/opt/nvidia/bin/<name>`` (a link's name bound from the
+    file it points to), those dirs first on LD_LIBRARY_PATH and PATH. Raises LaunchError when the driver has
+    no ``libcuda.so.1``: such a replica would start and see no GPU."""
+    if not driver.cuda:
+        raise LaunchError("no NVIDIA driver library (libcuda.so.1) was found on this host, so a GPU replica "
+                          "could not use its GPU: name the driver's folders in the config, e.g. node: {nvidia_driver: "
+                          "[/usr/local/nvidia/lib64, /usr/local/nvidia/bin]}")
+    mounts = [Mount(path, f"{NVIDIA_DIR}/lib/{name}") for name, path in driver.libraries]
+    mounts += [Mount(path, f"{NVIDIA_DIR}/bin/{name}") for name, path in driver.binaries]
+    env = dict(launch.env)
+    for var, path in (("LD_LIBRARY_PATH", f"{NVIDIA_DIR}/lib"), ("PATH", f"{NVIDIA_DIR}/bin")):
+        env[var] = ":".join(p for p in (path, env.get(var)) if p)
+    return replace(launch, env=env, mounts=(*launch.mounts, *mounts))
 
 
 def vm(qemu: str, name: str, cls: ComputeClass, accel: str, passthrough: Sequence[str], vm_dir: Path,

@@ -13,7 +13,8 @@ claims (a crash in the middle of a start): no orphan.
 * notebook: JupyterLab on 127.0.0.1 and a free port, published on the host's 127.0.0.1, its token in its
   environment; ready when ``/api/status`` answers. Its files are in ``DATA_DIR/workdirs/<workload id>/``
   (owned by the owner's uid), kept across the workload's restarts and removed by ``release`` once it is
-  deleted. GPU placement shows its GPUs (device nodes and ``CUDA_VISIBLE_DEVICES``); CPU placement none.
+  deleted. GPU placement shows its GPUs (device nodes and ``CUDA_VISIBLE_DEVICES``) and the host's NVIDIA driver
+  (read-only at ``/opt/nvidia``, see ``drivers.launch``); CPU placement none.
 * vm: QEMU with QMP on a unix socket in the VM's dir (shared with the host); KVM when ``/dev/kvm`` opens, else
   TCG; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``, then ``quit``, then SIGKILL.
   An optional disk image, which the server resolved inside the owner's files (``files_root``, the dir
@@ -72,6 +73,8 @@ from tensora.drivers import vmdisk
 from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
 from tensora.drivers.vmdisk import ImageRefused
 from tensora.sandbox import Device, Runc, SandboxError, SandboxState, host_device
+from tensora.sandbox.host import NvidiaDriver
+from tensora.sandbox.host import nvidia_driver as find_nvidia_driver
 from tensora.sandbox.network import NETNS_FILE
 from tensora.storage import owner_dir
 
@@ -162,7 +165,8 @@ class LocalDriver:
                  sysfs: Path = Path("/sys"), devfs: Path = Path("/dev"), *,
                  isolation: Isolation | str = Isolation.SANDBOX, allow_host_ports: Sequence[int] = (),
                  runc: Runc | None = None, files_root: Path | None = None,
-                 shared_models: Mapping[str, Path] | None = None) -> None:
+                 shared_models: Mapping[str, Path] | None = None,
+                 nvidia_driver: Sequence[str | Path] = ()) -> None:
         data_dir = Path(data_dir)
         self.files_root = Path(files_root) if files_root is not None else data_dir / "files"
         self.shared_models = {name: Path(path) for name, path in (shared_models or {}).items()}
@@ -175,6 +179,8 @@ class LocalDriver:
         self.vfio = dict(vfio or {})  # GPU index -> PCI address bound to vfio-pci (VM passthrough)
         self.gpu_indices = sorted(set(gpu_indices) | set(self.vfio))
         self.sysfs, self.devfs = sysfs, devfs
+        self.nvidia_paths = tuple(nvidia_driver)  # the operator's node.nvidia_driver; () = found as usual
+        self._nvidia: NvidiaDriver | None = None
         self.isolation = Isolation(isolation)
         self.allow_host_ports = tuple(allow_host_ports)
         sandboxes = data_dir / "sandboxes"
@@ -317,8 +323,9 @@ class LocalDriver:
         if not sandboxed:
             return launch, []
         devices = [self._device(p) for p in launch.devices]
-        if spec.kind is not WorkloadKind.VM:  # a VM takes its GPUs by VFIO, not the NVIDIA driver's nodes
+        if spec.kind is not WorkloadKind.VM and gpus:  # a VM takes its GPUs by VFIO, not the NVIDIA driver
             devices += self._gpu_devices(gpus)
+            launch = plan.with_nvidia_driver(launch, self._nvidia_driver())
         meta["cpuset"] = self._claim_cores(cls)
         return launch, devices
 
@@ -422,6 +429,12 @@ class LocalDriver:
             with contextlib.suppress(plan.LaunchError):
                 out.append(self._device(f"/dev/{name}"))
         return out
+
+    def _nvidia_driver(self) -> NvidiaDriver:
+        """The host's NVIDIA driver files, found once (the first GPU replica's start)."""
+        if self._nvidia is None:
+            self._nvidia = find_nvidia_driver(self.nvidia_paths)
+        return self._nvidia
 
     def _vfio(self, gpu: int) -> tuple[str, str]:
         """The PCI address of GPU ``gpu`` for ``-device vfio-pci`` and its IOMMU group, checked: bound to

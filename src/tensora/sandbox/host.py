@@ -1,4 +1,5 @@
-"""What this host offers a sandbox, measured: cgroup version, machine type, system dirs, device numbers.
+"""What this host offers a sandbox, measured: cgroup version, machine type, system dirs, device numbers, the
+NVIDIA driver's user-space files.
 
 ``available()`` answers "can replicas be sandboxed here?" with None (yes) or the reason why not, in words
 an operator can act on; ``tensora up`` shows it at start.
@@ -11,7 +12,10 @@ import platform
 import resource
 import shutil
 import stat
+import subprocess
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tensora.sandbox.seccomp import ARCHITECTURES
@@ -20,6 +24,21 @@ from tensora.sandbox.spec import SYSTEM_DIRS, CgroupVersion, Device, HostFacts
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "cpu", "pids", "devices")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
+
+NVIDIA_LIBRARIES = (
+    "libcuda.so", "libcudadebugger.so", "libnvidia-ml.so", "libnvidia-cfg.so", "libnvidia-ptxjitcompiler.so",
+    "libnvidia-nvvm.so", "libnvidia-gpucomp.so", "libnvidia-allocator.so", "libnvidia-opencl.so",
+    "libnvidia-pkcs11.so", "libnvidia-pkcs11-openssl3.so",
+)
+"""The driver's libraries a GPU replica gets (by name prefix): nvidia-container-toolkit's utility and compute sets."""
+NVIDIA_BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+NVIDIA_LIB_DIRS = ("/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/x86_64-linux-gnu",
+                   "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib64/nvidia",
+                   "/usr/lib/x86_64-linux-gnu/nvidia/current", "/usr/lib/aarch64-linux-gnu/nvidia/current")
+"""Where drivers put their libraries when ``ldconfig -p`` does not list them (the host finds them by
+LD_LIBRARY_PATH, as CUDA images do with ``/usr/local/nvidia``)."""
+NVIDIA_BIN_DIRS = ("/usr/local/nvidia/bin", "/usr/bin", "/usr/local/bin")
+_LDCONFIG_ARCH = {"x86_64": "x86-64", "aarch64": "AArch64"}
 
 
 def cgroup_version(root: Path = CGROUP_ROOT) -> CgroupVersion:
@@ -89,3 +108,73 @@ def available(runtime: str = "runc", root: Path = CGROUP_ROOT) -> str | None:
         if shutil.which(tool) is None:
             return f"no {tool} on PATH for the sandbox's network (Debian: apt-get install {package})"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class NvidiaDriver:
+    """The host's NVIDIA user-space driver: each library and binary by the name programs ask for
+    (``libcuda.so.1``), paired with the file that is on the host (links resolved)."""
+
+    libraries: tuple[tuple[str, str], ...] = ()
+    binaries: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def cuda(self) -> bool:
+        """Whether a CUDA program could start: ``libcuda.so.1`` is among the libraries."""
+        return any(name == "libcuda.so.1" for name, _ in self.libraries)
+
+
+def parse_ldconfig(text: str, arch: str) -> list[tuple[str, str]]:
+    """The ``(name, path)`` rows of ``ldconfig -p`` for machine type ``arch`` (``x86_64``), in its order,
+    which is the loader's: the first row of a name wins."""
+    tag = _LDCONFIG_ARCH.get(arch, arch)
+    rows = []
+    for line in text.splitlines():
+        left, sep, path = line.strip().partition(" => ")
+        name, _, flags = left.partition(" (")
+        if sep and tag in (f.strip() for f in flags.rstrip(")").split(",")):
+            rows.append((name.strip(), path.strip()))
+    return rows
+
+
+def nvidia_driver(paths: Sequence[str | Path] = (), *, ldconfig: str | None = None, arch: str | None = None,
+                  lib_dirs: Sequence[str | Path] = NVIDIA_LIB_DIRS,
+                  bin_dirs: Sequence[str | Path] = NVIDIA_BIN_DIRS) -> NvidiaDriver:
+    """The driver's files, found as nvidia-container-toolkit finds them: the libraries ``ldconfig -p`` lists
+    (``ldconfig``: its output, else it is run), then those in ``lib_dirs``; the binaries in ``bin_dirs``.
+    ``paths`` (the operator's ``node.nvidia_driver``) replaces the search: each a folder (searched for both)
+    or a file. A name whose file is gone (a stale loader cache) is skipped."""
+    libs: dict[str, str] = {}
+    bins: dict[str, str] = {}
+    if paths:
+        lib_dirs = bin_dirs = [p for p in paths if Path(p).is_dir()]
+        for p in (Path(p) for p in paths if not Path(p).is_dir()):
+            _take(libs if p.name.startswith(NVIDIA_LIBRARIES) else bins, p.name, p)
+    else:
+        if ldconfig is None:
+            ldconfig = _run_ldconfig()
+        for name, path in parse_ldconfig(ldconfig, arch or platform.machine()):
+            if name.startswith(NVIDIA_LIBRARIES):
+                _take(libs, name, Path(path))
+    for d in map(Path, lib_dirs):
+        for p in sorted(d.glob("lib*.so*")) if d.is_dir() else ():
+            if p.name.startswith(NVIDIA_LIBRARIES):
+                _take(libs, p.name, p)
+    for d in map(Path, bin_dirs):
+        for name in NVIDIA_BINARIES:
+            _take(bins, name, d / name)
+    return NvidiaDriver(tuple(sorted(libs.items())), tuple(sorted(bins.items())))
+
+
+def _take(found: dict[str, str], name: str, path: Path) -> None:
+    if name not in found and path.is_file():  # is_file follows links: a dangling one is no file
+        found[name] = str(path.resolve())
+
+
+def _run_ldconfig() -> str:
+    for ldconfig in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
+        try:
+            return subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=10, check=False).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return ""

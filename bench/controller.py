@@ -25,11 +25,11 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from tensora.capacity import Node
-from tensora.catalog import default_catalog
 from tensora.clock import FakeClock
-from tensora.controller import Controller
+from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
+from tensora.placement.capacity import Node
+from tensora.placement.catalog import default_catalog
 from tensora.store import repo
 from tensora.store.db import Database
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tensora.admission import Place, Promote, Queued, RestartAvailable, Running, Wait, WorkloadKind
-from tensora.capacity import CORES_LABEL, Capacity, Node, Placed
-from tensora.catalog import Catalog, default_catalog
+from tensora.placement.admission import Place, Promote, Queued, RestartAvailable, Running, Wait, WorkloadKind
+from tensora.placement.capacity import CORES_LABEL, Capacity, Node, Placed
+from tensora.placement.catalog import Catalog, default_catalog
 
 GI = 2**30
 CATALOG = default_catalog()

@@ -8,11 +8,11 @@ from typing import Any
 
 from tensora.api.app import create_app
 from tensora.api.auth import create_key
-from tensora.capacity import Node
-from tensora.catalog import default_catalog
 from tensora.clock import FakeClock
-from tensora.controller import Controller
+from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
+from tensora.placement.capacity import Node
+from tensora.placement.catalog import default_catalog
 from tensora.serve import ServeSettings, build
 
 GI = 2**30

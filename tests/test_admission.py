@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from builders import cap, cores_node, cpu_node, ep, gpu_node, outcomes, running, w
-from tensora.admission import (
+from tensora.placement.admission import (
     Outcome,
     Place,
     Policy,
@@ -17,7 +17,7 @@ from tensora.admission import (
     WorkloadKind,
     decide,
 )
-from tensora.capacity import Node, Placed
+from tensora.placement.capacity import Node, Placed
 
 
 @dataclass

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builders import CATALOG, cap, cpu_node, ep, gpu_node, outcomes, w
-from tensora.admission import (
+from tensora.placement.admission import (
     Outcome,
     OwnerQuotas,
     Place,
@@ -21,8 +21,8 @@ from tensora.admission import (
     decide,
     share,
 )
-from tensora.capacity import Capacity, Node, Placed
-from tensora.quotas import Quotas
+from tensora.placement.capacity import Capacity, Node, Placed
+from tensora.placement.quotas import Quotas
 from test_admission_properties import nodes_st, queue_st
 
 

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from tensora.dashboard.charts import PAD, H, duration, usage_svg
-from tensora.dashboard.routes import when
+from tensora.dashboard.pages import when
 
 DURATIONS = {
     "seconds": (7.4, "7 s"),

@@ -30,7 +30,7 @@ from tensora.gateway.breaker import Policy
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
-from tensora.tinymodel import write_tiny_model
+from tensora.models.tinymodel import write_tiny_model
 from test_serve import FAST, _command, served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 
 from stack import GI, T0, fleet
-from tensora import workloads
-from tensora.capacity import Node
-from tensora.catalog import default_catalog
 from tensora.clock import FakeClock, SystemClock
-from tensora.controller import Controller
+from tensora.control import workloads
+from tensora.control.controller import Controller
+from tensora.control.spec import parse_spec
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
-from tensora.spec import parse_spec
+from tensora.placement.capacity import Node
+from tensora.placement.catalog import default_catalog
 from tensora.store import repo
 from tensora.store.db import Database
 

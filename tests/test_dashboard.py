@@ -21,8 +21,8 @@ import pytest
 
 import services
 from stack import stack
+from tensora.models.tinymodel import write_tiny_model
 from tensora.sdk import Client
-from tensora.tinymodel import write_tiny_model
 from test_serve import served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -23,10 +23,10 @@ import pytest
 
 import services
 from stack import Stack, stack
-from tensora.quotas import OwnerSettings, Quotas
+from tensora.models.validator import read_model
+from tensora.placement.quotas import OwnerSettings, Quotas
 from tensora.sdk import Client, UnprocessableError
 from tensora.storage import NOT_FOUND, NotFound, Storage, owner_dir
-from tensora.validator import read_model
 from test_api import tiny_model
 
 MiB = 2**20

@@ -14,8 +14,8 @@ import services
 from stack import T0, Stack, stack
 from tensora import apikeys, replicakeys
 from tensora.gateway.routes import table_from_json
+from tensora.models.tinymodel import MAX_POSITIONS, write_tiny_model
 from tensora.store import repo
-from tensora.tinymodel import MAX_POSITIONS, write_tiny_model
 
 _clients: list[httpx.Client] = []
 

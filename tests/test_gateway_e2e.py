@@ -21,9 +21,9 @@ import openai
 import pytest
 
 from services import free_port
+from tensora.models.tinymodel import write_tiny_model
+from tensora.models.validator import read_model
 from tensora.sdk import Client
-from tensora.tinymodel import write_tiny_model
-from tensora.validator import read_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

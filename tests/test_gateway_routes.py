@@ -20,7 +20,7 @@ from stack import Stack, stack
 from tensora import apikeys
 from tensora.api import gatewayroutes
 from tensora.api.auth import create_key
-from tensora.quotas import Limits, OwnerSettings
+from tensora.placement.quotas import Limits, OwnerSettings
 from tensora.store import repo
 
 

@@ -18,9 +18,10 @@ from sqlalchemy import text
 
 from services import LiveServer, serving
 from stack import Stack, stack
-from tensora import apikeys, workloads
+from tensora import apikeys
 from tensora.api.idempotency import IN_FLIGHT_S, KEEP_S, MAX_KEY_LEN, fingerprint
-from tensora.spec import parse_spec
+from tensora.control import workloads
+from tensora.control.spec import parse_spec
 from tensora.store import repo
 
 NB: dict[str, Any] = {"kind": "notebook", "name": "nb-1", "gpu_class": "l40s-48gb"}

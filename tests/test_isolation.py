@@ -30,17 +30,17 @@ import websockets.sync.client
 import services
 from services import free_port
 from stack import stack
-from tensora import runtimes
-from tensora.admission import WorkloadKind
-from tensora.capacity import Node
-from tensora.catalog import ComputeClass, Kind, default_catalog, load_catalog
 from tensora.drivers import launch as plan
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.local import Isolation, LocalDriver
 from tensora.drivers.vmdisk import DiskFormat, ImageInfo, Layer
+from tensora.models import runtimes
+from tensora.models.tinymodel import write_tiny_model
+from tensora.placement.admission import WorkloadKind
+from tensora.placement.capacity import Node
+from tensora.placement.catalog import ComputeClass, Kind, default_catalog, load_catalog
 from tensora.sandbox import Limits, Mount, Runc, SandboxSpec, available
 from tensora.serve import ServeSettings, describe_isolation, isolation_of
-from tensora.tinymodel import write_tiny_model
 
 WHY_NOT = available()
 real = pytest.mark.skipif(WHY_NOT is not None, reason=f"no sandbox on this host: {WHY_NOT}")

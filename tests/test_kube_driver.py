@@ -19,11 +19,11 @@ import pytest
 
 import services
 from kube_double import ENFORCE, NAMESPACES, ApiServerDouble
-from tensora.admission import WorkloadKind
-from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.kubernetes.driver import KubernetesDriver, connect
 from tensora.drivers.kubernetes.render import KATA, home_claim_name, object_name
+from tensora.placement.admission import WorkloadKind
+from tensora.placement.catalog import default_catalog
 from tensora.storage import owner_dir
 
 pytest.importorskip("lightkube")
@@ -197,9 +197,9 @@ def test_a_transient_api_error_is_raised_and_the_redo_completes(cluster: tuple[A
 
 
 def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path], tmp_path: Path) -> None:
-    from tensora import workloads
+    from tensora.control import workloads
+    from tensora.control.spec import parse_spec
     from tensora.serve import ServeSettings, build
-    from tensora.spec import parse_spec
 
     double, kubeconfig = cluster
     settings = ServeSettings(data_dir=tmp_path / "data", driver="kubernetes", kubeconfig=kubeconfig, region="eu-west",
@@ -383,11 +383,11 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
     """The L40S GPUs are taken by someone else's pod: the endpoint starts on CPU (tensora-vllm-cpu).
     That pod goes: a tensora-vllm InferenceService starts beside it; once Ready it takes the traffic
     and the CPU one is deleted. The endpoint stays running throughout."""
-    from tensora import workloads
+    from tensora.control import workloads
+    from tensora.control.spec import parse_spec
+    from tensora.models.tinymodel import write_tiny_model
     from tensora.serve import ServeSettings, build
-    from tensora.spec import parse_spec
     from tensora.store import repo
-    from tensora.tinymodel import write_tiny_model
 
     double, kubeconfig = cluster
     double.seed(PODS, {"metadata": {"name": "gpu-hog", "namespace": "ml"},

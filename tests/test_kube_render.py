@@ -20,8 +20,6 @@ import pytest
 
 from kube_double import RESTRICTED, violations
 from kube_schemas import validate
-from tensora.admission import WorkloadKind
-from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.kubernetes.render import (
     CPU_RUNTIME,
@@ -32,6 +30,8 @@ from tensora.drivers.kubernetes.render import (
     label_value,
     replica_objects,
 )
+from tensora.placement.admission import WorkloadKind
+from tensora.placement.catalog import default_catalog
 from tensora.storage import owner_dir
 
 CATALOG = default_catalog()
@@ -283,8 +283,8 @@ def test_an_endpoint_s_model_is_a_pvc_path_of_the_owner_s_files(given: dict[str,
 
 def test_a_model_in_the_owner_s_storage_is_served_from_its_claim(tmp_path: Path) -> None:
     """From ``tensora.storage`` itself: the path ``Storage.resolve`` gives the API is the claim's path."""
+    from tensora.models.tinymodel import write_tiny_model
     from tensora.storage import Storage
-    from tensora.tinymodel import write_tiny_model
 
     storage = Storage(tmp_path / "data" / "files", shared={"pool": tmp_path / "data" / "files" / "shared" / "pool"})
     write_tiny_model(storage.dir_of(ALICE) / "tiny")

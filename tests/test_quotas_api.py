@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from sqlalchemy import text
 
-from tensora.quotas import GIB, Limits, OwnerSettings, Quotas, effective, overlay
+from tensora.placement.quotas import GIB, Limits, OwnerSettings, Quotas, effective, overlay
 from tensora.serve import ServeSettings
 from test_api import Api, assert_error, created
 from test_api import api as api  # the fixture, re-exported under its name

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from tensora import runtimes
+from tensora.models import runtimes
 
 
 def pins(name: str) -> dict[str, str]:

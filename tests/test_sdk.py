@@ -24,6 +24,7 @@ from stack import T0, Stack, stack
 from tensora import AsyncClient, Client
 from tensora.apikeys import digest
 from tensora.clock import FakeClock
+from tensora.control.spec import WorkloadSpec
 from tensora.sdk import (
     APIConnectionError,
     APITimeoutError,
@@ -41,7 +42,6 @@ from tensora.sdk import (
 )
 from tensora.sdk.errors import APIError, for_status
 from tensora.sdk.retry import Retry, Stop, decide, retryable, server_wait
-from tensora.spec import WorkloadSpec
 from tensora.store import repo
 
 # -- the decision, pure ---------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from tensora.tinymodel import HEAD_DIM, TinyModelError, write_tiny_model
-from tensora.validator import check_cpu, read_model
+from tensora.models.tinymodel import HEAD_DIM, TinyModelError, write_tiny_model
+from tensora.models.validator import check_cpu, read_model
 
 
 def test_the_tiny_model_is_a_llama_with_a_trained_tokenizer_and_a_chat_template(tmp_path: Path) -> None:

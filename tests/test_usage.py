@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensora.usage import DAY, summarize
+from tensora.control.usage import DAY, summarize
 
 D0 = 1_800_000_000.0 - (1_800_000_000.0 % DAY)  # a UTC midnight
 

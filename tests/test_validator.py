@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from tensora.errors import ModelFileError
-from tensora.validator import MAX_HEADER_BYTES, check_cpu, read_context, read_model
+from tensora.models.validator import MAX_HEADER_BYTES, check_cpu, read_context, read_model
 
 
 def test_single_file_counts_params_bytes_and_dtypes(tmp_path: Path) -> None:
@@ -32,7 +32,7 @@ def test_sharded_directory_with_index(tmp_path: Path) -> None:
 
 
 def test_cpu_limit_in_params() -> None:
-    from tensora.validator import ModelSize
+    from tensora.models.validator import ModelSize
     assert check_cpu(ModelSize(8_030_000_000, 16 * 2**30)).allowed
     verdict = check_cpu(ModelSize(70_000_000_000, 140 * 2**30))
     assert not verdict.allowed and "> the CPU limit of 8.5B" in verdict.reason

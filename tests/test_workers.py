@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from services import free_port
-from tensora.wake import WakeListener, WakeSender, socket_path
+from tensora.control.wake import WakeListener, WakeSender, socket_path
 
 
 def test_a_datagram_wakes_the_listener(tmp_path: Path) -> None:

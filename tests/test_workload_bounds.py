@@ -15,7 +15,7 @@ import pytest
 
 import services
 from stack import GI, stack
-from tensora.capacity import Node
+from tensora.placement.capacity import Node
 from tensora.store import repo
 from test_api import WRITTEN_TABLES, Api, assert_error, created, settle
 

@@ -6,10 +6,20 @@ stays light for the servers, which never use them.
 
 from typing import TYPE_CHECKING, Any
 
-from tensora.admission import Decision, Place, Policy, Promote, Queued, RestartAvailable, Running, Wait, decide
-from tensora.capacity import Capacity, GpuReserve, Node, Placed
-from tensora.catalog import Catalog, ComputeClass, Kind, default_catalog, load_catalog
 from tensora.errors import CatalogError, ConfigError, FleetError, ModelFileError, SpecError, TensoraError
+from tensora.placement.admission import (
+    Decision,
+    Place,
+    Policy,
+    Promote,
+    Queued,
+    RestartAvailable,
+    Running,
+    Wait,
+    decide,
+)
+from tensora.placement.capacity import Capacity, GpuReserve, Node, Placed
+from tensora.placement.catalog import Catalog, ComputeClass, Kind, default_catalog, load_catalog
 
 if TYPE_CHECKING:
     from tensora.sdk import AsyncClient, Client

@@ -28,18 +28,19 @@ from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tensora import replicakeys, yamlsource
+from tensora import replicakeys
 from tensora.api.auth import KeyChecker, create_key
 from tensora.api.idempotency import Idempotency
 from tensora.api.services import Services
 from tensora.apikeys import digest, well_formed
-from tensora.catalog import Catalog, load_catalog
 from tensora.clock import Clock, SystemClock
-from tensora.controller import Controller
+from tensora.config import yamlsource
+from tensora.control.controller import Controller
 from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
+from tensora.drivers.hardware import NodeOverrides, offered
 from tensora.errors import ConfigError, TensoraError
-from tensora.hardware import NodeOverrides, offered
-from tensora.quotas import Limits, OwnerSettings, Quotas
+from tensora.placement.catalog import Catalog, load_catalog
+from tensora.placement.quotas import Limits, OwnerSettings, Quotas
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
@@ -238,8 +239,8 @@ def _client_host(bind: str) -> str:
 
 def make_driver(settings: ServeSettings, clock: Clock) -> Driver:
     if settings.driver == "simulated":
+        from tensora.control.fleet import load_nodes
         from tensora.drivers.simulated import SimulatedDriver
-        from tensora.fleet import load_nodes
 
         nodes_file = settings.nodes or Path(__file__).with_name("default_nodes.yaml")
         return SimulatedDriver(load_nodes(nodes_file), clock, start_delay_s=settings.start_delay_s)
@@ -270,8 +271,8 @@ def kubernetes_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
 
 
 def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
+    from tensora.drivers.hardware import detect, local_node
     from tensora.drivers.local import LocalDriver
-    from tensora.hardware import detect, local_node
 
     hw = detect(catalog)
     node = local_node(hw, settings.node, settings.region)
@@ -371,7 +372,7 @@ def _parent_death_signal() -> Callable[[], None] | None:
 def worker_app() -> Any:
     """The app of one HTTP worker of ``serve --workers N``: no controller here; wakes go over a socket."""
     from tensora.api.app import create_app
-    from tensora.wake import WakeSender, socket_path
+    from tensora.control.wake import WakeSender, socket_path
 
     die_with_parent(int(os.environ.get(SUPERVISOR_PID_ENV, "0")) or None)
     settings = ServeSettings.model_validate_json(os.environ[WORKER_SETTINGS_ENV])
@@ -393,7 +394,7 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     from uvicorn import Config
     from uvicorn.supervisors import Multiprocess
 
-    from tensora.wake import WakeListener, socket_path
+    from tensora.control.wake import WakeListener, socket_path
 
     listener = None
     if services.controller is not None:

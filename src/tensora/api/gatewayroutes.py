@@ -23,7 +23,7 @@ from tensora import replicakeys
 from tensora.api.routes import ERRORS, Admin, Svc
 from tensora.api.schemas import UsageBatch, UsageBatchOut
 from tensora.api.services import Services
-from tensora.quotas import effective
+from tensora.placement.quotas import effective
 from tensora.storage import SHARED
 from tensora.store import repo
 

@@ -15,7 +15,6 @@ from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from tensora import quotas, workloads
 from tensora.api.auth import Principal, create_key
 from tensora.api.errors import QUOTA_EXCEEDED, ApiError
 from tensora.api.schemas import (
@@ -37,11 +36,13 @@ from tensora.api.schemas import (
 )
 from tensora.api.services import Services
 from tensora.apikeys import DEFAULT_SCOPES, allows
-from tensora.capacity import Capacity, Node, Placed
-from tensora.spec import WorkloadSpec
+from tensora.control import workloads
+from tensora.control.spec import WorkloadSpec
+from tensora.control.usage import summarize
+from tensora.placement import quotas
+from tensora.placement.capacity import Capacity, Node, Placed
 from tensora.store import repo
 from tensora.units import format_memory
-from tensora.usage import summarize
 
 router = APIRouter()
 

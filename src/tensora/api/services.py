@@ -9,11 +9,11 @@ from typing import Any
 
 from tensora.api.auth import KeyChecker
 from tensora.api.idempotency import Idempotency
-from tensora.capacity import GpuReserve
-from tensora.catalog import Catalog
 from tensora.clock import Clock
-from tensora.controller import Controller
-from tensora.quotas import OwnerSettings
+from tensora.control.controller import Controller
+from tensora.placement.capacity import GpuReserve
+from tensora.placement.catalog import Catalog
+from tensora.placement.quotas import OwnerSettings
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database
@@ -43,7 +43,7 @@ class Services:
     """The local driver's replica key secret (``tensora.replicakeys``): the route table carries each replica's
     key for the gateway. None: replicas take no key (other drivers)."""
     owner_defaults: OwnerSettings = field(default_factory=OwnerSettings)
-    """Every owner's quotas and limits unless an admin set otherwise (``tensora.quotas``)."""
+    """Every owner's quotas and limits unless an admin set otherwise (``tensora.placement.quotas``)."""
 
     def wake(self) -> None:
         if self.controller is not None:

@@ -12,14 +12,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from tensora.catalog import load_catalog
 from tensora.cli.common import Output, app, out
 from tensora.cli.common import check_output as _check_output
 from tensora.cli.common import fail as _fail
+from tensora.control.fleet import load_nodes, load_workloads, plan
 from tensora.errors import ConfigError, ModelFileError, StoreUnavailable, TensoraError
-from tensora.fleet import load_nodes, load_workloads, plan
+from tensora.models.validator import check_cpu, read_model
+from tensora.placement.catalog import load_catalog
 from tensora.units import format_memory, parse_duration
-from tensora.validator import check_cpu, read_model
 
 CatalogFile = Annotated[Path | None, typer.Option("--catalog", help="operator catalog overriding the default")]
 
@@ -165,8 +165,9 @@ def node_command(
     output: Output = "table",
 ) -> None:
     """This machine as the local driver sees it: detected CPU, memory and GPUs, and the node it offers."""
-    from tensora import hardware, serve
-    from tensora.catalog import load_catalog
+    from tensora import serve
+    from tensora.drivers import hardware
+    from tensora.placement.catalog import load_catalog
 
     _check_output(output)
     try:
@@ -204,8 +205,8 @@ def tiny_model_command(
     seed: Annotated[int, typer.Option(help="seed of the random weights and the tokenizer's made-up words")] = 0,
 ) -> None:
     """Write a tiny random Llama (safetensors, byte-level BPE tokenizer, chat template): no download."""
-    from tensora.tinymodel import write_tiny_model
-    from tensora.validator import read_model
+    from tensora.models.tinymodel import write_tiny_model
+    from tensora.models.validator import read_model
 
     try:
         write_tiny_model(directory, seed)
@@ -223,7 +224,7 @@ DataDir = Annotated[Path | None, typer.Option(help="the data dir of tensora up (
 
 
 def _runtimes_root(runtimes_dir: Path | None, data_dir: Path | None) -> Path:
-    from tensora import runtimes
+    from tensora.models import runtimes
     from tensora.serve import default_data_dir
 
     if runtimes_dir is not None:
@@ -234,7 +235,7 @@ def _runtimes_root(runtimes_dir: Path | None, data_dir: Path | None) -> Path:
 @runtime_app.command("list")
 def runtime_list(runtimes_dir: RuntimesDir = None, data_dir: DataDir = None, output: Output = "table") -> None:
     """The runtimes, which kinds prefer them, and which are installed."""
-    from tensora import runtimes
+    from tensora.models import runtimes
 
     _check_output(output)
     root = _runtimes_root(runtimes_dir, data_dir)
@@ -256,7 +257,7 @@ def runtime_list(runtimes_dir: RuntimesDir = None, data_dir: DataDir = None, out
 def runtime_install(name: Annotated[str, typer.Argument(help="e.g. tensora-transformers")],
                     runtimes_dir: RuntimesDir = None, data_dir: DataDir = None) -> None:
     """Create NAME's own Python environment and install its packages (pinned torch: no CUDA build sneaks in)."""
-    from tensora import runtimes
+    from tensora.models import runtimes
 
     root = _runtimes_root(runtimes_dir, data_dir)
     if name in runtimes.REGISTRY and not runtimes.installed(root, name):

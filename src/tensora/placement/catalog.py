@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from tensora import yamlsource
+from tensora.config import yamlsource
 from tensora.errors import CatalogError
 from tensora.units import format_memory, parse_memory
 

@@ -144,7 +144,7 @@ def clean_env(env: dict[str, str]) -> dict[str, str]:
 
 def lock_file(name: str) -> Path:
     """The runtime's constraints: every package of its environment pinned (``scripts/lock`` re-resolves them)."""
-    return Path(__file__).parent / "runtime_locks" / f"{name}.txt"
+    return Path(__file__).parent.parent / "runtime_locks" / f"{name}.txt"
 
 
 def install(root: Path, name: str, extra_pip_args: Sequence[str] = (), log: object = None,

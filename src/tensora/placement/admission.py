@@ -40,9 +40,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from tensora.capacity import Capacity
-from tensora.catalog import CPU_WORD, Catalog, ComputeClass
-from tensora.quotas import Quotas
+from tensora.placement.capacity import Capacity
+from tensora.placement.catalog import CPU_WORD, Catalog, ComputeClass
+from tensora.placement.quotas import Quotas
 from tensora.units import format_clock, format_duration, format_memory, format_params
 
 GIB = 2**30

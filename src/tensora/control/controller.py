@@ -28,7 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensora.admission import (
+from tensora.clock import Clock, SystemClock
+from tensora.drivers.base import Driver, ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.errors import Conflict, StoreUnavailable
+from tensora.placement.admission import (
     OwnerQuotas,
     Place,
     Policy,
@@ -41,12 +44,9 @@ from tensora.admission import (
     decide,
     share,
 )
-from tensora.capacity import Capacity, GpuReserve, Node, Placed
-from tensora.catalog import Catalog
-from tensora.clock import Clock, SystemClock
-from tensora.drivers.base import Driver, ReplicaSpec, ReplicaState, ReplicaStatus
-from tensora.errors import Conflict, StoreUnavailable
-from tensora.quotas import OwnerSettings, Quotas
+from tensora.placement.capacity import Capacity, GpuReserve, Node, Placed
+from tensora.placement.catalog import Catalog
+from tensora.placement.quotas import OwnerSettings, Quotas
 from tensora.store import repo
 from tensora.store.db import Database
 

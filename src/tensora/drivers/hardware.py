@@ -34,8 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tensora.capacity import CORES_LABEL, Node
-from tensora.catalog import Catalog
+from tensora.placement.capacity import CORES_LABEL, Node
+from tensora.placement.catalog import Catalog
 from tensora.units import parse_memory
 
 MIB = 2**20

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tensora.catalog import Catalog, ComputeClass
+from tensora.placement.catalog import Catalog, ComputeClass
 
 GIB = 2**30
 CORES_LABEL = "tensora.io/cores"

@@ -27,17 +27,17 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from tensora import yamlsource
-from tensora.admission import Place, Policy, Promote, Queued, RestartAvailable, Running, Wait, decide
-from tensora.capacity import Capacity, Node, Placed
-from tensora.catalog import Catalog
 from tensora.clock import FakeClock
+from tensora.config import yamlsource
+from tensora.control.spec import WorkloadSpec, check_against
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.errors import FleetError, ModelFileError
-from tensora.spec import WorkloadSpec, check_against
+from tensora.models.validator import read_model
+from tensora.placement.admission import Place, Policy, Promote, Queued, RestartAvailable, Running, Wait, decide
+from tensora.placement.capacity import Capacity, Node, Placed
+from tensora.placement.catalog import Catalog
 from tensora.units import format_duration, parse_duration, parse_memory
-from tensora.validator import read_model
 
 Memory = Annotated[int, BeforeValidator(parse_memory)]
 Offset = Annotated[float, BeforeValidator(parse_duration)]

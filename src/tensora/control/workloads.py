@@ -11,13 +11,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from tensora.admission import WorkloadKind
-from tensora.catalog import CPU_WORD, Catalog
+from tensora.control.spec import WorkloadSpec, check_against
 from tensora.errors import ModelFileError, SpecError
-from tensora.spec import WorkloadSpec, check_against
+from tensora.models.validator import read_context, read_model
+from tensora.placement.admission import WorkloadKind
+from tensora.placement.catalog import CPU_WORD, Catalog
 from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo
-from tensora.validator import read_context, read_model
 
 ON_CPU: dict[WorkloadKind, str] = {
     WorkloadKind.NOTEBOOK: "JupyterLab runs without a GPU while on CPU; restart on GPU when one frees "

@@ -46,9 +46,9 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.support
 
-from services import PgCluster, free_port, pg_cluster
+from tests.support.services import PgCluster, free_port, pg_cluster
 
 BENCH_WORKLOADS = 100_000
 """The bench owner's workloads quota (the most an admin may set): a run creates thousands."""

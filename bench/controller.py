@@ -33,8 +33,8 @@ from tensora.placement.catalog import default_catalog
 from tensora.store import repo
 from tensora.store.db import Database
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from services import pg_cluster
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.support
+from tests.support.services import pg_cluster
 
 GIB = 2**30
 T0 = 1_700_000_000.0

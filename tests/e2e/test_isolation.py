@@ -27,6 +27,7 @@ import openai
 import pytest
 import websockets.sync.client
 
+from tensora.config.settings import ServeSettings, describe_isolation, isolation_of
 from tensora.drivers import launch as plan
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.local import Isolation, LocalDriver
@@ -37,7 +38,6 @@ from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import ComputeClass, Kind, default_catalog, load_catalog
 from tensora.sandbox import Limits, Mount, Runc, SandboxSpec, available
-from tensora.serve import ServeSettings, describe_isolation, isolation_of
 from tests.support import services
 from tests.support.services import free_port
 from tests.support.stack import stack

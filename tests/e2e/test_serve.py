@@ -23,9 +23,10 @@ import httpx
 import pytest
 
 from tensora.apikeys import well_formed
+from tensora.config.settings import ADMIN_KEY_FILE, ServeSettings, load_settings
 from tensora.drivers.base import ReplicaState, ReplicaStatus
 from tensora.errors import ConfigError
-from tensora.serve import ADMIN_KEY_FILE, ServeSettings, build, left_running, load_settings
+from tensora.serve import build, left_running
 from tests.support.services import PgCluster, free_port
 
 START_DEADLINE_S = 30.0

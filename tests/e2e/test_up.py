@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tensora.serve import ServeSettings, build, ensure_admin_key
+from tensora.config.settings import ServeSettings
+from tensora.serve import build, ensure_admin_key
 from tests.support.services import free_port, sweep
 
 pytestmark = pytest.mark.slow

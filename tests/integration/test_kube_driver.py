@@ -197,9 +197,10 @@ def test_a_transient_api_error_is_raised_and_the_redo_completes(cluster: tuple[A
 
 
 def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path], tmp_path: Path) -> None:
+    from tensora.config.settings import ServeSettings
     from tensora.control import workloads
     from tensora.control.spec import parse_spec
-    from tensora.serve import ServeSettings, build
+    from tensora.serve import build
 
     double, kubeconfig = cluster
     settings = ServeSettings(data_dir=tmp_path / "data", driver="kubernetes", kubeconfig=kubeconfig, region="eu-west",
@@ -383,10 +384,11 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
     """The L40S GPUs are taken by someone else's pod: the endpoint starts on CPU (tensora-vllm-cpu).
     That pod goes: a tensora-vllm InferenceService starts beside it; once Ready it takes the traffic
     and the CPU one is deleted. The endpoint stays running throughout."""
+    from tensora.config.settings import ServeSettings
     from tensora.control import workloads
     from tensora.control.spec import parse_spec
     from tensora.models.tinymodel import write_tiny_model
-    from tensora.serve import ServeSettings, build
+    from tensora.serve import build
     from tensora.store import repo
 
     double, kubeconfig = cluster

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from sqlalchemy import text
 
+from tensora.config.settings import ServeSettings
 from tensora.placement.quotas import GIB, Limits, OwnerSettings, Quotas, effective, overlay
-from tensora.serve import ServeSettings
 from tests.integration.test_api import Api, assert_error, created
 from tests.integration.test_api import api as api  # the fixture, re-exported under its name
 

@@ -23,6 +23,7 @@ from tensora import replicakeys
 from tensora.api.routes import ERRORS, Admin, Svc
 from tensora.api.schemas import UsageBatch, UsageBatchOut
 from tensora.api.services import Services
+from tensora.placement.fallback import uses_cpu
 from tensora.placement.quotas import effective
 from tensora.storage import SHARED
 from tensora.store import repo
@@ -113,7 +114,7 @@ def routes_table(conn: Any, svc: Services) -> dict[str, Any]:
         out.append({
             "id": w["id"], "name": w["name"], "owner": w["owner"], "region": w["region"], "model": _pool_key(w),
             "requested_cpu": is_cpu(w["requested_class"]),
-            "cpu_fallback": any(c == "cpu" or is_cpu(c) for c in fallback),
+            "cpu_fallback": uses_cpu(fallback, svc.catalog),
             "fallback_models": spec.get("fallback_models") or [],
             "allow_cross_region": bool(spec.get("allow_cross_region")),
             "serverless": bool(kind_spec.get("serverless")), "ttft_s": kind_spec.get("ttft_deadline_s"),

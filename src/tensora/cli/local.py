@@ -104,9 +104,10 @@ def _serve(config: Path | None, flags: dict[str, Any], profile: str) -> None:
     """Settings, then serve until interrupted; a bad setting exits 2, an unreachable database 1, and so
     does ``tensora up`` where one already runs or its port is taken."""
     from tensora import serve
+    from tensora.config.settings import load_settings
 
     try:
-        settings = serve.load_settings(config, flags)
+        settings = load_settings(config, flags)
         serve.run(settings, profile=profile)
     except ConfigError as exc:
         raise _fail(exc) from None
@@ -165,20 +166,20 @@ def node_command(
     output: Output = "table",
 ) -> None:
     """This machine as the local driver sees it: detected CPU, memory and GPUs, and the node it offers."""
-    from tensora import serve
+    from tensora.config.settings import describe_isolation, isolation_of, load_settings
     from tensora.drivers import hardware
     from tensora.placement.catalog import load_catalog
 
     _check_output(output)
     try:
-        settings = serve.load_settings(config, {"catalog": catalog})
+        settings = load_settings(config, {"catalog": catalog})
         cat = load_catalog(settings.catalog)
     except ConfigError as exc:
         raise _fail(exc) from None
     hw = hardware.detect(cat)
     node = hardware.local_node(hw, settings.node, settings.region)
     info = hardware.describe(hw, node)
-    mode, why = serve.isolation_of(settings.model_copy(update={"driver": "local"}))  # as tensora up runs it
+    mode, why = isolation_of(settings.model_copy(update={"driver": "local"}))  # as tensora up runs it
     info["isolation"] = {"mode": mode, "reason": why}
     if output == "json":
         sys.stdout.write(json.dumps(info) + "\n")
@@ -192,7 +193,7 @@ def node_command(
     out.print(f"offered as node {node.name} ({node.region}): {hardware.offered(node)} (after the host reserve "
               f"of {hardware.reserve_cpu(cores, settings.node):g} cores, {settings.node.reserve_memory})",
               highlight=False, soft_wrap=True)
-    out.print(serve.describe_isolation(mode, why), highlight=False, soft_wrap=True)
+    out.print(describe_isolation(mode, why), highlight=False, soft_wrap=True)
 
 
 dev_app = typer.Typer(help="Tools for development and demos.", no_args_is_help=True)
@@ -224,8 +225,8 @@ DataDir = Annotated[Path | None, typer.Option(help="the data dir of tensora up (
 
 
 def _runtimes_root(runtimes_dir: Path | None, data_dir: Path | None) -> Path:
+    from tensora.config.settings import default_data_dir
     from tensora.models import runtimes
-    from tensora.serve import default_data_dir
 
     if runtimes_dir is not None:
         return runtimes_dir

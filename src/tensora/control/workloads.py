@@ -15,24 +15,10 @@ from tensora.control.spec import WorkloadSpec, check_against
 from tensora.errors import ModelFileError, SpecError
 from tensora.models.validator import read_context, read_model
 from tensora.placement.admission import WorkloadKind
-from tensora.placement.catalog import CPU_WORD, Catalog
+from tensora.placement.catalog import Catalog
+from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
 from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo
-
-ON_CPU: dict[WorkloadKind, str] = {
-    WorkloadKind.NOTEBOOK: "JupyterLab runs without a GPU while on CPU; restart on GPU when one frees "
-                           "(the dashboard offers it)",
-    WorkloadKind.VM: "GPU drivers in the guest find no device while on CPU; restart it on GPU to get one "
-                     "(the dashboard offers it when one frees)",
-    WorkloadKind.ENDPOINT: "CPU serving is roughly 10-50x slower than a GPU; it moves back to a GPU by itself "
-                           "when one frees",
-}
-"""What running on CPU instead of the GPU asked for means, per kind (ADR-0010's table): the
-degraded condition's message and the warning at create both say it."""
-
-CPU_WARNING = ("CPU fallback is enabled: CPU serving is roughly 10-50x slower than a GPU "
-               "(notebooks and VMs get no GPU at all while on CPU)")
-"""The create form's warning, shown before the kind is settled; a workload's own is :func:`cpu_warning`."""
 
 
 class StoppedBy(StrEnum):
@@ -123,21 +109,6 @@ def _shown(where: Path, found: Path, name: str) -> str:
     return name
 
 
-def uses_cpu(spec_fallback: list[str], catalog: Catalog) -> bool:
-    return any(e == CPU_WORD or (e in catalog and catalog[e].is_cpu) for e in spec_fallback)
-
-
-def _is_gpu(cls: str, catalog: Catalog) -> bool:
-    return cls in catalog and not catalog[cls].is_cpu
-
-
-def cpu_warning(kind: WorkloadKind, gpu_class: str, fallback: list[str], catalog: Catalog) -> str | None:
-    """The warning a workload carries while a GPU class is asked for and its fallback list holds CPU."""
-    if not (_is_gpu(gpu_class, catalog) and uses_cpu(fallback, catalog)):
-        return None
-    return f"CPU fallback is enabled: {ON_CPU[kind]}"
-
-
 def create(conn: Any, checked: Checked, now: float) -> dict[str, Any]:
     """Insert a queued workload of ``checked.owner`` and its first event; returns the row."""
     spec, owner = checked.spec, checked.owner
@@ -210,7 +181,7 @@ def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catal
     placed = w["placed_class"]
     if placed and placed != w["gpu_class"] and w["state"] in ("starting", "running"):
         # cpu_fallback: a GPU class asked for, a CPU class placed; else a class fallback
-        on_cpu = _is_gpu(w["gpu_class"], catalog) and placed in catalog and catalog[placed].is_cpu
+        on_cpu = is_gpu(w["gpu_class"], catalog) and placed in catalog and catalog[placed].is_cpu
         message = f"placed on {placed} instead of {w['gpu_class']}"
         if on_cpu:
             message += f": {ON_CPU[WorkloadKind(w['kind'])]}"

@@ -23,8 +23,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from tensora.api.schemas import TokenUsageOut, UsageOut
-from tensora.control.workloads import CPU_WARNING
 from tensora.dashboard.charts import colors, duration, usage_svg
+from tensora.placement.fallback import CPU_WARNING
 from tensora.sdk import APIError, AsyncClient, AuthenticationError, Workload
 from tensora.sdk.client import DEFAULT_GATEWAY_URL
 

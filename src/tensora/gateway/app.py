@@ -35,6 +35,8 @@ from tensora.gateway.upstream import peer_url_problem
 
 log = logging.getLogger("tensora.gateway")
 
+GATEWAY_SETTINGS_ENV = "TENSORA_GATEWAY_SETTINGS"  # tensora up hands its gateway child the settings in it (JSON)
+
 
 class PeerSetting(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -11,6 +11,7 @@ from tensora.api.auth import KeyChecker
 from tensora.api.idempotency import Idempotency
 from tensora.clock import Clock
 from tensora.control.controller import Controller
+from tensora.names import controller_lease
 from tensora.placement.capacity import GpuReserve
 from tensora.placement.catalog import Catalog
 from tensora.placement.quotas import OwnerSettings
@@ -61,7 +62,7 @@ class Services:
             return "not in this server"
         try:
             with self.db.read() as conn:
-                current = repo.lease_holder(conn, f"controller/{self.region}", self.clock.now())
+                current = repo.lease_holder(conn, controller_lease(self.region), self.clock.now())
         except Exception:
             return "unknown"
         return "leader" if current == holder else "standby"

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tensora.config import yamlsource
 from tensora.drivers.hardware import NodeOverrides
 from tensora.errors import ConfigError
+from tensora.names import DOMAIN_PATTERN, NAME_PATTERN
 from tensora.placement.quotas import Limits, OwnerSettings, Quotas
 from tensora.units import parse_memory
 
@@ -39,7 +40,7 @@ class ServeSettings(BaseModel):
     catalog: Path | None = None
     host: str = "127.0.0.1"
     port: int = Field(default=8700, ge=0, le=65535)
-    region: str = Field(default="local", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+    region: str = Field(default="local", pattern=NAME_PATTERN)
     max_in_flight: int = Field(default=256, ge=1)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     tick_s: float = Field(default=2.0, gt=0)
@@ -51,9 +52,9 @@ class ServeSettings(BaseModel):
                                 "instead of (or keep back from) the detected hardware")
     kubeconfig: Path | None = Field(default=None, description="kubernetes driver: the cluster's kubeconfig "
                                     "(default: in-cluster credentials, else ~/.kube/config)")
-    namespace: str = Field(default="tensora", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+    namespace: str = Field(default="tensora", pattern=NAME_PATTERN,
                            description="kubernetes driver: the namespace of the replicas' objects")
-    notebook_domain: str | None = Field(default=None, pattern=r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$",
+    notebook_domain: str | None = Field(default=None, pattern=DOMAIN_PATTERN,
                                         description="kubernetes driver: each notebook gets an Ingress at "
                                         "https://<name>.<notebook_domain>/ (a wildcard DNS record and certificate "
                                         "at the ingress controller); default: none, the Service's cluster address")

@@ -24,11 +24,12 @@ from pydantic import (
 )
 
 from tensora.errors import SpecError
+from tensora.names import NAME_PATTERN
 from tensora.placement.admission import WorkloadKind
 from tensora.placement.catalog import CPU_WORD, Catalog
 from tensora.units import parse_duration, parse_params
 
-_NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+_NAME = NAME_PATTERN
 SPEC_MAX_BYTES = 16 * 1024
 """The most ``spec`` may hold, as compact JSON: the controller and gateway read it back."""
 Label = Annotated[str, Field(pattern=_NAME)]

@@ -36,10 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tensora.placement.capacity import CORES_LABEL, Node
 from tensora.placement.catalog import Catalog
-from tensora.units import parse_memory
+from tensora.units import GIB, parse_memory
 
 MIB = 2**20
-GIB = 2**30
 SMALL_MACHINE_CORES = 4  # at most this many cores: no core is kept back for the host by default
 
 

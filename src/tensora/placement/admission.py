@@ -43,9 +43,7 @@ from enum import StrEnum
 from tensora.placement.capacity import Capacity
 from tensora.placement.catalog import CPU_WORD, Catalog, ComputeClass
 from tensora.placement.quotas import Quotas
-from tensora.units import format_clock, format_duration, format_memory, format_params
-
-GIB = 2**30
+from tensora.units import GIB, format_clock, format_duration, format_memory, format_params
 
 
 class WorkloadKind(StrEnum):

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 from tensora.placement.catalog import Catalog, ComputeClass
 
-GIB = 2**30
 CORES_LABEL = "tensora.io/cores"
 
 

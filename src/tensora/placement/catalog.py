@@ -21,12 +21,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from tensora.config import yamlsource
 from tensora.errors import CatalogError
+from tensora.names import NAME_PATTERN
 from tensora.units import format_memory, parse_memory
 
 CPU_WORD = "cpu"
 """In a fallback list, ``cpu`` stands for a concrete CPU class chosen to fit the workload."""
 
-_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_NAME = re.compile(NAME_PATTERN)
 
 
 class Kind(StrEnum):

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-GIB = 2**30
+from tensora.units import GIB
 
 
 class Quotas(BaseModel):

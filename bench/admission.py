@@ -32,9 +32,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tensora.config.catalog import default_catalog
 from tensora.placement.admission import Place, Queued, Wait, WorkloadKind, decide
 from tensora.placement.capacity import Capacity, Node, Placed
-from tensora.placement.catalog import Catalog, default_catalog
+from tensora.placement.catalog import Catalog
 
 GIB = 2**30
 REGION = "local"

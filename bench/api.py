@@ -158,10 +158,10 @@ def wrk(url: str, script: str, connections: int, duration: float, cpus: str | No
 def direct(db_url: str, data_dir: Path, n: int) -> dict[str, Any]:
     """The create path without HTTP: validate, claim, insert, store the response; one at a time."""
     from tensora.api.routes import _check_quota, _out
+    from tensora.config.catalog import default_catalog
     from tensora.config.settings import ServeSettings
     from tensora.control import workloads
     from tensora.control.spec import WorkloadSpec
-    from tensora.placement.catalog import default_catalog
     from tensora.serve import build
 
     services = build(ServeSettings(data_dir=data_dir, database_url=db_url, controller=False,

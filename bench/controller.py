@@ -26,10 +26,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from tensora.clock import FakeClock
+from tensora.config.catalog import default_catalog
 from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
-from tensora.placement.catalog import default_catalog
 from tensora.store import repo
 from tensora.store.db import Database
 

@@ -11,6 +11,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tensora.config.catalog import default_catalog, load_catalog
     from tensora.errors import CatalogError, ConfigError, FleetError, ModelFileError, SpecError, TensoraError
     from tensora.placement.admission import (
         Decision,
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
         decide,
     )
     from tensora.placement.capacity import Capacity, GpuReserve, Node, Placed
-    from tensora.placement.catalog import Catalog, ComputeClass, Kind, default_catalog, load_catalog
+    from tensora.placement.catalog import Catalog, ComputeClass, Kind
     from tensora.sdk import AsyncClient, Client
 
 __version__ = "0.1.0"
@@ -34,7 +35,8 @@ _WHERE = {
     "tensora.placement.admission": ("Decision", "Place", "Policy", "Promote", "Queued", "RestartAvailable",
                                     "Running", "Wait", "decide"),
     "tensora.placement.capacity": ("Capacity", "GpuReserve", "Node", "Placed"),
-    "tensora.placement.catalog": ("Catalog", "ComputeClass", "Kind", "default_catalog", "load_catalog"),
+    "tensora.placement.catalog": ("Catalog", "ComputeClass", "Kind"),
+    "tensora.config.catalog": ("default_catalog", "load_catalog"),
     "tensora.sdk": ("AsyncClient", "Client"),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}

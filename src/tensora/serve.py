@@ -31,6 +31,7 @@ from tensora.api.idempotency import Idempotency
 from tensora.api.services import Services
 from tensora.apikeys import digest, well_formed
 from tensora.clock import Clock, SystemClock
+from tensora.config.catalog import load_catalog
 from tensora.config.settings import (
     ADMIN_KEY_FILE,
     UP_LOCK_FILE,
@@ -44,7 +45,7 @@ from tensora.control.controller import Controller
 from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
 from tensora.drivers.hardware import offered
 from tensora.errors import ConfigError, TensoraError
-from tensora.placement.catalog import Catalog, load_catalog
+from tensora.placement.catalog import Catalog
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir

@@ -27,6 +27,7 @@ import openai
 import pytest
 import websockets.sync.client
 
+from tensora.config.catalog import default_catalog, load_catalog
 from tensora.config.settings import ServeSettings, describe_isolation, isolation_of
 from tensora.drivers import launch as plan
 from tensora.drivers.base import ReplicaSpec, ReplicaState
@@ -36,7 +37,7 @@ from tensora.models import runtimes
 from tensora.models.tinymodel import write_tiny_model
 from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
-from tensora.placement.catalog import ComputeClass, Kind, default_catalog, load_catalog
+from tensora.placement.catalog import ComputeClass, Kind
 from tensora.sandbox import Limits, Mount, Runc, SandboxSpec, available
 from tests.support import services
 from tests.support.services import free_port

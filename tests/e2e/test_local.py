@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from tensora import apikeys, replicakeys
+from tensora.config.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.local import LocalDriver, qmp
 from tensora.gateway.limits import MemoryLimiter
@@ -33,7 +34,6 @@ from tensora.models import runtimes
 from tensora.models.tinymodel import write_tiny_model
 from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
-from tensora.placement.catalog import default_catalog
 from tensora.sdk import Client
 from tensora.storage import owner_dir
 from tests.support.gateway_harness import make_table, serving

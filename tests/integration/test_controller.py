@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from tensora.clock import FakeClock, SystemClock
+from tensora.config.catalog import default_catalog
 from tensora.control import workloads
 from tensora.control.controller import Controller
 from tensora.control.spec import parse_spec
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
-from tensora.placement.catalog import default_catalog
 from tensora.store import repo
 from tensora.store.db import Database
 from tests.support.stack import GI, T0, fleet

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tensora.config.catalog import default_catalog
 from tensora.drivers.hardware import (
     Gpu,
     Hardware,
@@ -23,7 +24,6 @@ from tensora.drivers.hardware import (
 )
 from tensora.placement.admission import Place, Queued, WorkloadKind, decide
 from tensora.placement.capacity import Capacity, Node, Placed
-from tensora.placement.catalog import default_catalog
 
 GIB = 2**30
 MIB = 2**20

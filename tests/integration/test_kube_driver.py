@@ -17,11 +17,11 @@ from typing import Any
 import orjson
 import pytest
 
+from tensora.config.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.kubernetes.driver import KubernetesDriver, connect
 from tensora.drivers.kubernetes.render import KATA, home_claim_name, object_name
 from tensora.placement.admission import WorkloadKind
-from tensora.placement.catalog import default_catalog
 from tensora.storage import owner_dir
 from tests.support import services
 from tests.support.kube_double import ENFORCE, NAMESPACES, ApiServerDouble

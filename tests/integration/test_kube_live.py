@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from tensora.config.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.placement.admission import WorkloadKind
-from tensora.placement.catalog import default_catalog
 
 KUBECONFIG = os.environ.get("TENSORA_TEST_KUBECONFIG")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 
+from tensora.config.catalog import default_catalog
 from tensora.drivers import launch as plan
 from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
 from tensora.drivers.local import Isolation, LocalDriver, qmp
 from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
-from tensora.placement.catalog import default_catalog
 from tensora.sandbox import available
 from tensora.storage import owner_dir
 from tests.support.services import sweep

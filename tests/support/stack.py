@@ -9,11 +9,11 @@ from typing import Any
 from tensora.api.app import create_app
 from tensora.api.auth import create_key
 from tensora.clock import FakeClock
+from tensora.config.catalog import default_catalog
 from tensora.config.settings import ServeSettings
 from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
-from tensora.placement.catalog import default_catalog
 from tensora.serve import build
 
 GI = 2**30

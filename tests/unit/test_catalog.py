@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from tensora.config.catalog import default_catalog, load_catalog
 from tensora.errors import CatalogError
-from tensora.placement.catalog import Kind, default_catalog, load_catalog
+from tensora.placement.catalog import Kind
 
 
 def test_default_catalog_has_the_named_classes() -> None:

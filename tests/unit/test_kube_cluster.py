@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tensora.config.catalog import default_catalog
 from tensora.drivers.kubernetes.cluster import WHY_LABEL, nodes_from_cluster, parse_quantity, pod_requests
-from tensora.placement.catalog import default_catalog
 
 GI = 2**30
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tensora.config.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.kubernetes.render import (
     CPU_RUNTIME,
@@ -29,7 +30,6 @@ from tensora.drivers.kubernetes.render import (
     replica_objects,
 )
 from tensora.placement.admission import WorkloadKind
-from tensora.placement.catalog import default_catalog
 from tensora.storage import owner_dir
 from tests.support.kube_double import RESTRICTED, violations
 from tests.support.kube_schemas import validate

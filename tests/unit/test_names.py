@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from tensora.config.catalog import load_catalog
 from tensora.config.settings import ServeSettings
 from tensora.control.spec import WorkloadSpec
 from tensora.errors import CatalogError
 from tensora.names import controller_lease
-from tensora.placement.catalog import load_catalog
 
 NAMES = {  # name -> a DNS label?
     "a": True, "web-1": True, "0abc": True, "a" * 63: True,

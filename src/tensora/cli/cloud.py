@@ -389,7 +389,7 @@ def catalog_command(ctx: typer.Context, output: Output = "table",
                     catalog: Annotated[Path | None, typer.Option(
                         "--catalog", help="show this catalog file instead, offline")] = None) -> None:
     """The compute classes workloads can ask for (and fall back to), with free capacity."""
-    from tensora.placement.catalog import load_catalog
+    from tensora.config.catalog import load_catalog
     from tensora.units import format_memory
 
     check_output(output)

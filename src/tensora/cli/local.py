@@ -15,10 +15,10 @@ from rich.table import Table
 from tensora.cli.common import Output, app, out
 from tensora.cli.common import check_output as _check_output
 from tensora.cli.common import fail as _fail
+from tensora.config.catalog import load_catalog
 from tensora.control.fleet import load_nodes, load_workloads, plan
 from tensora.errors import ConfigError, ModelFileError, StoreUnavailable, TensoraError
 from tensora.models.validator import check_cpu, read_model
-from tensora.placement.catalog import load_catalog
 from tensora.units import format_memory, parse_duration
 
 CatalogFile = Annotated[Path | None, typer.Option("--catalog", help="operator catalog overriding the default")]
@@ -166,9 +166,9 @@ def node_command(
     output: Output = "table",
 ) -> None:
     """This machine as the local driver sees it: detected CPU, memory and GPUs, and the node it offers."""
+    from tensora.config.catalog import load_catalog
     from tensora.config.settings import describe_isolation, isolation_of, load_settings
     from tensora.drivers import hardware
-    from tensora.placement.catalog import load_catalog
 
     _check_output(output)
     try:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, cast, get_args, get_origin, get_type_hints, is_typeddict
 
 import httpx
 import pytest
@@ -18,6 +19,8 @@ from sqlalchemy import update
 from tensora import apikeys
 from tensora.api import gatewayroutes
 from tensora.api.auth import create_key
+from tensora.gateway.routedoc import RouteDocument
+from tensora.gateway.routes import table_from_json
 from tensora.placement.quotas import Limits, OwnerSettings
 from tensora.store import repo
 from tests.support import services
@@ -198,3 +201,45 @@ def test_gateways_polling_at_once_after_a_change_build_it_once(routes: Routes) -
     for t in threads:
         t.join(30)
     assert out == [200] * 8 and routes.builds == 2
+
+
+
+def problems(value: Any, tp: Any, at: str = "doc") -> list[str]:
+    """Where ``value`` (JSON) is not of type ``tp``: a TypedDict (no key beyond it, every required one), a list,
+    a union, or a plain type (a bool is no int, an int is a float as JSON has it)."""
+    if is_typeddict(tp):
+        if not isinstance(value, dict):
+            return [f"{at}: not an object"]
+        hints = get_type_hints(tp)
+        out = [f"{at}.{k}: not in the schema" for k in value if k not in hints]
+        out += [f"{at}.{k}: missing" for k in tp.__required_keys__ if k not in value]
+        return out + [p for k, v in value.items() if k in hints for p in problems(v, hints[k], f"{at}.{k}")]
+    if get_origin(tp) is list:
+        if not isinstance(value, list):
+            return [f"{at}: not a list"]
+        return [p for i, v in enumerate(value) for p in problems(v, get_args(tp)[0], f"{at}[{i}]")]
+    if get_origin(tp) in (Union, UnionType):
+        return [] if any(not problems(value, t, at) for t in get_args(tp)) else [f"{at}: {value!r} is no {tp}"]
+    if tp is type(None):
+        return [] if value is None else [f"{at}: not null"]
+    ok = (isinstance(value, tp) and (tp is bool or not isinstance(value, bool))) or (tp is float and type(value) is int)
+    return [] if ok else [f"{at}: {value!r} is no {tp.__name__}"]
+
+
+def test_the_document_served_is_the_schema_both_sides_use(routes: Routes) -> None:
+    """What the API serves is a RouteDocument (tensora.gateway.routedoc), no key beyond it, and the gateway reads
+    every endpoint, replica, key and owner of it."""
+    for change in (_start, _serve, _second_replica, _key, _limits(60)):
+        change(routes)
+    doc = routes.poll()
+    assert doc is not None and doc["endpoints"] and doc["keys"] and doc["owners"]
+    assert problems(doc, RouteDocument) == []
+    table = table_from_json(cast(RouteDocument, doc))
+    assert [(e.id, [x.url for x in e.replicas]) for e in table.endpoints] == [
+        (e["id"], [x["url"].rstrip("/") for x in e["replicas"]]) for e in doc["endpoints"]]
+    assert set(table.keys) == {k["digest"] for k in doc["keys"]}
+    assert {o: (v.rpm, v.tpm) for o, v in table.owners.items()} == {
+        o["owner"]: (o["requests_per_minute"], o["tokens_per_minute"]) for o in doc["owners"]}
+    wrong = {**doc, "keys": [{**doc["keys"][0], "rpm": "60"}], "endpoints": [{**doc["endpoints"][0], "x": 1}]}
+    assert problems(wrong, RouteDocument) == ["doc.endpoints[0].x: not in the schema",
+                                              "doc.keys[0].rpm: '60' is no int | None"]

@@ -157,7 +157,8 @@ def wrk(url: str, script: str, connections: int, duration: float, cpus: str | No
 
 def direct(db_url: str, data_dir: Path, n: int) -> dict[str, Any]:
     """The create path without HTTP: validate, claim, insert, store the response; one at a time."""
-    from tensora.api.routes import _check_quota, _out
+    from tensora.api.owners import check_quota
+    from tensora.api.workloads import _out
     from tensora.config.catalog import default_catalog
     from tensora.config.settings import ServeSettings
     from tensora.control import workloads
@@ -174,7 +175,7 @@ def direct(db_url: str, data_dir: Path, n: int) -> dict[str, Any]:
         checked = workloads.validate(body, services.catalog, "bench", services.storage)
 
         def action(conn: Any, checked: Any = checked) -> tuple[int, dict[str, Any]]:
-            _check_quota(conn, services, "bench", "workloads")  # as the route does: count under the owner's lock
+            check_quota(conn, services, "bench", "workloads")  # as the route does: count under the owner's lock
             row = workloads.create(conn, checked, services.clock.now())
             return 201, _out(row, [], services)
 

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
 from tensora import replicakeys
-from tensora.api.routes import ERRORS, Admin, Svc
+from tensora.api.deps import ERRORS, Admin, Svc
 from tensora.api.schemas import UsageBatch, UsageBatchOut
 from tensora.api.services import Services
 from tensora.gateway.routedoc import EndpointDoc, KeyDoc, OwnerDoc, ReplicaDoc, RouteDocument

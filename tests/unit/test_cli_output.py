@@ -12,9 +12,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tensora.cli.cloud import CREATE_FLAGS, ENDPOINT_FLAGS, KEY_FLAGS, USAGE_FLAGS
 from tensora.cli.common import Col, api_error_text, emit, fields, flag_for, table, width_for
+from tensora.cli.create import CREATE_FLAGS, ENDPOINT_FLAGS
+from tensora.cli.keys import KEY_FLAGS
 from tensora.cli.profile import is_loopback
+from tensora.cli.usage import USAGE_FLAGS
 
 ID1, ID2 = "wl_0mx8lgimfaxUqHu6V", "wl_0mx8ucmpppUIOXJf5eD"
 URL = "http://127.0.0.1:40123/lab?token=3f1c9a8b7e6d5c4b3a291807f6e5d4c3b2a19081"

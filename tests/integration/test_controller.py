@@ -14,40 +14,14 @@ from tensora.config.catalog import default_catalog
 from tensora.control import workloads
 from tensora.control.controller import Controller
 from tensora.control.spec import parse_spec
-from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
 from tensora.store import repo
 from tensora.store.db import Database
+from tests.support.doubles import Crash, CrashingDriver
 from tests.support.stack import GI, T0, fleet
 
 CATALOG = default_catalog()
-
-
-class Crash(BaseException):
-    """The process dies here (not an Exception: nothing in the controller catches it)."""
-
-
-class CrashingDriver:
-    """The simulated fleet, but the controller 'dies' on the first start() it asks for."""
-
-    def __init__(self, inner: SimulatedDriver) -> None:
-        self.inner, self.armed = inner, True
-
-    def nodes(self) -> Any:
-        return self.inner.nodes()
-
-    def observe(self) -> Any:
-        return self.inner.observe()
-
-    def stop(self, replica_id: str) -> ReplicaStatus:
-        return self.inner.stop(replica_id)
-
-    def start(self, spec: ReplicaSpec) -> ReplicaStatus:
-        if self.armed:
-            self.armed = False
-            raise Crash("killed between recording the placement and starting it")
-        return self.inner.start(spec)
 
 
 @pytest.fixture

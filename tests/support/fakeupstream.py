@@ -8,11 +8,11 @@ import asyncio
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from tensora.gateway.upstream import UpstreamError
+from tensora.gateway.upstream import Reply, Upstream, UpstreamError
 
 
 @dataclass
@@ -97,3 +97,8 @@ class FakeUpstream:
 
     def close(self) -> None:
         pass
+
+
+if TYPE_CHECKING:  # mypy holds the doubles to the protocols they fake (tests/support is type-checked)
+    _upstream: type[Upstream] = FakeUpstream
+    _reply: type[Reply] = FakeReply

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -19,6 +19,7 @@ import uvicorn
 
 from tensora import apikeys
 from tensora.gateway.proxy import Gateway
+from tensora.gateway.routedoc import EndpointDoc, KeyDoc, OwnerDoc, RouteDocument
 from tensora.gateway.routes import RouteTable, table_from_json
 from tests.support.services import free_port
 
@@ -31,10 +32,11 @@ class Backends:
 
     def __init__(self, names: list[str], api_keys: dict[str, str] | None = None) -> None:
         self.ports = {n: free_port() for n in names}
+        keys = api_keys or {}
         env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
         self.procs = {n: subprocess.Popen([sys.executable, FAKEBACKEND, "--port", str(p),
                                            "--name", n, "--chunks", "8"],
-                                          env=env | ({"VLLM_API_KEY": api_keys[n]} if n in (api_keys or {}) else {}))
+                                          env=env | ({"VLLM_API_KEY": keys[n]} if n in keys else {}))
                       for n, p in self.ports.items()}
         deadline = time.monotonic() + 30
         for n, p in self.ports.items():
@@ -104,14 +106,14 @@ def make_table(endpoints: list[dict[str, Any]], keys: dict[str, tuple[str, list[
     """``keys``: secret -> (owner, scopes); ``limits``: secret -> the key's (rpm, tpm); ``owners``: owner ->
     (rpm, tpm), as the control API's ``owners`` list gives them."""
     limits = limits or {}
-    rows = [{"id": f"key_{i}", "digest": apikeys.digest(k), "owner": o, "scopes": s,
-             "rpm": limits.get(k, (None, None))[0], "tpm": limits.get(k, (None, None))[1]}
+    rows = [KeyDoc(id=f"key_{i}", digest=apikeys.digest(k), owner=o, scopes=s,
+                   rpm=limits.get(k, (None, None))[0], tpm=limits.get(k, (None, None))[1])
             for i, (k, (o, s)) in enumerate(keys.items())]
-    eps = [{"region": region, "model": "/models/m", "cpu_fallback": False, **e} for e in endpoints]
-    owner_rows = [{"owner": o, "requests_per_minute": r, "tokens_per_minute": t}
-                  for o, (r, t) in (owners or {}).items()]
-    return table_from_json({"version": str(time.monotonic()), "region": region, "endpoints": eps, "keys": rows,
-                            "owners": owner_rows})
+    # each endpoint as a test names it, over these defaults: what it leaves out, a test does not look at
+    eps = [cast(EndpointDoc, {"region": region, "model": "/models/m", "cpu_fallback": False, **e}) for e in endpoints]
+    owner_rows = [OwnerDoc(owner=o, requests_per_minute=r, tokens_per_minute=t) for o, (r, t) in (owners or {}).items()]
+    return table_from_json(RouteDocument(version=str(time.monotonic()), region=region, endpoints=eps, keys=rows,
+                                         owners=owner_rows))
 
 
 @contextlib.contextmanager

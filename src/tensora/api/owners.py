@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body
 
@@ -10,6 +10,7 @@ from tensora.api.deps import ERRORS, Admin, OwnerName, Reader, Svc, iso
 from tensora.api.errors import QUOTA_EXCEEDED, ApiError
 from tensora.api.schemas import OwnerList, OwnerOut, OwnerUpdate
 from tensora.api.services import Services
+from tensora.control import owners
 from tensora.placement import quotas
 from tensora.store import repo
 
@@ -17,19 +18,17 @@ router = APIRouter()
 
 
 def owner_settings(conn: Any, svc: Services, owner: str) -> quotas.OwnerSettings:
-    """The owner's effective quotas and limits: its stored overrides over the server's defaults."""
-    row = repo.get_owner(conn, owner)
-    return quotas.effective(svc.owner_defaults, row and row["quotas"], row and row["limits"])
+    """The owner's effective quotas and limits (``tensora.control.owners``)."""
+    return owners.settings(conn, svc.owner_defaults, owner)
 
 
-def check_quota(conn: Any, svc: Services, owner: str, what: str) -> None:
-    """403 quota_exceeded when ``owner`` already holds its quota of ``what`` (keys, workloads). Counted in
-    the transaction that inserts, under the owner's quota lock: two creates cannot both take the last slot."""
-    repo.lock_owner_quota(conn, owner)
-    quota = getattr(owner_settings(conn, svc, owner).quotas, what)
-    held = repo.count_keys(conn, owner) if what == "keys" else repo.count_workloads(conn, owner)
-    if held >= quota:
-        raise ApiError(403, f"owner quota: {held} of {quota} {what} in use", type_=QUOTA_EXCEEDED)
+def check_quota(conn: Any, svc: Services, owner: str, what: Literal["keys", "workloads"]) -> None:
+    """403 quota_exceeded when ``owner`` already holds its quota of ``what`` (the rule: ``tensora.control.owners``);
+    an ApiError, so that an Idempotency-Key replays it."""
+    try:
+        owners.check_quota(conn, svc.owner_defaults, owner, what)
+    except owners.QuotaExceeded as exc:
+        raise ApiError(403, str(exc), type_=QUOTA_EXCEEDED) from None
 
 
 def _owner_out(svc: Services, owner: str, row: dict[str, Any] | None, held: dict[str, int]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Benchmark of one admission cycle: ``tensora.admission.decide`` over a large queue and fleet.
+"""Benchmark of one admission cycle: ``tensora.placement.admission.decide`` over a large queue and fleet.
 
 What it measures (wall time via ``time.perf_counter``, best of N runs per size):
 
@@ -32,9 +32,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tensora.admission import Place, Queued, Wait, WorkloadKind, decide
-from tensora.capacity import Capacity, Node, Placed
-from tensora.catalog import Catalog, default_catalog
+from tensora.config.catalog import default_catalog
+from tensora.placement.admission import Place, Queued, Wait, WorkloadKind, decide
+from tensora.placement.capacity import Capacity, Node, Placed
+from tensora.placement.catalog import Catalog
 
 GIB = 2**30
 REGION = "local"

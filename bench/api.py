@@ -46,9 +46,9 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.support
 
-from services import PgCluster, free_port, pg_cluster
+from tests.support.services import PgCluster, free_port, pg_cluster
 
 BENCH_WORKLOADS = 100_000
 """The bench owner's workloads quota (the most an admin may set): a run creates thousands."""
@@ -157,11 +157,13 @@ def wrk(url: str, script: str, connections: int, duration: float, cpus: str | No
 
 def direct(db_url: str, data_dir: Path, n: int) -> dict[str, Any]:
     """The create path without HTTP: validate, claim, insert, store the response; one at a time."""
-    from tensora import workloads
-    from tensora.api.routes import _check_quota, _out
-    from tensora.catalog import default_catalog
-    from tensora.serve import ServeSettings, build
-    from tensora.spec import WorkloadSpec
+    from tensora.api.owners import check_quota
+    from tensora.api.workloads import _out
+    from tensora.config.catalog import default_catalog
+    from tensora.config.settings import ServeSettings
+    from tensora.control import workloads
+    from tensora.control.spec import WorkloadSpec
+    from tensora.serve import build
 
     services = build(ServeSettings(data_dir=data_dir, database_url=db_url, controller=False,
                                    quotas={"workloads": BENCH_WORKLOADS}), catalog=default_catalog())
@@ -173,7 +175,7 @@ def direct(db_url: str, data_dir: Path, n: int) -> dict[str, Any]:
         checked = workloads.validate(body, services.catalog, "bench", services.storage)
 
         def action(conn: Any, checked: Any = checked) -> tuple[int, dict[str, Any]]:
-            _check_quota(conn, services, "bench", "workloads")  # as the route does: count under the owner's lock
+            check_quota(conn, services, "bench", "workloads")  # as the route does: count under the owner's lock
             row = workloads.create(conn, checked, services.clock.now())
             return 201, _out(row, [], services)
 

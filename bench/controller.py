@@ -25,16 +25,16 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from tensora.capacity import Node
-from tensora.catalog import default_catalog
 from tensora.clock import FakeClock
-from tensora.controller import Controller
+from tensora.config.catalog import default_catalog
+from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
+from tensora.placement.capacity import Node
 from tensora.store import repo
 from tensora.store.db import Database
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from services import pg_cluster
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.support
+from tests.support.services import pg_cluster
 
 GIB = 2**30
 T0 = 1_700_000_000.0

@@ -2,7 +2,7 @@
 
 The same bounded loopback load goes to:
 
-* **direct**: a fast fake OpenAI backend (``tests/fakebackend.py``: raw asyncio + uvloop
+* **direct**: a fast fake OpenAI backend (``tests/support/fakebackend.py``: raw asyncio + uvloop
   + httptools, SSE too), two of them (two "replicas");
 * **tensora**: ``python -m tensora.gateway`` in front of them, keys, metering (records spooled and
   sent to a usage sink) and rate limits ON; routes from its disk cache, as after a control API
@@ -46,14 +46,15 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.support
+
+from tests.support.services import free_port
 
 from api import taskset
-from services import free_port
 from tensora import apikeys
 
 ROOT = Path(__file__).resolve().parent.parent
-FAKEBACKEND = str(ROOT / "tests" / "fakebackend.py")  # a child process: not part of the product
+FAKEBACKEND = str(ROOT / "tests" / "support" / "fakebackend.py")  # a child process: not part of the product
 BODY = {"model": "my-llm", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
 CONTENT = re.compile(rb'"content": ?"[^"]')
 

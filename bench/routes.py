@@ -36,10 +36,11 @@ from typing import Any
 import orjson
 from sqlalchemy import insert, update
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.support
 
-from services import pg_cluster
-from stack import stack
+from tests.support.services import pg_cluster
+from tests.support.stack import stack
+
 from tensora.api import gatewayroutes
 from tensora.api.auth import create_key
 from tensora.store import repo

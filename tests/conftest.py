@@ -3,15 +3,12 @@ PostgreSQL server that the session starts itself (``db_url`` is parametrized ove
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from services import PgCluster, pg_cluster
+from tests.support.services import PgCluster, pg_cluster
 
 
 @pytest.fixture(scope="session")

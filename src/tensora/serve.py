@@ -17,211 +17,43 @@ import contextlib
 import errno
 import json
 import os
-import re
 import signal
 import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from tensora import replicakeys, yamlsource
+from tensora import replicakeys
 from tensora.api.auth import KeyChecker, create_key
 from tensora.api.idempotency import Idempotency
 from tensora.api.services import Services
 from tensora.apikeys import digest, well_formed
-from tensora.catalog import Catalog, load_catalog
 from tensora.clock import Clock, SystemClock
-from tensora.controller import Controller
+from tensora.config.catalog import load_catalog
+from tensora.config.settings import (
+    ADMIN_KEY_FILE,
+    UP_LOCK_FILE,
+    ServeSettings,
+    describe_isolation,
+    isolation_of,
+    layered,
+    load_settings,
+)
+from tensora.control.controller import Controller
 from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
+from tensora.drivers.hardware import gpu_notes, offered
 from tensora.errors import ConfigError, TensoraError
-from tensora.hardware import NodeOverrides, gpu_notes, offered
-from tensora.quotas import Limits, OwnerSettings, Quotas
+from tensora.placement.catalog import Catalog
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
-from tensora.units import parse_memory
-
-ADMIN_KEY_FILE = "admin-key"
-UP_LOCK_FILE = "up.pid"
 
 
 class Occupied(TensoraError):
     """``tensora up`` cannot start: a Tensora already runs on this data dir or port, or another
     program holds the port. The message says which, and what to do."""
-
-
-def default_data_dir() -> Path:
-    from platformdirs import user_data_dir
-
-    return Path(user_data_dir("tensora", appauthor=False))
-
-
-class ServeSettings(BaseModel):
-    """Everything ``tensora serve`` can be told."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    data_dir: Path = Field(default_factory=default_data_dir)
-    database_url: str | None = None
-    driver: Literal["simulated", "local", "kubernetes"] = "simulated"
-    nodes: Path | None = None
-    catalog: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(default=8700, ge=0, le=65535)
-    region: str = Field(default="local", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-    max_in_flight: int = Field(default=256, ge=1)
-    max_body_bytes: int = Field(default=1 << 20, ge=1024)
-    tick_s: float = Field(default=2.0, gt=0)
-    lease_ttl_s: float = Field(default=15.0, gt=0)
-    drain_s: float = Field(default=5.0, ge=0, description="a replica replaced by a move back keeps serving the "
-                           "requests in flight this long (gateways pick up the new route within poll_s)")
-    start_delay_s: float = Field(default=2.0, ge=0, description="simulated driver: seconds until a replica runs")
-    node: NodeOverrides = Field(default_factory=NodeOverrides, description="local driver: what to declare "
-                                "instead of (or keep back from) the detected hardware")
-    kubeconfig: Path | None = Field(default=None, description="kubernetes driver: the cluster's kubeconfig "
-                                    "(default: in-cluster credentials, else ~/.kube/config)")
-    namespace: str = Field(default="tensora", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
-                           description="kubernetes driver: the namespace of the replicas' objects")
-    notebook_domain: str | None = Field(default=None, pattern=r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$",
-                                        description="kubernetes driver: each notebook gets an Ingress at "
-                                        "https://<name>.<notebook_domain>/ (a wildcard DNS record and certificate "
-                                        "at the ingress controller); default: none, the Service's cluster address")
-    ingress_class: str | None = Field(default=None, description="kubernetes driver: the notebooks' IngressClass "
-                                      "(default: the cluster's default class)")
-    storage_class: str | None = Field(default=None, pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
-                                      description="kubernetes driver: the StorageClass of notebooks' home claims, "
-                                      "one whose volumes attach on any node (default: the cluster's default)")
-    home_size: str = Field(default="10Gi", pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
-                           description="kubernetes driver: the size of each notebook's home claim")
-    files_claim: str | None = Field(default=None, pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
-                                    description="kubernetes driver: the claim, in the replicas' namespace, of the "
-                                    "share the API's pods mount at DATA_DIR/files (owners' files); endpoints "
-                                    "serve their models from it as pvc://<files_claim>/<owner dir>/<name>. "
-                                    "Default: none, and endpoints cannot start")
-    controller: bool = True
-    workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
-                         "the supervising process, woken over a unix socket")
-    log_level: str = "warning"
-    gateway: dict[str, Any] = Field(default_factory=dict, description="the gateway's settings (tensora gateway "
-                                    "and tensora up read them here), e.g. {port: 8701, redis_url: ...}")
-    gateway_port: int | None = Field(default=None, ge=0, le=65535, description="tensora up: the gateway's port "
-                                     "(default 8701); the gateway runs beside the API in its own process")
-    storage_quota: str | None = Field(default=None, pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
-                                      description="the older name of quotas.storage_bytes (e.g. 20Gi): when set, "
-                                      "the default of every owner's files quota; set one of the two")
-    quotas: Quotas = Field(default_factory=Quotas, description="what each owner may hold unless an admin set "
-                           "otherwise for it (PUT /v1/owners/{owner}): keys, workloads, running_gpus, running_cpu, "
-                           "storage_bytes")
-    limits: Limits = Field(default_factory=Limits, description="each owner's gateway limits across all its keys "
-                           "unless an admin set otherwise: requests_per_minute, tokens_per_minute")
-    shared_models: dict[str, Path] = Field(default_factory=dict, description="read-only roots every owner may name "
-                                           "as shared/<name>/<path> in model and image, e.g. {pool: /srv/models}")
-    sandbox_uids: str = Field(default="100000-165535", pattern=r"^[1-9][0-9]*-[1-9][0-9]*$",
-                              description="the uids (each also the gid) owners' sandboxes run as: one per owner, "
-                              "allocated on first use; never 0 or Tensora's own")
-    isolation: Literal["sandbox", "none"] = Field(
-        default="sandbox", description="local driver: 'sandbox' runs every replica in a sandbox of its own (runc: "
-        "the owner's uid, read-only host, the class's limits, its own network); where this host cannot sandbox, "
-        "only the admin owner's workloads run. 'none' runs every owner's replicas unsandboxed, as Tensora's user")
-
-    def owner_defaults(self) -> OwnerSettings:
-        quotas = self.quotas
-        if self.storage_quota is not None:
-            quotas = quotas.model_copy(update={"storage_bytes": parse_memory(self.storage_quota)})
-        return OwnerSettings(quotas=quotas, limits=self.limits)
-
-    @model_validator(mode="after")
-    def _one_storage_quota(self) -> ServeSettings:
-        if self.storage_quota is not None and "storage_bytes" in self.quotas.model_fields_set:
-            raise ValueError("storage_quota is the older name of quotas.storage_bytes: set one of the two")
-        return self
-
-    @field_validator("shared_models")
-    @classmethod
-    def _shared_names(cls, roots: dict[str, Path]) -> dict[str, Path]:
-        for name, path in roots.items():
-            if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", name) or not path.is_absolute():
-                raise ValueError(f"shared_models.{name}: a name of a-z, 0-9, '.', '_', '-' and an absolute path")
-        return roots
-
-    @property
-    def db_url(self) -> str:
-        return self.database_url or str(self.data_dir / "tensora.db")
-
-    @property
-    def uid_range(self) -> tuple[int, int]:
-        first, _, last = self.sandbox_uids.partition("-")
-        return int(first), int(last)
-
-
-def isolation_of(settings: ServeSettings, why_not: Callable[[], str | None] | None = None) -> tuple[str, str | None]:
-    """How the local driver isolates replicas here, and why when not sandboxed: ``("sandbox", None)``,
-    ``("none", None)`` (the operator's choice) or ``("admin-only", reason)`` (this host cannot sandbox and
-    the operator chose nothing: only the admin owner's workloads run). ``("", None)``: not the local driver."""
-    if settings.driver != "local":
-        return "", None
-    if settings.isolation == "none":
-        return "none", None
-    from tensora.sandbox import available
-
-    reason = (why_not or available)()
-    return ("sandbox", None) if reason is None else ("admin-only", reason)
-
-
-def describe_isolation(mode: str, reason: str | None) -> str:
-    """The isolation in one line, as ``tensora up`` and ``tensora node`` say it."""
-    if mode == "sandbox":
-        return ("isolation: sandbox (each replica in a runc sandbox: the owner's uid, read-only host, its class's "
-                "limits, its own network)")
-    if mode == "none":
-        return "isolation: none (set by the operator): every owner's replicas run unsandboxed, as Tensora's user"
-    return (f"isolation: unavailable ({reason}): serving the admin owner only; other owners' workloads are "
-            "refused (set isolation: none to run them unsandboxed)")
-
-
-def load_settings(config: Path | None, flags: dict[str, Any], env: dict[str, str] | None = None) -> ServeSettings:
-    env = dict(os.environ) if env is None else env
-    values: dict[str, Any] = {}
-    origin: dict[str, str] = {}  # setting -> where its value came from, so an error names that place
-    lines: yamlsource.Lines | None = None
-    if config is not None:
-        data, lines = yamlsource.load(Path(config), ConfigError)
-        if not isinstance(data, dict):
-            raise ConfigError("the config file must be a mapping of settings", source=str(config))
-        values.update(data)
-        origin.update(dict.fromkeys(data, str(config)))
-    settings: ServeSettings = layered(ServeSettings, values, origin, env, "TENSORA_", flags, lines=lines,
-                                      config=config)
-    return settings
-
-
-def layered(model: type[BaseModel], values: dict[str, Any], origin: dict[str, str], env: dict[str, str],
-            prefix: str, flags: dict[str, Any], *, lines: yamlsource.Lines | None = None,
-            config: Path | None = None, field_prefix: str = "") -> Any:
-    """``values`` (defaults, a config file), then ``<prefix><SETTING>`` from env, then flags, validated
-    into ``model``; a bad value is a ConfigError naming where it came from (file and line, variable
-    or flag) and the field. ``origin``: setting -> its source so far."""
-    for name in model.model_fields:
-        if f"{prefix}{name.upper()}" in env:
-            values[name] = env[f"{prefix}{name.upper()}"]
-            origin[name] = f"{prefix}{name.upper()}"
-    for name, value in flags.items():
-        if value is not None:
-            values[name], origin[name] = value, "--" + name.replace("_", "-")
-    try:
-        return model.model_validate(values)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or None
-        name = str(first["loc"][0]) if first["loc"] else ""
-        source = origin.get(name, "<settings>")
-        line = lines.line((name,)) if lines is not None and source == str(config) else None
-        raise ConfigError("unknown setting" if first["type"] == "extra_forbidden" else first["msg"],
-                          source=source, line=line, field=f"{field_prefix}{field}" if field else None) from None
 
 
 def load_gateway_settings(config: Path | None, flags: dict[str, Any],
@@ -238,8 +70,8 @@ def _client_host(bind: str) -> str:
 
 def make_driver(settings: ServeSettings, clock: Clock) -> Driver:
     if settings.driver == "simulated":
+        from tensora.control.fleet import load_nodes
         from tensora.drivers.simulated import SimulatedDriver
-        from tensora.fleet import load_nodes
 
         nodes_file = settings.nodes or Path(__file__).with_name("default_nodes.yaml")
         return SimulatedDriver(load_nodes(nodes_file), clock, start_delay_s=settings.start_delay_s)
@@ -270,8 +102,8 @@ def kubernetes_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
 
 
 def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
+    from tensora.drivers.hardware import detect, local_node
     from tensora.drivers.local import LocalDriver
-    from tensora.hardware import detect, local_node
 
     hw = detect(catalog)
     node = local_node(hw, settings.node, settings.region)
@@ -372,7 +204,7 @@ def _parent_death_signal() -> Callable[[], None] | None:
 def worker_app() -> Any:
     """The app of one HTTP worker of ``serve --workers N``: no controller here; wakes go over a socket."""
     from tensora.api.app import create_app
-    from tensora.wake import WakeSender, socket_path
+    from tensora.control.wake import WakeSender, socket_path
 
     die_with_parent(int(os.environ.get(SUPERVISOR_PID_ENV, "0")) or None)
     settings = ServeSettings.model_validate_json(os.environ[WORKER_SETTINGS_ENV])
@@ -394,7 +226,7 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     from uvicorn import Config
     from uvicorn.supervisors import Multiprocess
 
-    from tensora.wake import WakeListener, socket_path
+    from tensora.control.wake import WakeListener, socket_path
 
     listener = None
     if services.controller is not None:
@@ -416,7 +248,6 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
             listener.close()
 
 
-GATEWAY_SETTINGS_ENV = "TENSORA_GATEWAY_SETTINGS"
 
 
 def gateway_settings_for(server: ServeSettings, flags: dict[str, Any] | None = None,
@@ -435,6 +266,8 @@ def _start_gateway(gw: Any) -> Any:
     """tensora up: the gateway in a process of its own (its own core, its own event loop), reading
     routes from this server. It stops with ``tensora up``, even a crashed one; the workloads do not."""
     import subprocess
+
+    from tensora.gateway.app import GATEWAY_SETTINGS_ENV
 
     env = dict(os.environ, **{GATEWAY_SETTINGS_ENV: gw.model_dump_json()})
     return subprocess.Popen([sys.executable, "-m", "tensora.gateway"], env=env,

@@ -11,6 +11,9 @@ import math
 import re
 from datetime import UTC, datetime
 
+GIB = 2**30
+"""One GiB in bytes: memory is bytes everywhere, and GiB is how people read it."""
+
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 

@@ -15,9 +15,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from tensora import __version__, dashboard
-from tensora.api import errors, files, gatewayroutes
+from tensora.api import catalog, errors, files, gatewayroutes, health, keys, owners, usage, workloads
 from tensora.api.limits import Guard
-from tensora.api.routes import router
 from tensora.api.services import Services
 
 DESCRIPTION = """\
@@ -54,7 +53,8 @@ def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: 
     app = FastAPI(title="Tensora control API", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.services = services
     errors.install(app)
-    app.include_router(router)
+    for resource in (workloads, catalog, usage, keys, owners, health):
+        app.include_router(resource.router)
     app.include_router(gatewayroutes.router)
     app.include_router(files.router)
     dashboard.install(app)

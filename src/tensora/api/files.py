@@ -23,8 +23,9 @@ from fastapi.responses import JSONResponse
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from tensora.api.auth import Principal
+from tensora.api.deps import ERRORS, Svc, caller, iso
 from tensora.api.errors import ApiError
-from tensora.api.routes import ERRORS, Svc, caller, iso, owner_settings
+from tensora.api.owners import owner_settings
 from tensora.api.services import Services
 from tensora.storage import (
     BadName,

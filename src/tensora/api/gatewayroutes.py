@@ -20,10 +20,12 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
 from tensora import replicakeys
-from tensora.api.routes import ERRORS, Admin, Svc
+from tensora.api.deps import ERRORS, Admin, Svc
 from tensora.api.schemas import UsageBatch, UsageBatchOut
 from tensora.api.services import Services
-from tensora.quotas import effective
+from tensora.gateway.routedoc import EndpointDoc, KeyDoc, OwnerDoc, ReplicaDoc, RouteDocument
+from tensora.placement.fallback import uses_cpu
+from tensora.placement.quotas import effective
 from tensora.storage import SHARED
 from tensora.store import repo
 
@@ -90,7 +92,7 @@ def gateway_usage(svc: Svc, _: Admin, body: Annotated[UsageBatch, Body()]) -> di
     return {"received": len(rows), "new": new}
 
 
-def routes_table(conn: Any, svc: Services) -> dict[str, Any]:
+def routes_table(conn: Any, svc: Services) -> RouteDocument:
     """The gateway's route table, built whole: endpoints serving in this region with their routable
     replicas, live keys, and the effective limits of every owner with a live key."""
     endpoints = repo.serving_endpoints(conn, svc.region)
@@ -103,34 +105,34 @@ def routes_table(conn: Any, svc: Services) -> dict[str, Any]:
     def is_cpu(cls: str) -> bool:
         return cls in svc.catalog and svc.catalog[cls].is_cpu
 
-    out = []
+    out: list[EndpointDoc] = []
     for w in endpoints:
         fallback = w["fallback"] or []
         spec = w["spec"] or {}
         kind_spec = spec.get("kind_spec") or {}
         # what the model server answers to: the host path it was started with (a row made before names: its model)
         upstream = spec.get("model_path") or w["model"]
-        out.append({
+        out.append(EndpointDoc({
             "id": w["id"], "name": w["name"], "owner": w["owner"], "region": w["region"], "model": _pool_key(w),
             "requested_cpu": is_cpu(w["requested_class"]),
-            "cpu_fallback": any(c == "cpu" or is_cpu(c) for c in fallback),
+            "cpu_fallback": uses_cpu(fallback, svc.catalog),
             "fallback_models": spec.get("fallback_models") or [],
             "allow_cross_region": bool(spec.get("allow_cross_region")),
             "serverless": bool(kind_spec.get("serverless")), "ttft_s": kind_spec.get("ttft_deadline_s"),
             "stream_idle_s": kind_spec.get("stream_idle_s"), "context": spec.get("context"),
-            "replicas": [{"id": r["id"], "url": r["url"], "cls": r["cls"], "cpu": is_cpu(r["cls"]),
-                          "upstream_model": r["served_model"] or upstream, **_api_key(svc, r["id"])}
-                         for r in sorted(by_w.get(w["id"], []), key=_slot)]})
-    keys = repo.gateway_keys(conn)
+            "replicas": [_replica(svc, r, is_cpu(r["cls"]), r["served_model"] or upstream)
+                         for r in sorted(by_w.get(w["id"], []), key=_slot)]}))
+    keys = [KeyDoc(id=k["id"], digest=k["digest"], owner=k["owner"], scopes=k["scopes"], rpm=k["rpm"], tpm=k["tpm"])
+            for k in repo.gateway_keys(conn)]
     overrides = repo.owner_limits(conn)
-    owners = []
+    owners: list[OwnerDoc] = []
     for owner in sorted({k["owner"] for k in keys}):
         limits = effective(svc.owner_defaults, None, overrides.get(owner)).limits
-        owners.append({"owner": owner, "requests_per_minute": limits.requests_per_minute,
-                       "tokens_per_minute": limits.tokens_per_minute})
+        owners.append(OwnerDoc(owner=owner, requests_per_minute=limits.requests_per_minute,
+                               tokens_per_minute=limits.tokens_per_minute))
     body = {"region": svc.region, "endpoints": out, "keys": keys, "owners": owners}
     version = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
-    return {"version": version, **body}
+    return RouteDocument(version=version, region=svc.region, endpoints=out, keys=keys, owners=owners)
 
 
 def _pool_key(w: dict[str, Any]) -> str | None:
@@ -141,10 +143,13 @@ def _pool_key(w: dict[str, Any]) -> str | None:
     return path if path and (w["model"] or "").startswith(f"{SHARED}/") else None
 
 
-def _api_key(svc: Services, replica_id: str) -> dict[str, str]:
-    """The replica's API key for the gateway to send upstream, on the local driver. The store does not know a
-    replica's runtime, so every replica's is there: a server that takes no key ignores the header."""
-    return {"api_key": replicakeys.derive(svc.replica_secret, replica_id)} if svc.replica_secret else {}
+def _replica(svc: Services, r: dict[str, Any], cpu: bool, upstream_model: str) -> ReplicaDoc:
+    """A routable replica; with its API key for the gateway to send upstream, on the local driver. The store does
+    not know a replica's runtime, so every replica's is there: a server that takes no key ignores the header."""
+    doc = ReplicaDoc(id=r["id"], url=r["url"], cls=r["cls"], cpu=cpu, upstream_model=upstream_model)
+    if svc.replica_secret:
+        doc["api_key"] = replicakeys.derive(svc.replica_secret, r["id"])
+    return doc
 
 
 def _slot(r: dict[str, Any]) -> tuple[int, str]:

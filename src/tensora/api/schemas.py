@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from tensora.apikeys import SCOPES
-from tensora.quotas import Limits, Quotas
+from tensora.placement.quotas import Limits, Quotas
 
 
 class ErrorDetail(BaseModel):

@@ -9,11 +9,12 @@ from typing import Any
 
 from tensora.api.auth import KeyChecker
 from tensora.api.idempotency import Idempotency
-from tensora.capacity import GpuReserve
-from tensora.catalog import Catalog
 from tensora.clock import Clock
-from tensora.controller import Controller
-from tensora.quotas import OwnerSettings
+from tensora.control.controller import Controller
+from tensora.names import controller_lease
+from tensora.placement.capacity import GpuReserve
+from tensora.placement.catalog import Catalog
+from tensora.placement.quotas import OwnerSettings
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database
@@ -43,7 +44,7 @@ class Services:
     """The local driver's replica key secret (``tensora.replicakeys``): the route table carries each replica's
     key for the gateway. None: replicas take no key (other drivers)."""
     owner_defaults: OwnerSettings = field(default_factory=OwnerSettings)
-    """Every owner's quotas and limits unless an admin set otherwise (``tensora.quotas``)."""
+    """Every owner's quotas and limits unless an admin set otherwise (``tensora.placement.quotas``)."""
 
     def wake(self) -> None:
         if self.controller is not None:
@@ -61,7 +62,7 @@ class Services:
             return "not in this server"
         try:
             with self.db.read() as conn:
-                current = repo.lease_holder(conn, f"controller/{self.region}", self.clock.now())
+                current = repo.lease_holder(conn, controller_lease(self.region), self.clock.now())
         except Exception:
             return "unknown"
         return "leader" if current == holder else "standby"

@@ -1,7 +1,11 @@
-"""The ``tensora`` command: ``common`` (the app, exit codes), ``local`` (this machine and offline
-tools), ``cloud`` (the control API through the SDK), ``chat`` (an endpoint through the gateway)."""
+"""The ``tensora`` command: ``common`` (the app, exit codes), ``root`` (the options and session of the commands over
+the control API, through the SDK), one module per command group over it (``create``, ``workloads``, ``catalog``,
+``usage``, ``keys``, ``owners``, ``login``, ``files``), ``chat`` (an endpoint through the gateway) and ``local``
+(this machine and offline tools). Imported in the order ``tensora --help`` lists them."""
 
-from tensora.cli import chat, cloud, files, local
+from tensora.cli import root  # isort: skip  (the global options first)
+from tensora.cli import create, workloads, catalog, usage, keys, owners, login  # isort: skip
+from tensora.cli import chat, files, local  # isort: skip
 from tensora.cli.common import app
 
 
@@ -9,4 +13,5 @@ def main() -> None:
     app()
 
 
-__all__ = ["app", "chat", "cloud", "files", "local", "main"]
+__all__ = ["app", "catalog", "chat", "create", "files", "keys", "local", "login", "main", "owners", "root", "usage",
+           "workloads"]

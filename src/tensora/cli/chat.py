@@ -26,9 +26,9 @@ from typing import Annotated, Any
 
 import typer
 
-from tensora.cli.cloud import target
 from tensora.cli.common import API_ERROR, TIMEOUT, UNREACHABLE, app, err, fail, out
 from tensora.cli.profile import Target
+from tensora.cli.root import target
 from tensora.sdk import APIError, Client
 
 OK = "ok"

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from tensora.cli.cloud import dump, local_time, session
 from tensora.cli.common import Output, app, check_output, emit, err, fail, out, table
+from tensora.cli.root import dump, local_time, session
 from tensora.sdk import Client
 from tensora.storage import FileList, FileOut, format_bytes
 

@@ -12,14 +12,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from tensora.catalog import load_catalog
 from tensora.cli.common import Output, app, out
 from tensora.cli.common import check_output as _check_output
 from tensora.cli.common import fail as _fail
+from tensora.config.catalog import load_catalog
+from tensora.control.fleet import load_nodes, load_workloads, plan
 from tensora.errors import ConfigError, ModelFileError, StoreUnavailable, TensoraError
-from tensora.fleet import load_nodes, load_workloads, plan
+from tensora.models.validator import check_cpu, read_model
 from tensora.units import format_memory, parse_duration
-from tensora.validator import check_cpu, read_model
 
 CatalogFile = Annotated[Path | None, typer.Option("--catalog", help="operator catalog overriding the default")]
 
@@ -104,9 +104,10 @@ def _serve(config: Path | None, flags: dict[str, Any], profile: str) -> None:
     """Settings, then serve until interrupted; a bad setting exits 2, an unreachable database 1, and so
     does ``tensora up`` where one already runs or its port is taken."""
     from tensora import serve
+    from tensora.config.settings import load_settings
 
     try:
-        settings = serve.load_settings(config, flags)
+        settings = load_settings(config, flags)
         serve.run(settings, profile=profile)
     except ConfigError as exc:
         raise _fail(exc) from None
@@ -165,12 +166,13 @@ def node_command(
     output: Output = "table",
 ) -> None:
     """This machine as the local driver sees it: detected CPU, memory and GPUs, and the node it offers."""
-    from tensora import hardware, serve
-    from tensora.catalog import load_catalog
+    from tensora.config.catalog import load_catalog
+    from tensora.config.settings import describe_isolation, isolation_of, load_settings
+    from tensora.drivers import hardware
 
     _check_output(output)
     try:
-        settings = serve.load_settings(config, {"catalog": catalog})
+        settings = load_settings(config, {"catalog": catalog})
         cat = load_catalog(settings.catalog)
     except ConfigError as exc:
         raise _fail(exc) from None
@@ -178,7 +180,7 @@ def node_command(
     node = hardware.local_node(hw, settings.node, settings.region)
     info = hardware.describe(hw, node)
     info["node"]["notes"] = notes = hardware.gpu_notes(node, cat)
-    mode, why = serve.isolation_of(settings.model_copy(update={"driver": "local"}))  # as tensora up runs it
+    mode, why = isolation_of(settings.model_copy(update={"driver": "local"}))  # as tensora up runs it
     info["isolation"] = {"mode": mode, "reason": why}
     if output == "json":
         sys.stdout.write(json.dumps(info) + "\n")
@@ -194,7 +196,7 @@ def node_command(
               highlight=False, soft_wrap=True)
     for note in notes:
         out.print(f"  note: {note}", highlight=False, soft_wrap=True)
-    out.print(serve.describe_isolation(mode, why), highlight=False, soft_wrap=True)
+    out.print(describe_isolation(mode, why), highlight=False, soft_wrap=True)
 
 
 dev_app = typer.Typer(help="Tools for development and demos.", no_args_is_help=True)
@@ -207,8 +209,8 @@ def tiny_model_command(
     seed: Annotated[int, typer.Option(help="seed of the random weights and the tokenizer's made-up words")] = 0,
 ) -> None:
     """Write a tiny random Llama (safetensors, byte-level BPE tokenizer, chat template): no download."""
-    from tensora.tinymodel import write_tiny_model
-    from tensora.validator import read_model
+    from tensora.models.tinymodel import write_tiny_model
+    from tensora.models.validator import read_model
 
     try:
         write_tiny_model(directory, seed)
@@ -226,8 +228,8 @@ DataDir = Annotated[Path | None, typer.Option(help="the data dir of tensora up (
 
 
 def _runtimes_root(runtimes_dir: Path | None, data_dir: Path | None) -> Path:
-    from tensora import runtimes
-    from tensora.serve import default_data_dir
+    from tensora.config.settings import default_data_dir
+    from tensora.models import runtimes
 
     if runtimes_dir is not None:
         return runtimes_dir
@@ -237,7 +239,7 @@ def _runtimes_root(runtimes_dir: Path | None, data_dir: Path | None) -> Path:
 @runtime_app.command("list")
 def runtime_list(runtimes_dir: RuntimesDir = None, data_dir: DataDir = None, output: Output = "table") -> None:
     """The runtimes, which kinds prefer them, and which are installed."""
-    from tensora import runtimes
+    from tensora.models import runtimes
 
     _check_output(output)
     root = _runtimes_root(runtimes_dir, data_dir)
@@ -259,7 +261,7 @@ def runtime_list(runtimes_dir: RuntimesDir = None, data_dir: DataDir = None, out
 def runtime_install(name: Annotated[str, typer.Argument(help="e.g. tensora-transformers")],
                     runtimes_dir: RuntimesDir = None, data_dir: DataDir = None) -> None:
     """Create NAME's own Python environment and install its packages (pinned torch: no CUDA build sneaks in)."""
-    from tensora import runtimes
+    from tensora.models import runtimes
 
     root = _runtimes_root(runtimes_dir, data_dir)
     if name in runtimes.REGISTRY and not runtimes.installed(root, name):

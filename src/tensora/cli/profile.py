@@ -107,7 +107,7 @@ def local_admin_key(api_url: str, env: Mapping[str, str]) -> Path | None:
     holds a readable one; else None."""
     if not is_loopback(api_url):
         return None
-    from tensora.serve import ADMIN_KEY_FILE, default_data_dir
+    from tensora.config.settings import ADMIN_KEY_FILE, default_data_dir
 
     data_dir = Path(env["TENSORA_DATA_DIR"]) if env.get("TENSORA_DATA_DIR") else default_data_dir()
     path = data_dir / ADMIN_KEY_FILE

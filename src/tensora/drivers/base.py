@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from tensora.admission import WorkloadKind
-from tensora.capacity import Node
+from tensora.placement.admission import WorkloadKind
+from tensora.placement.capacity import Node
 
 
 class ReplicaState(StrEnum):

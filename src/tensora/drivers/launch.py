@@ -47,9 +47,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tensora import runtimes
-from tensora.catalog import ComputeClass
 from tensora.drivers.vmdisk import ImageInfo, qemu_disk_args, qemu_sandbox_args
+from tensora.models import runtimes
+from tensora.placement.catalog import ComputeClass
 from tensora.sandbox import SERVER_HOST, Device, Limits, Mount, SandboxSpec
 from tensora.sandbox.host import NvidiaDriver
 from tensora.sandbox.spec import RESERVED_TARGETS, SYSTEM_DIRS

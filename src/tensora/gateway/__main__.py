@@ -7,8 +7,7 @@ import signal
 
 
 def main() -> None:
-    from tensora.gateway.app import GatewaySettings, run
-    from tensora.serve import GATEWAY_SETTINGS_ENV
+    from tensora.gateway.app import GATEWAY_SETTINGS_ENV, GatewaySettings, run
 
     settings = GatewaySettings.model_validate_json(os.environ[GATEWAY_SETTINGS_ENV])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # tensora up stops it (SIGTERM) after the API is down

@@ -29,11 +29,14 @@ from tensora.gateway.limits import FailMode, Limiter, MemoryLimiter, RedisLimite
 from tensora.gateway.metering import Meter
 from tensora.gateway.probe import Prober
 from tensora.gateway.proxy import Gateway, Options
+from tensora.gateway.routedoc import RouteDocument
 from tensora.gateway.routes import RouteTable, table_from_json
 from tensora.gateway.server import Limits
 from tensora.gateway.upstream import peer_url_problem
 
 log = logging.getLogger("tensora.gateway")
+
+GATEWAY_SETTINGS_ENV = "TENSORA_GATEWAY_SETTINGS"  # tensora up hands its gateway child the settings in it (JSON)
 
 
 class PeerSetting(BaseModel):
@@ -168,7 +171,7 @@ class RouteSource:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("route cache %s unreadable (%s); waiting for the control API", cache, exc)
 
-    def _set(self, data: dict[str, Any], save: bool = True) -> None:
+    def _set(self, data: RouteDocument, save: bool = True) -> None:
         self.table = table_from_json(data)
         self.etag = f'"{self.table.version}"'
         if save:

@@ -34,7 +34,7 @@ class ServedBy(StrEnum):
 class Backend:
     key: str  # what X-Tensora-Attempts names it by: "<endpoint>/<replica>" or "peer:<region>"
     base_url: str  # ends in /v1
-    upstream_model: str  # the ``model`` sent upstream
+    upstream_model: str | None  # the ``model`` sent upstream (None: the endpoint has none, sent as null)
     model: str  # the public name of the model that answers: what the response's ``model`` says
     served_by: ServedBy
     endpoint_id: str  # whose tokens these are (accounting): the endpoint, pool or fallback model

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from tensora.gateway.routedoc import OwnerDoc, RouteDocument
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +19,7 @@ class ReplicaRoute:
     url: str  # the runtime's OpenAI base URL, ending in /v1
     cls: str
     cpu: bool  # placed on a CPU class
-    upstream_model: str  # the model id this runtime answers to
+    upstream_model: str | None  # the model id this runtime answers to (None: an endpoint made with no model)
     api_key: str | None = None  # the replica's own key, sent upstream as its Authorization (only the gateway has it)
 
 
@@ -84,7 +86,9 @@ def _context(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def table_from_json(data: Mapping[str, Any]) -> RouteTable:
+def table_from_json(data: RouteDocument) -> RouteTable:
+    """The table of a route document (``tensora.gateway.routedoc``), read with plain lookups: no validation library
+    on the gateway's path; a missing optional key reads as its default."""
     endpoints = tuple(
         EndpointRoute(
             id=e["id"], name=e["name"], owner=e["owner"], region=e["region"], model=e.get("model"),
@@ -110,7 +114,7 @@ def table_from_json(data: Mapping[str, Any]) -> RouteTable:
                       serverless=serverless, serverless_by_model={m: tuple(v) for m, v in by_model.items()})
 
 
-def _positive(row: Mapping[str, Any], name: str) -> int:
+def _positive(row: OwnerDoc, name: Literal["requests_per_minute", "tokens_per_minute"]) -> int:
     v = row[name]
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"owners: {name} of {row.get('owner')!r} is {v!r}, not a positive integer")

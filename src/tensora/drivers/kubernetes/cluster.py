@@ -1,5 +1,5 @@
 """Capacity from a Kubernetes cluster: Node and Pod objects (as the API returns them, plain dicts)
-to Tensora's :class:`~tensora.capacity.Node` values. Pure: the driver lists or watches, this reads.
+to Tensora's :class:`~tensora.placement.capacity.Node` values. Pure: the driver lists or watches, this reads.
 
 - allocatable from ``status.allocatable``: ``cpu``, ``memory``, ``nvidia.com/gpu``;
 - the GPU model from a ``tensora.io/class`` label (a catalog class: its GPU model) or NVIDIA GPU
@@ -21,9 +21,9 @@ from collections.abc import Iterable, Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from tensora.capacity import Node
-from tensora.catalog import Catalog
-from tensora.hardware import gpu_model_for
+from tensora.drivers.hardware import gpu_model_for
+from tensora.placement.capacity import Node
+from tensora.placement.catalog import Catalog
 
 GPU_RESOURCE = "nvidia.com/gpu"
 REGION_LABEL = "topology.kubernetes.io/region"

@@ -35,8 +35,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-from tensora.capacity import Node
-from tensora.catalog import Catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
 from tensora.drivers.kubernetes.cluster import REPLICA_LABEL, nodes_from_cluster
 from tensora.drivers.kubernetes.render import (
@@ -52,6 +50,8 @@ from tensora.drivers.kubernetes.render import (
     reconciled,
     replica_objects,
 )
+from tensora.placement.capacity import Node
+from tensora.placement.catalog import Catalog
 
 MANAGED = {"app.kubernetes.io/managed-by": "tensora"}
 CONFLICT_RETRIES = 5

@@ -1,0 +1,152 @@
+"""Workloads: create, list, read, events, stop, restart, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query
+from fastapi.responses import Response
+
+from tensora.api.auth import Principal
+from tensora.api.deps import ERRORS, IdemKey, Reader, Svc, Writer, iso
+from tensora.api.errors import ApiError
+from tensora.api.owners import check_quota
+from tensora.api.schemas import EventList, RestartBody, WorkloadList, WorkloadOut
+from tensora.api.services import Services
+from tensora.control import workloads
+from tensora.control.spec import WorkloadSpec
+from tensora.store import repo
+
+router = APIRouter()
+
+
+def _out(w: dict[str, Any], replicas: list[dict[str, Any]], svc: Services) -> dict[str, Any]:
+    v = workloads.view(w, replicas, svc.catalog)
+    for k in ("created_at", "updated_at", "queued_since", "fallback_eligible_at"):
+        v[k] = iso(v[k])
+    return v
+
+
+def _stopper(p: Principal, w: dict[str, Any]) -> workloads.StoppedBy:
+    """Who the reason of a stopped workload names: its owner, or an admin acting on it."""
+    return workloads.StoppedBy.OWNER if w["owner"] == p.owner else workloads.StoppedBy.ADMIN
+
+
+def _own(conn: Any, p: Principal, workload_id: str) -> dict[str, Any]:
+    w = repo.get_workload(conn, workload_id, p.owner_filter())
+    if w is None:
+        raise ApiError(404, f"no workload {workload_id!r}")
+    return w
+
+
+@router.post("/v1/workloads", status_code=201, response_model=WorkloadOut, responses=ERRORS, tags=["workloads"],
+             summary="Create a notebook, VM or endpoint",
+             description=("Queued for ``gpu_class``; after ``fallback_after`` the ``fallback`` list is tried in "
+                          "order (opt-in: empty means wait). A CPU entry means no GPU while on CPU: endpoints "
+                          "serve roughly 10-50x slower, notebooks and VMs run without one; ``warning`` says "
+                          "which for the kind."))
+def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], idem: IdemKey = None) -> Response:
+    fields = body.model_fields_set
+    if "owner" in fields and body.owner != p.owner and not p.is_admin:
+        raise ApiError(403, "only admin keys may create workloads for another owner", field="owner")
+    owner = body.owner if "owner" in fields else p.owner
+    if "region" not in fields:
+        body = body.model_copy(update={"region": svc.region})
+    elif body.region != svc.region:
+        raise ApiError(422, f"this server serves region {svc.region!r}", field="region")
+    if body.spec.get("serverless") and not p.is_admin:
+        raise ApiError(403, "only admin keys may run serverless (shared) endpoints", field="spec.serverless")
+    if svc.isolation == "admin-only" and not (p.is_admin and owner == p.owner):
+        raise ApiError(403, f"this host cannot sandbox workloads ({svc.isolation_reason}), so it runs the admin "
+                            "owner's only; its operator may set isolation: none to run every owner's unsandboxed")
+    checked = workloads.validate(body, svc.catalog, owner, svc.storage)
+
+    def action(conn: Any) -> tuple[int, dict[str, Any]]:
+        check_quota(conn, svc, owner, "workloads")
+        row = workloads.create(conn, checked, svc.clock.now())
+        return 201, _out(row, [], svc)
+
+    return svc.idempotency.run(p.key_id, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,
+                               svc.wake)
+
+
+@router.get("/v1/workloads", response_model=WorkloadList, responses=ERRORS, tags=["workloads"],
+            description="Your workloads (every owner's for admin keys), oldest first: ids sort in the order they "
+                        "were made. ``next`` is the cursor for ``after`` while more remain.")
+def list_workloads(svc: Svc, p: Reader,
+                   kind: Annotated[str | None, Query(pattern="^(notebook|vm|endpoint)$")] = None,
+                   state: Annotated[str | None, Query(
+                       pattern="^(queued|starting|running|stopping|stopped|failed)$")] = None,
+                   limit: Annotated[int, Query(ge=1, le=500)] = 100,
+                   after: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
+    with svc.db.read() as conn:
+        rows = repo.list_workloads(conn, p.owner_filter(), kind, state, limit + 1, after)
+        page = rows[:limit]
+        replicas = repo.replicas_of(conn, [w["id"] for w in page])
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in replicas:
+        by.setdefault(r["workload_id"], []).append(r)
+    return {"data": [_out(w, by.get(w["id"], []), svc) for w in page],
+            "next": page[-1]["id"] if len(rows) > limit else None}
+
+
+@router.get("/v1/workloads/{workload_id}", response_model=WorkloadOut, responses=ERRORS, tags=["workloads"])
+def get_workload(workload_id: str, svc: Svc, p: Reader) -> dict[str, Any]:
+    with svc.db.read() as conn:
+        w = _own(conn, p, workload_id)
+        return _out(w, repo.replicas_of(conn, [w["id"]]), svc)
+
+
+@router.get("/v1/workloads/{workload_id}/events", response_model=EventList, responses=ERRORS, tags=["workloads"])
+def workload_events(workload_id: str, svc: Svc, p: Reader,
+                    ) -> dict[str, Any]:
+    with svc.db.read() as conn:
+        _own(conn, p, workload_id)
+        events = repo.list_events(conn, workload_id)
+    return {"data": [{**e, "at": iso(e["at"]), "workload_id": None} for e in events]}
+
+
+@router.post("/v1/workloads/{workload_id}/stop", response_model=WorkloadOut, responses=ERRORS,
+             tags=["workloads"])
+def stop_workload(workload_id: str, svc: Svc, p: Writer, idem: IdemKey = None,
+                  ) -> Response:
+    def action(conn: Any) -> tuple[int, dict[str, Any]]:
+        w = _own(conn, p, workload_id)
+        try:
+            w = workloads.stop(conn, w, svc.clock.now(), _stopper(p, w))
+        except workloads.InvalidState as exc:
+            raise ApiError(409, str(exc), retry_after=1) from None
+        return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
+
+    return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
+
+
+@router.post("/v1/workloads/{workload_id}/restart", response_model=WorkloadOut, responses=ERRORS,
+             tags=["workloads"],
+             description=("Stop and queue again. ``placement: requested`` asks for the requested class only: "
+                          "the 'restart on GPU' offered while ``restart_available`` is true."))
+def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[RestartBody | None, Body()] = None,
+                     idem: IdemKey = None) -> Response:
+    placement = (body or RestartBody()).placement
+
+    def action(conn: Any) -> tuple[int, dict[str, Any]]:
+        w = _own(conn, p, workload_id)
+        try:
+            w = workloads.restart(conn, w, svc.clock.now(), placement)
+        except workloads.InvalidState as exc:
+            raise ApiError(409, str(exc), retry_after=2) from None
+        return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
+
+    return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/restart", idem,
+                               {"placement": placement}, action, svc.wake)
+
+
+@router.delete("/v1/workloads/{workload_id}", status_code=204, responses=ERRORS, tags=["workloads"],
+               description="Stops the workload if it runs and removes it from listings; once its replicas have "
+                           "stopped, a notebook's files (its home dir) are deleted too. Its usage stays.")
+def delete_workload(workload_id: str, svc: Svc, p: Writer) -> Response:
+    with svc.db.write() as conn:
+        w = _own(conn, p, workload_id)
+        workloads.delete(conn, w, svc.clock.now(), _stopper(p, w))
+    svc.wake()
+    return Response(status_code=204)

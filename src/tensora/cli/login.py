@@ -1,0 +1,70 @@
+"""``tensora login``: check a key against the API and save it as a profile."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tensora.cli import profile
+from tensora.cli.common import (
+    API_ERROR,
+    UNREACHABLE,
+    USAGE,
+    app,
+    fail,
+    out,
+)
+from tensora.errors import ConfigError
+from tensora.sdk import (
+    APIConnectionError,
+    APIError,
+    Client,
+)
+from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL
+
+
+@app.command("login", rich_help_panel="Use Tensora")
+def login_command(ctx: typer.Context,
+                  key_file: Annotated[Path | None, typer.Option(
+                      help="read the key from this file, e.g. DATA_DIR/admin-key of tensora up")] = None,
+                  profile_name: Annotated[str, typer.Option("--profile", help="save under this name")] = "default",
+                  ) -> None:
+    """Check a key against the API and save URL and key as a profile (file mode 0600). The key comes
+    from --api-key / TENSORA_API_KEY, --key-file, else (with the API on this machine) the admin key
+    tensora up wrote in its data dir (TENSORA_DATA_DIR, else the default), else a prompt (stdin
+    when not a terminal)."""
+    o = ctx.find_root().obj or {}
+    api_url = o.get("api_url") or DEFAULT_API_URL
+    key = o.get("api_key")
+    source = None  # the file the key came from, said back (the key never is)
+    if key_file is None and not key:
+        key_file = source = profile.local_admin_key(api_url, os.environ)
+    if key_file is not None:
+        try:
+            key = key_file.read_text().strip()
+        except OSError as exc:
+            raise fail(f"{key_file}: {exc.strerror or exc}") from None
+    if not key:
+        key = (typer.prompt("API key", hide_input=True) if sys.stdin.isatty() else sys.stdin.readline()).strip()
+    if not key:
+        raise fail("no API key given")
+    t = profile.Target(api_url, key, o.get("gateway_url") or DEFAULT_GATEWAY_URL, profile_name)
+    try:
+        with Client(key, t.api_url) as c:
+            c.list_workloads(limit=1)
+    except APIConnectionError as exc:
+        raise fail(exc, UNREACHABLE) from None
+    except APIError as exc:
+        whose = f"the key in {source} (pass --key-file or --api-key for another)" if source else "the key"
+        raise fail(f"the API refused {whose}: {exc}", API_ERROR) from None
+    try:
+        path = profile.save(profile_name, t.api_url, key, t.gateway_url)
+    except (ConfigError, OSError) as exc:
+        raise fail(exc, USAGE) from None
+    used = f"the admin key in {source}" if source else "the key"
+    out.print(f"logged in to {t.api_url} with {used} (...{key[-4:]}); profile {profile_name!r} saved in {path}",
+              markup=False)

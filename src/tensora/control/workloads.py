@@ -1,0 +1,223 @@
+"""What users do to workloads (create, stop, restart, delete) and how a workload reads back.
+
+Each action is a few writes in the caller's transaction, plus an event; the controller does
+the rest. Nothing here talks to a driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from tensora.control.spec import WorkloadSpec, check_against
+from tensora.errors import ModelFileError, SpecError
+from tensora.models.validator import read_context, read_model
+from tensora.placement.admission import WorkloadKind
+from tensora.placement.catalog import Catalog
+from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
+from tensora.storage import NOT_FOUND, NotFound, Storage
+from tensora.store import repo
+
+
+class StoppedBy(StrEnum):
+    """Who stopped a workload; its reason names them until it is started again."""
+
+    OWNER = "its owner"
+    ADMIN = "an admin"
+
+
+class InvalidState(Exception):
+    """The action does not apply to the workload's current state (API: 409)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A create body checked for ``owner``: the spec as the client sent it (``model`` and ``image``
+    are the owner's names, model size filled in), and the host paths those names resolved to.
+    The paths are the server's own: they go into the row's ``spec`` and to the driver, never back
+    to the client, and no client value ever stands in for them."""
+
+    spec: WorkloadSpec
+    owner: str
+    model_path: str | None = None
+    image_path: str | None = None
+    context: int | None = None
+    """The model's context length in tokens, as its config.json says (None: not known)."""
+
+
+def validate(spec: WorkloadSpec, catalog: Catalog, owner: str, storage: Storage | None) -> Checked:
+    """Check classes against the catalog, resolve ``model`` and ``image`` inside ``owner``'s files
+    (or the operator's shared models) and read the model's size; SpecError names the field.
+
+    A name that resolves nowhere the owner may read is one message whatever the host holds
+    (:data:`~tensora.storage.NOT_FOUND`). The model's headers are read only after that, so only
+    files inside the resolved root are read, and a complaint about them names them by the
+    owner's names, never by host paths."""
+    problems = check_against(spec, catalog)
+    if problems:
+        field, message = problems[0]
+        if field == "gpu_class":
+            message += ": known classes are " + ", ".join(sorted(catalog))
+        raise SpecError(message, field=field)
+    model_path = image_path = None
+    context = None
+    if spec.kind == WorkloadKind.ENDPOINT:
+        if spec.model is None and spec.model_params is None:
+            raise SpecError("endpoints need a model: the name of a safetensors file or directory in your files "
+                            "(tensora files upload) or shared/<root>/<path>", field="model")
+        if spec.model is not None:
+            if spec.model_params is not None:
+                raise SpecError("give model or model_params, not both (the size is read from the model)",
+                                field="model_params")
+            found = _resolve(storage, owner, spec.model, "model")
+            try:
+                size = read_model(found)
+            except ModelFileError as exc:
+                raise SpecError(f"{_shown(Path(exc.path), found, spec.model)}: {exc.message}", field="model") from None
+            except OSError as exc:
+                raise SpecError(f"{spec.model}: cannot read ({exc.strerror or type(exc).__name__})",
+                                field="model") from None
+            spec = spec.model_copy(update={"model_params": size.params, "model_bytes": size.bytes})
+            model_path = str(found)
+            context = read_context(found)
+    if spec.image is not None:
+        found = _resolve(storage, owner, spec.image, "image")
+        if not found.is_file():  # a directory of the owner's is no disk either
+            raise SpecError(NOT_FOUND, field="image")
+        image_path = str(found)
+    return Checked(spec, owner, model_path, image_path, context)
+
+
+def _resolve(storage: Storage | None, owner: str, name: str, field: str) -> Path:
+    """The host path of the owner's ``name``, or SpecError with the one message (also when this
+    server keeps no storage)."""
+    if storage is None:
+        raise SpecError(NOT_FOUND, field=field)
+    try:
+        return storage.resolve(owner, name)
+    except NotFound:
+        raise SpecError(NOT_FOUND, field=field) from None
+
+
+def _shown(where: Path, found: Path, name: str) -> str:
+    """A path the validator complains about, as the owner names it: ``tiny/model.safetensors``
+    for ``<host>/tiny/model.safetensors``; the name alone for anything not under it."""
+    if where != found and where.is_relative_to(found):
+        return f"{name}/{where.relative_to(found).as_posix()}"
+    return name
+
+
+def create(conn: Any, checked: Checked, now: float) -> dict[str, Any]:
+    """Insert a queued workload of ``checked.owner`` and its first event; returns the row."""
+    spec, owner = checked.spec, checked.owner
+    row: dict[str, Any] = {
+        "id": repo.new_id("wl_"), "owner": owner, "kind": spec.kind.value, "name": spec.name,
+        "region": spec.region, "gpu_class": spec.gpu_class, "requested_class": spec.gpu_class,
+        "placed_class": None, "fallback": list(spec.fallback), "fallback_after_s": spec.fallback_after_s,
+        "placement": "policy", "state": "queued", "reason": f"queued for {spec.gpu_class}",
+        "fallback_eligible_at": None, "restart_available": False, "restart_reason": "",
+        "replicas": spec.replicas, "model": spec.model, "model_params": spec.model_params,
+        "model_bytes": spec.model_bytes,
+        "spec": {"kind_spec": spec.spec, "image": spec.image, "fallback_models": spec.fallback_models,
+                 "allow_cross_region": spec.allow_cross_region, "model_path": checked.model_path,
+                 "image_path": checked.image_path, "context": checked.context},
+        "created_at": now, "updated_at": now, "queued_since": now, "deleted_at": None,
+    }
+    repo.insert_workload(conn, row)
+    policy = f"; fallback to {', '.join(spec.fallback)} after {spec.fallback_after_s:g}s" if spec.fallback else ""
+    repo.add_event(conn, row["id"], now, "transition", f"created: queued for {spec.gpu_class}{policy}",
+                   None, "queued")
+    return row
+
+
+def stop(conn: Any, w: dict[str, Any], now: float, by: StoppedBy = StoppedBy.OWNER, *,
+         deleting: bool = False) -> dict[str, Any]:
+    """Ask the workload's replicas to stop. Its reason reads ``stopped by its owner`` (while
+    ``stopping`` too: the state says how far it got) until a restart queues it again."""
+    if w["state"] in ("stopped", "failed", "stopping"):
+        return w
+    active = repo.replicas_of(conn, [w["id"]])
+    target = "stopping" if active else "stopped"
+    reason = f"{'deleted' if deleting else 'stopped'} by {by}"
+    values = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
+    if not repo.update_workload(conn, w["id"], values, expect_state=w["state"]):
+        raise InvalidState("the workload changed meanwhile; try again")
+    for r in active:
+        repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
+    asked = "deleted" if deleting else "stop requested"
+    repo.add_event(conn, w["id"], now, "transition", f"{target}: {asked} by {by}", w["state"], target)
+    return {**w, **values}
+
+
+def restart(conn: Any, w: dict[str, Any], now: float, placement: str) -> dict[str, Any]:
+    """Stop what runs and queue again. ``placement="requested"``: only the requested class
+    this time (the ADR's "restart on GPU"); ``"policy"``: the class, then the fallback list."""
+    if w["state"] in ("stopping",):
+        raise InvalidState("the workload is stopping; restart it once it has stopped")
+    for r in repo.replicas_of(conn, [w["id"]]):
+        repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
+    values = {"state": "queued", "placement": placement, "placed_class": None, "queued_since": now,
+              "updated_at": now, "restart_available": False, "restart_reason": "",
+              "reason": f"queued for {w['gpu_class']}", "fallback_eligible_at": None}
+    if not repo.update_workload(conn, w["id"], values, expect_state=w["state"]):
+        raise InvalidState("the workload changed meanwhile; try again")
+    on = f"on {w['gpu_class']} only" if placement == "requested" else "with its placement policy"
+    repo.add_event(conn, w["id"], now, "transition", f"queued: restart requested {on}", w["state"], "queued")
+    return {**w, **values}
+
+
+def delete(conn: Any, w: dict[str, Any], now: float, by: StoppedBy = StoppedBy.OWNER) -> None:
+    w = stop(conn, w, now, by, deleting=True)
+    repo.update_workload(conn, w["id"], {"deleted_at": now, "updated_at": now})
+
+
+def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) -> list[dict[str, Any]]:
+    """Visible conditions: ``degraded`` (cpu_fallback / class_fallback) and ``moving``.
+
+    A ``cpu_fallback`` message says what CPU means for the kind (:data:`ON_CPU`)."""
+    out = []
+    placed = w["placed_class"]
+    if placed and placed != w["gpu_class"] and w["state"] in ("starting", "running"):
+        # cpu_fallback: a GPU class asked for, a CPU class placed; else a class fallback
+        on_cpu = is_gpu(w["gpu_class"], catalog) and placed in catalog and catalog[placed].is_cpu
+        message = f"placed on {placed} instead of {w['gpu_class']}"
+        if on_cpu:
+            message += f": {ON_CPU[WorkloadKind(w['kind'])]}"
+        out.append({"type": "degraded", "reason": "cpu_fallback" if on_cpu else "class_fallback",
+                    "message": message})
+    movers = [r for r in replicas if r["role"] == "candidate" and r["state"] in repo.ACTIVE_REPLICA]
+    if movers:
+        out.append({"type": "moving", "reason": "move_back",
+                    "message": f"starting a replica on {movers[0]['cls']}; traffic shifts when it is ready"})
+    return out
+
+
+def view(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) -> dict[str, Any]:
+    """The API shape of a workload."""
+    spec = w["spec"] or {}
+    out: dict[str, Any] = {
+        "id": w["id"], "name": w["name"], "kind": w["kind"], "owner": w["owner"], "region": w["region"],
+        "state": w["state"], "gpu_class": w["gpu_class"], "requested_class": w["requested_class"],
+        "placed_class": w["placed_class"], "fallback": w["fallback"], "fallback_after_s": w["fallback_after_s"],
+        "placement": w["placement"], "conditions": conditions(w, replicas, catalog), "reason": w["reason"],
+        "fallback_eligible_at": w["fallback_eligible_at"], "restart_available": bool(w["restart_available"]),
+        "restart_reason": w["restart_reason"] or None, "created_at": w["created_at"],
+        "updated_at": w["updated_at"], "queued_since": w["queued_since"], "spec": spec.get("kind_spec") or {},
+    }
+    warning = cpu_warning(WorkloadKind(w["kind"]), w["gpu_class"], w["fallback"], catalog)
+    if warning:
+        out["warning"] = warning
+    active = [r for r in replicas if r["state"] in repo.ACTIVE_REPLICA]
+    if w["kind"] == WorkloadKind.ENDPOINT:
+        out.update(model=w["model"], model_params=w["model_params"], replicas=[
+            {"id": r["id"], "class": r["cls"], "node": r["node"], "state": r["state"], "url": r["url"],
+             "role": r["role"]} for r in active],
+            fallback_models=spec.get("fallback_models", []), allow_cross_region=spec.get("allow_cross_region", False))
+    else:
+        primary = next((r for r in active if r["role"] == "primary"), None)
+        out["access"] = {"url": primary["url"] if primary else None, "node": primary["node"] if primary else None}
+        if w["kind"] == WorkloadKind.VM:
+            out["image"] = spec.get("image")
+    return out

@@ -1,0 +1,316 @@
+"""The dashboard: web pages at ``/`` over the public control API.
+
+Each page is an ``AsyncClient`` (the SDK) calling this same app's API routes in-process, with the
+signed-in user's key: the dashboard can do nothing the API would not let that key do, and has no
+store access of its own. Sign-in keeps the key in an http-only, Secure, SameSite=Strict cookie;
+every POST carries a CSRF token (double submit: a cookie and a form field, compared in constant
+time) and a foreign ``Origin`` is refused. Pages render on the server, so reading works without
+JavaScript; ``live.js`` refreshes the live parts every two seconds and shows the CPU warning as
+soon as a CPU class is chosen in the create form.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+
+from tensora.api.schemas import TokenUsageOut, UsageOut
+from tensora.dashboard.charts import colors, duration, usage_svg
+from tensora.placement.fallback import CPU_WARNING
+from tensora.sdk import APIError, AsyncClient, AuthenticationError, Workload
+from tensora.sdk.client import DEFAULT_GATEWAY_URL
+
+HERE = Path(__file__).parent
+STATIC = HERE / "static"
+templates = Jinja2Templates(directory=HERE / "templates")
+templates.env.filters["duration"] = duration
+
+
+def when(iso: str | None) -> str:
+    """An API timestamp for people: 2027-01-15 08:10:00 UTC."""
+    return f"{iso[:10]} {iso[11:19]} UTC" if iso and len(iso) >= 19 else (iso or "")
+
+
+templates.env.filters["when"] = when
+
+KEY_COOKIE, CSRF_COOKIE = "tensora_key", "tensora_csrf"
+FALLBACK_SLOTS = 3
+router = APIRouter(include_in_schema=False)
+
+
+class SignIn(Exception):
+    """No key, or one the API refuses: back to the sign-in page."""
+
+
+class PageError(Exception):
+    """An error page with the API's status and message (e.g. 404: no such workload)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _client(request: Request, key: str | None = None) -> AsyncClient:
+    key = key or request.cookies.get(KEY_COOKIE)
+    if not key:
+        raise SignIn
+    return AsyncClient(key, "http://dashboard.invalid", transport=httpx.ASGITransport(app=request.app),
+                       max_retries=0, timeout=30)
+
+
+def _cookie(response: Response, name: str, value: str) -> None:
+    response.set_cookie(name, value, httponly=True, secure=True, samesite="strict", path="/")
+
+
+def isolation_notice(isolation: str | None, reason: str | None) -> str | None:
+    """What every page says where replicas run unsandboxed, as ``tensora node``, the start banner and
+    ``GET /v1/catalog`` (``isolation``) do: ``none`` (the operator's choice) or ``admin-only`` (this host
+    cannot sandbox). Nothing when sandboxed, or for a driver without this isolation (``None``)."""
+    if isolation == "none":
+        return ("Replicas on this server run without a sandbox (isolation: none): every owner's code runs as "
+                "Tensora's user.")
+    if isolation == "admin-only":
+        why = f" ({reason})" if reason else ""
+        return f"This host cannot sandbox replicas{why}: only the admin's workloads run here."
+    return None
+
+
+def _isolation_notice(request: Request) -> str | None:
+    """The notice for this server: its isolation is settings of the app's services (no store read), told
+    only to a signed-in user, as the API tells it only to a key (``GET /v1/catalog``)."""
+    services = getattr(request.app.state, "services", None)
+    if services is None or KEY_COOKIE not in request.cookies:
+        return None
+    return isolation_notice(services.isolation, services.isolation_reason)
+
+
+def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
+    token = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(32)
+    response = templates.TemplateResponse(request, name, {"csrf": token, "signed_in": KEY_COOKIE in request.cookies,
+                                                          "isolation_notice": _isolation_notice(request),
+                                                          **context}, status_code=status)
+    if request.cookies.get(CSRF_COOKIE) != token:
+        _cookie(response, CSRF_COOKIE, token)
+    return response
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """The POSTed form, once its CSRF token and Origin check out (else a 403 page)."""
+    origin = request.headers.get("origin")
+    if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
+        raise PermissionError("this form came from another site")
+    form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+    cookie, sent = request.cookies.get(CSRF_COOKIE, ""), form.get("csrf", "")
+    if not cookie or not hmac.compare_digest(cookie.encode(), sent.encode()):
+        raise PermissionError("the form's CSRF token is missing or stale: reload the page and try again")
+    return form
+
+
+def _see(url: str) -> RedirectResponse:
+    return RedirectResponse(url, status_code=303)
+
+
+def install(app: FastAPI) -> None:
+    """Add the dashboard to the control API's FastAPI app."""
+    from fastapi.staticfiles import StaticFiles
+
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.exception_handler(SignIn)
+    @app.exception_handler(AuthenticationError)  # the key was revoked meanwhile: sign in again
+    async def _sign_in(request: Request, _: Exception) -> Response:
+        if request.url.path.startswith("/ui/"):
+            return Response(status_code=401)
+        response = _see("/login")
+        response.delete_cookie(KEY_COOKIE, path="/")
+        return response
+
+    @app.exception_handler(PermissionError)
+    async def _forbidden(request: Request, exc: PermissionError) -> Response:
+        return render(request, "error.html", 403, message=str(exc))
+
+    @app.exception_handler(PageError)
+    async def _page_error(request: Request, exc: PageError) -> Response:
+        return render(request, "error.html", exc.status, message=str(exc))
+
+
+def _badges(w: Workload) -> list[tuple[str, str]]:
+    labels = {"cpu_fallback": "CPU fallback", "class_fallback": "class fallback", "move_back": "moving back"}
+    return [(c.reason, labels.get(c.reason, c.reason)) for c in w.conditions]
+
+
+templates.env.globals["badges"] = _badges
+
+
+# -- sign in ----------------------------------------------------------------------------------
+
+@router.get("/login", response_class=HTMLResponse)
+async def login_page(request: Request) -> HTMLResponse:
+    return render(request, "login.html")
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    form = await _form(request)
+    key = form.get("key", "").strip()
+    try:
+        if not key:
+            raise AuthenticationError("no key given", status=401)
+        async with _client(request, key) as c:
+            await c.list_workloads(limit=1)
+    except AuthenticationError:
+        return render(request, "login.html", 401, error="That key was refused: check it and try again.")
+    response = _see("/")
+    _cookie(response, KEY_COOKIE, key)
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    await _form(request)
+    response = _see("/login")
+    response.delete_cookie(KEY_COOKIE, path="/")
+    return response
+
+
+# -- workloads --------------------------------------------------------------------------------
+
+async def _workloads(request: Request) -> list[Workload]:
+    async with _client(request) as c:
+        page = await c.list_workloads(limit=500)
+    return sorted(page.data, key=lambda w: w.created_at)  # the API pages by id; people read by age
+
+
+@router.get("/", response_class=HTMLResponse)
+async def workloads_page(request: Request) -> HTMLResponse:
+    return render(request, "workloads.html", workloads=await _workloads(request))
+
+
+@router.get("/ui/rows", response_class=HTMLResponse)
+async def workload_rows(request: Request) -> HTMLResponse:
+    return render(request, "_rows.html", workloads=await _workloads(request))
+
+
+async def _detail(request: Request, workload_id: str) -> dict[str, Any]:
+    async with _client(request) as c:
+        try:
+            w = await c.get_workload(workload_id)
+            events = await c.workload_events(workload_id)
+        except AuthenticationError:
+            raise  # to the sign-in page
+        except APIError as exc:
+            raise PageError(exc.status or 502, exc.message) from None
+    gateway = os.environ.get("TENSORA_GATEWAY_URL", DEFAULT_GATEWAY_URL).rstrip("/") + "/v1"
+    return {"w": w, "events": list(reversed(events)), "gateway": gateway}
+
+
+@router.get("/workloads/{workload_id}", response_class=HTMLResponse)
+async def workload_page(request: Request, workload_id: str) -> HTMLResponse:
+    return render(request, "workload.html", **await _detail(request, workload_id))
+
+
+@router.get("/ui/workloads/{workload_id}", response_class=HTMLResponse)
+async def workload_live(request: Request, workload_id: str) -> HTMLResponse:
+    return render(request, "_detail.html", **await _detail(request, workload_id))
+
+
+@router.post("/workloads/{workload_id}/{action}")
+async def workload_action(request: Request, workload_id: str, action: str) -> Response:
+    form = await _form(request)
+    async with _client(request) as c:
+        try:
+            if action == "restart":
+                await c.restart_workload(workload_id, form.get("placement", "policy"))
+            elif action == "stop":
+                await c.stop_workload(workload_id)
+            elif action == "delete":
+                await c.delete_workload(workload_id)
+                return _see("/")
+            else:
+                return Response(status_code=404)
+        except AuthenticationError:
+            raise  # to the sign-in page
+        except APIError as exc:
+            return render(request, "error.html", exc.status or 502, message=exc.message,
+                          back=f"/workloads/{workload_id}")
+    return _see(f"/workloads/{workload_id}")
+
+
+# -- create -----------------------------------------------------------------------------------
+
+async def _classes(request: Request) -> list[Any]:
+    async with _client(request) as c:
+        return list((await c.catalog()).data)
+
+
+def _field(api_field: str | None) -> str:
+    if not api_field:
+        return "_"
+    name = api_field.split("[")[0].split(".")[0]
+    return {"fallback_after_s": "fallback_after", "fallback_models": "fallback_model"}.get(name, name)
+
+
+@router.get("/new", response_class=HTMLResponse)
+async def new_page(request: Request, kind: str = "notebook") -> HTMLResponse:
+    return render(request, "new.html", classes=await _classes(request), form={"kind": kind}, errors={},
+                  slots=FALLBACK_SLOTS, cpu_warning=CPU_WARNING)
+
+
+@router.post("/new")
+async def create(request: Request) -> Response:
+    form = await _form(request)
+    kind = form.get("kind", "")
+    chain = [v for i in range(FALLBACK_SLOTS) if (v := form.get(f"fallback_{i}", "").strip())]
+    more: dict[str, Any] = {}
+    if kind == "endpoint":
+        more["model"] = form.get("model", "").strip() or None
+        if form.get("replicas", "").strip():
+            more["replicas"] = form["replicas"].strip()
+    if kind == "vm" and form.get("image", "").strip():
+        more["image"] = form["image"].strip()
+    after = form.get("fallback_after", "").strip() or None
+    async with _client(request) as c:
+        try:
+            w = await c.create_workload(kind, form.get("name", "").strip(), form.get("gpu_class", ""),
+                                        fallback=chain, fallback_after=after, **more)
+        except AuthenticationError:
+            raise  # to the sign-in page
+        except APIError as exc:
+            return render(request, "new.html", 422 if exc.status == 422 else exc.status or 502,
+                          classes=await _classes(request), form=form, errors={_field(exc.field): exc.message},
+                          slots=FALLBACK_SLOTS, cpu_warning=CPU_WARNING)
+    return _see(f"/workloads/{w.id}")
+
+
+# -- capacity and usage -------------------------------------------------------------------------
+
+@router.get("/capacity", response_class=HTMLResponse)
+async def capacity_page(request: Request) -> HTMLResponse:
+    async with _client(request) as c:
+        catalog = await c.catalog()
+        usage: UsageOut | None
+        tokens: TokenUsageOut | None
+        try:
+            usage = await c.usage(["placed_class", "day"])
+            tokens = await c.token_usage()
+        except APIError:  # a key without usage:read still sees capacity
+            usage = tokens = None
+    rows = [r.model_dump() for r in usage.data] if usage else []
+    by_served: dict[str, dict[str, int]] = {}
+    for t in tokens.data if tokens else []:
+        s = by_served.setdefault(t.served_by, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0})
+        s["requests"] += t.requests
+        s["prompt_tokens"] += t.prompt_tokens
+        s["completion_tokens"] += t.completion_tokens
+    return render(request, "capacity.html", catalog=catalog, region=catalog.region, usage=usage, rows=rows,
+                  chart=usage_svg(rows), colors=colors(sorted({str(r["placed_class"]) for r in rows})),
+                  tokens=by_served)

@@ -1,0 +1,1 @@
+"""Placement: what fits where, and which workload goes first (pure)."""

@@ -1,0 +1,604 @@
+"""The placement decision, as a pure function.
+
+``decide(queue, capacity, running, now, policy)`` returns one decision per queued
+workload (``Place`` or ``Wait``) followed by ``Promote`` (endpoints moving back) and
+``RestartAvailable`` (notebooks and VMs that could be restarted on their preferred
+class). No I/O, no clock reads, no exceptions for "does not fit".
+
+The passes, in order (each is why the next cannot starve it):
+
+1. **Requested class.** Every queued workload tries the class it asked for, in
+   priority order. A workload that does not fit does not block those behind it.
+   A queue head that has waited ``starvation_after_s`` and still does not fit holds
+   the node where it would fit soonest, so later, smaller workloads cannot keep
+   taking that node from it forever.
+2. **Fallback.** Workloads still waiting whose timer has run out
+   (``now >= queued_since + fallback_after_s``) try their ``fallback`` list in order.
+   A class still wanted by a waiting requester of that class is not given away.
+3. **Move back.** Endpoints running on a fallback class get a ``Promote`` to their
+   requested class (or an earlier entry of their list) when it has capacity no
+   waiting requester wants. Notebooks and VMs never move; they get
+   ``RestartAvailable`` instead, which takes no capacity.
+
+Running quotas (``OwnerQuotas``, input like the rest): a workload that would take its owner past
+``running_gpus`` (GPUs of GPU classes) or ``running_cpu`` (vCPUs of CPU classes: a GPU class's host vCPUs
+come with its GPUs, which ``running_gpus`` already bounds) is not placed on that class, and waits with
+``owner quota: 2 of 2 GPUs in use`` if no other class of its list fits. It neither holds a node (pass 1) nor
+holds its class against fallbacks, so it never keeps another owner waiting. A GPU class over quota may still
+fall back to a CPU class within ``running_cpu``. A move back replaces a replica: only what it adds counts.
+
+Priority order: with ``owner_fairness`` (the default, because a free cloud has no
+price to ration it), owners take turns: a workload's rank is how many workloads its
+owner already runs plus how many of its owner's are queued before it; then oldest
+first (``queued_since``), then id. Without it, plain FIFO by ``queued_since``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from tensora.placement.capacity import Capacity
+from tensora.placement.catalog import CPU_WORD, Catalog, ComputeClass
+from tensora.placement.quotas import Quotas
+from tensora.units import GIB, format_clock, format_duration, format_memory, format_params
+
+
+class WorkloadKind(StrEnum):
+    NOTEBOOK = "notebook"
+    VM = "vm"
+    ENDPOINT = "endpoint"
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A workload waiting for placement. ``fallback`` holds class names and/or ``cpu``."""
+
+    id: str
+    kind: WorkloadKind
+    gpu_class: str
+    owner: str = "default"
+    region: str = "local"
+    fallback: tuple[str, ...] = ()
+    fallback_after_s: float = 0.0
+    queued_since: float = 0.0
+    model_params: int | None = None
+    model_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A placed workload. ``moving`` is set while a move back is already under way."""
+
+    id: str
+    kind: WorkloadKind
+    gpu_class: str
+    placed_class: str
+    node: str
+    owner: str = "default"
+    region: str = "local"
+    fallback: tuple[str, ...] = ()
+    model_params: int | None = None
+    model_bytes: int | None = None
+    moving: bool = False
+
+    @property
+    def on_fallback(self) -> bool:
+        return self.placed_class != self.gpu_class
+
+
+class Outcome(StrEnum):
+    FIT = "fit"
+    NO_CAPACITY = "no capacity"
+    NOT_ELIGIBLE_YET = "not eligible yet"
+    MODEL_TOO_LARGE = "model too large"
+    TOO_SMALL = "too small for the model"
+    HELD_FOR_REQUESTERS = "held for its requesters"
+    UNKNOWN_CLASS = "unknown class"
+    NO_NODE = "no node is big enough"
+    OWNER_QUOTA = "owner quota"
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One class tried for one workload, and what came of it.
+
+    ``entry`` is the fallback-list entry it came from (``"cpu"`` for a CPU class chosen
+    for the word ``cpu``); None for the requested class. ``free``/``need`` are in
+    ``unit``: GPUs of the class's model, or vCPUs for CPU classes.
+    """
+
+    cls: str
+    outcome: Outcome
+    free: float = 0
+    need: float = 0
+    unit: str = ""
+    entry: str | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Knobs of admission. ``cpu_param_limit``: endpoints above it never go on CPU.
+
+    ``timer_slack_s``: how late a cycle may notice a fallback timer (a tick and the cycle
+    itself). A fallback placement within it of the timer says the policy's wait
+    (``unavailable for 10m``), not the policy plus the seconds the loop took to look.
+    """
+
+    cpu_param_limit: float = 8.5e9
+    cpu_memory_factor: float = 1.2
+    cpu_memory_overhead: int = 2 * GIB
+    starvation_after_s: float = 300.0
+    owner_fairness: bool = True
+    timer_slack_s: float = 5.0
+
+    def cpu_memory_needed(self, model_bytes: int | None) -> int:
+        """Host memory an endpoint's model needs on a CPU class (weights, KV cache, runtime)."""
+        if not model_bytes:
+            return 0
+        return int(model_bytes * self.cpu_memory_factor) + self.cpu_memory_overhead
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerQuotas:
+    """Each owner's running quotas: ``by_owner``, else ``default`` (None: no quota for it). ``held``: what
+    each owner's replicas hold now, as (GPUs, vCPUs of CPU classes), starting and stopping ones too; None:
+    what ``running`` holds (enough for a caller with no starting or stopping replicas)."""
+
+    default: Quotas | None = None
+    by_owner: Mapping[str, Quotas] = field(default_factory=dict)
+    held: Mapping[str, tuple[float, float]] | None = None
+
+
+def share(cls: ComputeClass) -> tuple[float, float]:
+    """What one replica of ``cls`` counts against its owner's quotas: (GPUs, vCPUs of a CPU class)."""
+    return (0.0, cls.cpu) if cls.is_cpu else (float(cls.gpu_count), 0.0)
+
+
+class _Ledger:
+    """What each owner holds as this cycle's decisions are made, checked against its quotas."""
+
+    def __init__(self, quotas: OwnerQuotas | None, running: Sequence[Running], catalog: Catalog) -> None:
+        self.quotas = quotas
+        self.use: dict[str, list[float]] = {}
+        if quotas is None:
+            return
+        if quotas.held is not None:
+            self.use = {o: list(h) for o, h in quotas.held.items()}
+            return
+        for r in running:
+            cls = catalog.get(r.placed_class)
+            if cls is not None:
+                self.add(r.owner, cls)
+
+    def over(self, owner: str, cls: ComputeClass, entry: str | None = None,
+             replaces: ComputeClass | None = None) -> Attempt | None:
+        """Why ``cls`` would take ``owner`` past a quota (None: it would not)."""
+        if self.quotas is None:
+            return None
+        quota = self.quotas.by_owner.get(owner, self.quotas.default)
+        if quota is None:
+            return None
+        use = self.use.get(owner, [0.0, 0.0])
+        old = share(replaces) if replaces is not None else (0.0, 0.0)
+        for i, (need, limit, unit) in enumerate(zip(share(cls), (quota.running_gpus, quota.running_cpu),
+                                                    ("GPU", "vCPU"), strict=True)):
+            if need > old[i] and use[i] - old[i] + need > limit:
+                return Attempt(cls.name, Outcome.OWNER_QUOTA, use[i], need, unit, entry,
+                               _quota_text(use[i], limit, need, unit))
+        return None
+
+    def add(self, owner: str, cls: ComputeClass, replaces: ComputeClass | None = None) -> None:
+        if self.quotas is None:
+            return
+        use = self.use.setdefault(owner, [0.0, 0.0])
+        old = share(replaces) if replaces is not None else (0.0, 0.0)
+        for i, need in enumerate(share(cls)):
+            use[i] += need - old[i]
+
+
+def _quota_text(used: float, limit: float, need: float, unit: str) -> str:
+    """``owner quota: 2 of 2 GPUs in use``; ``owner quota: 30 of 32 vCPUs in use, 4 needed`` when some is left."""
+    if limit == 0:
+        return f"owner quota: no {unit}s allowed"
+    text = f"owner quota: {used:g} of {limit:g} {unit}{'' if limit == 1 else 's'} in use"
+    return text + (f", {need:g} needed" if used < limit else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Start ``workload`` on ``cls`` at ``node``. ``slack_s``: the policy's ``timer_slack_s``."""
+
+    workload: Queued
+    cls: str
+    node: str
+    attempts: tuple[Attempt, ...]
+    now: float
+    slack_s: float = 0.0
+
+    @property
+    def fallback(self) -> bool:
+        return self.cls != self.workload.gpu_class
+
+    @property
+    def reason(self) -> str:
+        return render_place(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Leave ``workload`` queued. ``fallback_eligible_at`` is when its list may be tried."""
+
+    workload: Queued
+    attempts: tuple[Attempt, ...]
+    fallback_eligible_at: float | None
+    now: float
+
+    @property
+    def reason(self) -> str:
+        return render_wait(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Promote:
+    """Start a replica of endpoint ``workload`` on ``to_class`` at ``node``, then move traffic to it."""
+
+    workload: Running
+    to_class: str
+    node: str
+    attempts: tuple[Attempt, ...]
+
+    @property
+    def reason(self) -> str:
+        return render_promote(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RestartAvailable:
+    """A notebook or VM on a fallback class could be restarted on ``to_class`` now (never automatic)."""
+
+    workload: Running
+    to_class: str
+    attempts: tuple[Attempt, ...]
+
+    @property
+    def reason(self) -> str:
+        return f"{self.to_class} has capacity again: restart on it to leave {self.workload.placed_class}"
+
+
+Decision = Place | Wait | Promote | RestartAvailable
+
+
+@dataclass(slots=True)
+class _Pending:
+    workload: Queued
+    attempts: list[Attempt] = field(default_factory=list)
+
+
+# -- the decision ------------------------------------------------------------------
+
+
+def decide(
+    queue: Iterable[Queued],
+    capacity: Capacity,
+    running: Iterable[Running] = (),
+    now: float = 0.0,
+    policy: Policy | None = None,
+    quotas: OwnerQuotas | None = None,
+) -> list[Decision]:
+    """Decide placements for one cycle; ``capacity`` is left unchanged (a copy is used)."""
+    policy = policy or Policy()
+    cap = capacity.copy()
+    running = list(running)
+    ordered = _priority_order(queue, running, policy)
+    ledger = _Ledger(quotas, running, cap.catalog)
+    waiting_for: dict[tuple[str, str], int] = {}
+
+    # 1. requested class first, for everyone
+    pending: list[_Pending] = []
+    placed: dict[str, Place] = {}
+    for w in ordered:
+        state = _Pending(w)
+        cls = cap.catalog.get(w.gpu_class)
+        if cls is None:
+            state.attempts.append(Attempt(w.gpu_class, Outcome.UNKNOWN_CLASS))
+            pending.append(state)
+            continue
+        over = ledger.over(w.owner, cls)
+        if over is not None:  # holds no node and no class: its owner's quota, not capacity, keeps it waiting
+            state.attempts.append(over)
+            pending.append(state)
+            continue
+        node = cap.find(w.region, cls)
+        if node is not None:
+            cap.take(node, cls)
+            ledger.add(w.owner, cls)
+            free = cap.free(w.region, cls)
+            attempt = Attempt(cls.name, Outcome.FIT, free.free + free.need, free.need, free.unit)
+            placed[w.id] = Place(w, cls.name, cap.nodes[node].name, (attempt,), now)
+            continue
+        free = cap.free(w.region, cls)
+        if cap.unhostable(w.region, cls):
+            state.attempts.append(Attempt(cls.name, Outcome.NO_NODE))
+        else:
+            state.attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit))
+        key = (w.region, cls.name)
+        if not waiting_for.get(key) and now - w.queued_since >= policy.starvation_after_s:
+            cap.hold(w.region, cls)
+        waiting_for[key] = waiting_for.get(key, 0) + 1
+        pending.append(state)
+
+    # 2. fallback lists, for those whose timer has run out
+    waits: dict[str, Wait] = {}
+    for state in pending:
+        w = state.workload
+        eligible_at = w.queued_since + w.fallback_after_s if w.fallback else None
+        if eligible_at is None or now < eligible_at:
+            for entry in w.fallback:
+                state.attempts.append(Attempt(entry, Outcome.NOT_ELIGIBLE_YET, entry=entry))
+            waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
+            continue
+        result = _try_list(cap, w, w.fallback, state.attempts, waiting_for, policy, ledger, take=True,
+                           skip={w.gpu_class})
+        if result is None:
+            waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
+        else:
+            cls, node = result
+            placed[w.id] = Place(w, cls.name, cap.nodes[node].name, tuple(state.attempts), now,
+                                 policy.timer_slack_s)
+
+    decisions: list[Decision] = []
+    for w in ordered:
+        decisions.append(placed.get(w.id) or waits[w.id])
+
+    # 3. move back: endpoints are promoted, notebooks and VMs are offered a restart
+    for r in sorted(running, key=lambda r: r.id):
+        if not r.on_fallback or r.moving:
+            continue
+        targets = _preferred_over(r)
+        if not targets:
+            continue
+        attempts: list[Attempt] = []
+        as_queued = Queued(
+            r.id, r.kind, r.gpu_class, r.owner, r.region, r.fallback, 0.0, 0.0, r.model_params, r.model_bytes
+        )
+        is_endpoint = r.kind == WorkloadKind.ENDPOINT
+        result = _try_list(cap, as_queued, targets, attempts, waiting_for, policy, ledger, take=is_endpoint,
+                           skip={r.placed_class}, replaces=cap.catalog.get(r.placed_class))
+        if result is None:
+            continue
+        cls, node = result
+        if is_endpoint:
+            decisions.append(Promote(r, cls.name, cap.nodes[node].name, tuple(attempts)))
+        else:
+            decisions.append(RestartAvailable(r, cls.name, tuple(attempts)))
+    return decisions
+
+
+def _priority_order(queue: Iterable[Queued], running: Sequence[Running], policy: Policy) -> list[Queued]:
+    items = sorted(queue, key=lambda w: (w.queued_since, w.id))
+    if not policy.owner_fairness:
+        return items
+    seen: dict[str, int] = {}
+    for r in running:
+        seen[r.owner] = seen.get(r.owner, 0) + 1
+    ranked = []
+    for w in items:
+        rank = seen.get(w.owner, 0)
+        seen[w.owner] = rank + 1
+        ranked.append((rank, w.queued_since, w.id, w))
+    ranked.sort(key=lambda t: (t[0], t[1], t[2]))
+    return [t[3] for t in ranked]
+
+
+def _preferred_over(r: Running) -> tuple[str, ...]:
+    """The requested class and the list entries before the one ``r`` is placed on."""
+    if r.placed_class in r.fallback:
+        return (r.gpu_class, *r.fallback[: r.fallback.index(r.placed_class)])
+    if CPU_WORD in r.fallback:  # placed through the word "cpu"
+        return (r.gpu_class, *r.fallback[: r.fallback.index(CPU_WORD)])
+    return (r.gpu_class,)
+
+
+def _expand(entry: str, w: Queued, cap: Capacity, policy: Policy) -> list[ComputeClass] | Attempt:
+    """The concrete classes an entry stands for, in the order to try them, or why none."""
+    catalog = cap.catalog
+    if entry != CPU_WORD:
+        cls = catalog.get(entry)
+        return [cls] if cls is not None else Attempt(entry, Outcome.UNKNOWN_CLASS, entry=entry)
+    # "cpu": the CPU classes big enough for the workload, nearest to what it asked for first.
+    need_mem = policy.cpu_memory_needed(w.model_bytes) if w.kind == WorkloadKind.ENDPOINT else 0
+    fitting = [c for c in catalog.cpu_classes if c.memory >= need_mem]
+    # only the classes some node here could ever host (a 2-core machine runs none of 4 cores); a region with
+    # no node at all keeps them all (unhostable is False there), so its wait still names what it needs
+    hostable = [c for c in fitting if not cap.unhostable(w.region, c)]
+    if fitting and not hostable:
+        return Attempt(CPU_WORD, Outcome.NO_NODE, entry=entry)
+    fitting = hostable
+    requested = catalog.get(w.gpu_class)
+    if requested is None or not fitting:
+        return fitting
+    at_least = [c for c in fitting if c.cpu >= requested.cpu and c.memory >= requested.memory]
+    smaller = [c for c in reversed(fitting) if c not in at_least]
+    return at_least + smaller
+
+
+def _try_list(
+    cap: Capacity,
+    w: Queued,
+    entries: Sequence[str],
+    attempts: list[Attempt],
+    waiting_for: dict[tuple[str, str], int],
+    policy: Policy,
+    ledger: _Ledger,
+    *,
+    take: bool,
+    skip: frozenset[str] | set[str] = frozenset(),
+    replaces: ComputeClass | None = None,
+) -> tuple[ComputeClass, int] | None:
+    """Try ``entries`` in order; record an attempt for each class tried; take the first fit."""
+    for entry in entries:
+        expanded = _expand(entry, w, cap, policy)
+        if isinstance(expanded, Attempt):
+            attempts.append(expanded)
+            continue
+        if entry == CPU_WORD and w.kind == WorkloadKind.ENDPOINT:
+            too_large = _model_too_large(w, policy, entry)
+            if too_large is not None:
+                attempts.append(too_large)
+                continue
+            if not expanded:
+                need = policy.cpu_memory_needed(w.model_bytes)
+                attempts.append(Attempt(CPU_WORD, Outcome.TOO_SMALL, entry=entry,
+                                        detail=f"no CPU class has {format_memory(need)}"))
+                continue
+        for cls in expanded:
+            if cls.name in skip:
+                continue
+            outcome = _eligible(cls, w, entry, waiting_for, policy) or ledger.over(w.owner, cls, entry, replaces)
+            if outcome is not None:
+                attempts.append(outcome)
+                continue
+            if cap.unhostable(w.region, cls):
+                attempts.append(Attempt(cls.name, Outcome.NO_NODE, entry=entry))
+                continue
+            node = cap.find(w.region, cls)
+            free = cap.free(w.region, cls)
+            if node is None:
+                attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit, entry))
+                continue
+            attempts.append(Attempt(cls.name, Outcome.FIT, free.free, free.need, free.unit, entry))
+            if take:
+                cap.take(node, cls)
+                ledger.add(w.owner, cls, replaces)
+            return cls, node
+    return None
+
+
+def _model_too_large(w: Queued, policy: Policy, entry: str, cls: str = CPU_WORD) -> Attempt | None:
+    if w.model_params is not None and w.model_params > policy.cpu_param_limit:
+        detail = f"{format_params(w.model_params)} params > {format_params(policy.cpu_param_limit)} CPU limit"
+        return Attempt(cls, Outcome.MODEL_TOO_LARGE, entry=entry, detail=detail)
+    return None
+
+
+def _eligible(
+    cls: ComputeClass, w: Queued, entry: str, waiting_for: dict[tuple[str, str], int], policy: Policy
+) -> Attempt | None:
+    """Why ``cls`` may not be used as a substitute for ``w`` (None: it may)."""
+    if waiting_for.get((w.region, cls.name)):
+        return Attempt(cls.name, Outcome.HELD_FOR_REQUESTERS, entry=entry,
+                       detail=f"{waiting_for[(w.region, cls.name)]} waiting")
+    if cls.is_cpu and w.kind == WorkloadKind.ENDPOINT:
+        too_large = _model_too_large(w, policy, entry, cls.name)
+        if too_large is not None:
+            return too_large
+        need = policy.cpu_memory_needed(w.model_bytes)
+        if cls.memory < need:
+            return Attempt(cls.name, Outcome.TOO_SMALL, entry=entry,
+                           detail=f"{format_memory(cls.memory)} < {format_memory(need)}")
+    return None
+
+
+# -- reasons, rendered from attempts ---------------------------------------------------
+
+
+def _free_text(a: Attempt) -> str:
+    return f"{a.free:g} {a.unit} free, {a.need:g} needed" if a.unit else ""
+
+
+def _failure(a: Attempt) -> str:
+    if a.outcome is Outcome.OWNER_QUOTA:
+        return f"{a.cls} ({a.detail})"
+    if a.outcome is Outcome.NO_NODE:
+        return f"{a.cls} (no node here is big enough for it)"
+    if a.outcome is Outcome.NO_CAPACITY:
+        if a.free >= a.need:
+            return f"{a.cls} (no single node has room; {_free_text(a)})"
+        return f"{a.cls} ({_free_text(a)})"
+    detail = f": {a.detail}" if a.detail else ""
+    return f"{a.cls} {a.outcome.value}{detail}"
+
+
+def render_place(p: Place) -> str:
+    """``placed on cpu-32c-128g: l40s-48gb unavailable for 10m`` (or just ``placed on X``)."""
+    if not p.fallback:
+        return f"placed on {p.cls}"
+    tried = _failures(p.attempts[1:])
+    head = p.attempts[0]
+    why = f"({head.detail})" if head.outcome is Outcome.OWNER_QUOTA else render_unavailable(p)
+    text = f"placed on {p.cls}: {p.workload.gpu_class} {why}"
+    if tried:
+        text += "; also tried " + ", ".join(tried)
+    return text
+
+
+def render_unavailable(p: Place) -> str:
+    """How long the requested class was unavailable before ``p`` fell back.
+
+    Placed as its timer ran out (within ``slack_s``): the policy's wait, ``unavailable for 10m``,
+    or ``unavailable (fallback after 0s)`` for a policy of 0. Later (its fallback classes were
+    full too): the real wait, rounded down, never up, so it never claims more than passed.
+    """
+    after = p.workload.fallback_after_s
+    waited = p.now - p.workload.queued_since
+    shown = format_duration(after) if waited <= after + p.slack_s else format_duration(math.floor(waited))
+    return "unavailable (fallback after 0s)" if shown == "0s" else f"unavailable for {shown}"
+
+
+def render_wait(wt: Wait) -> str:
+    """``waiting for l40s-48gb (0 GPU free, 1 needed); fallback to a100-80gb, cpu from 14:32:10``."""
+    head, rest = wt.attempts[0], wt.attempts[1:]
+    if head.outcome is Outcome.UNKNOWN_CLASS:
+        text = f"waiting: {head.cls} is not in the catalog"
+    elif head.outcome is Outcome.OWNER_QUOTA:
+        text = f"waiting for {head.cls} ({head.detail})"
+    elif head.outcome is Outcome.NO_NODE:
+        text = f"waiting for {head.cls}: no node here is big enough for it (a bigger node must join)"
+    else:
+        text = f"waiting for {head.cls} ({_free_text(head)})"
+        if head.free >= head.need:
+            text = f"waiting for {head.cls} (no single node has room; {_free_text(head)})"
+    if not wt.workload.fallback:
+        return text + "; no fallback accepted"
+    if rest and all(a.outcome is Outcome.NOT_ELIGIBLE_YET for a in rest):
+        assert wt.fallback_eligible_at is not None
+        return f"{text}; fallback to {', '.join(wt.workload.fallback)} from {format_clock(wt.fallback_eligible_at)}"
+    failures = _failures(rest)
+    return f"{text}; fallback tried: {', '.join(failures) if failures else 'nothing usable'}"
+
+
+def _failures(attempts: Sequence[Attempt]) -> list[str]:
+    """One phrase per failed attempt. The CPU classes tried for the word ``cpu`` that had no room
+    (or were over the owner's quota) are one phrase, naming the smallest of them (the nearest miss)
+    and counting the others."""
+    out: list[str] = []
+    groups = {o: [a for a in attempts if a.entry == CPU_WORD and a.outcome is o]
+              for o in (Outcome.NO_CAPACITY, Outcome.OWNER_QUOTA)}
+    for a in attempts:
+        if a.outcome is Outcome.FIT:
+            continue
+        group = groups.get(a.outcome, [])
+        if a in group:
+            if a is group[0]:
+                out.append(_cpu_full(group))
+            continue
+        out.append(_failure(a))
+    return out
+
+
+def _cpu_full(full: Sequence[Attempt]) -> str:
+    """``cpu-2c-8g (1 vCPU free, 2 needed)``, then ``and 4 larger CPU classes`` if more were full."""
+    smallest = min(full, key=lambda a: a.need)
+    others = [a for a in full if a is not smallest]
+    if not others:
+        return _failure(smallest)
+    size = "larger" if all(a.need > smallest.need for a in others) else "other"
+    return f"{_failure(smallest)} and {len(others)} {size} CPU class{'es' if len(others) > 1 else ''}"
+
+
+def render_promote(p: Promote) -> str:
+    return f"moving back to {p.to_class} from {p.workload.placed_class}: {p.to_class} has capacity again"

@@ -1,0 +1,336 @@
+"""Nodes, their allocatable resources, and what still fits where.
+
+A node has allocatable vCPUs, memory and GPUs by model. What is already placed on
+it is subtracted to give its free resources. GPU classes fit only where their GPU
+model is. CPU classes fit on CPU nodes and on the idle CPU of GPU nodes, but never
+in the vCPUs and memory held back for that node's free GPUs (the *GPU reserve*, per
+GPU model), so that a free GPU always stays usable.
+
+A node whose vCPUs are overcommitted (``tensora up`` on a small machine) says how many
+cores they share (:attr:`Node.cores`): a CPU class with more vCPUs than that never runs
+there, since no share of those cores gives it what the class promises.
+
+:class:`Capacity` is the working set admission consumes during one decision cycle:
+it only ever shrinks (``take``), which is what lets ``find`` keep a monotone
+first-fit cursor per (region, class) and stay linear over a whole cycle.
+Pure: no I/O and no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from tensora.placement.catalog import Catalog, ComputeClass
+
+CORES_LABEL = "tensora.io/cores"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A machine that workloads can be placed on."""
+
+    name: str
+    region: str
+    cpu: float
+    memory: int
+    gpus: Mapping[str, int] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    schedulable: bool = True
+
+    @property
+    def has_gpus(self) -> bool:
+        return any(count > 0 for count in self.gpus.values())
+
+    @property
+    def cores(self) -> float | None:
+        """The cores its ``cpu`` vCPUs share, where the node says (label ``tensora.io/cores``: the local
+        node); None: no limit but ``cpu``.
+
+        A label rather than a field: labels go wherever a node goes (the store's nodes table, and so
+        the API's catalog), so every reader of the node applies the same limit without a migration."""
+        raw = self.labels.get(CORES_LABEL)
+        try:
+            return float(raw) if raw is not None else None
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """An instance of a class already running (or starting) on a node."""
+
+    node: str
+    cls: str
+    workload: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReserve:
+    """Host vCPUs and memory held back, per free GPU, from CPU classes on a GPU node."""
+
+    cpu: float
+    memory: int
+
+
+def default_reserves(catalog: Catalog) -> dict[str, GpuReserve]:
+    """Per GPU model, the most host vCPU and memory per GPU that any class of that model needs."""
+    out: dict[str, GpuReserve] = {}
+    for cls in catalog.values():
+        if cls.gpu_model is None or cls.gpu_count <= 0:
+            continue
+        per_cpu, per_mem = cls.cpu / cls.gpu_count, cls.memory // cls.gpu_count
+        old = out.get(cls.gpu_model)
+        if old is None:
+            out[cls.gpu_model] = GpuReserve(per_cpu, per_mem)
+        else:
+            out[cls.gpu_model] = GpuReserve(max(old.cpu, per_cpu), max(old.memory, per_mem))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """How much of a class's scarce resource is free in a region: GPUs of its model, or vCPUs."""
+
+    free: float
+    need: float
+    unit: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClassCapacity:
+    """How many instances of a class fit in a region now, and on which nodes."""
+
+    cls: str
+    kind: str
+    fits: int
+    nodes: Mapping[str, int]
+
+
+class Capacity:
+    """Free resources of every node after what is placed; see the module docstring."""
+
+    def __init__(
+        self,
+        nodes: Iterable[Node],
+        placed: Iterable[Placed],
+        catalog: Catalog,
+        reserves: Mapping[str, GpuReserve] | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self.nodes: list[Node] = sorted(nodes, key=lambda n: n.name)
+        self.reserves: dict[str, GpuReserve] = dict(default_reserves(catalog))
+        if reserves:
+            self.reserves.update(reserves)
+        self.index: dict[str, int] = {}
+        for i, node in enumerate(self.nodes):
+            if node.name in self.index:
+                raise ValueError(f"duplicate node name {node.name!r}")
+            self.index[node.name] = i
+        self.free_cpu: list[float] = [n.cpu for n in self.nodes]
+        self.free_mem: list[int] = [n.memory for n in self.nodes]
+        self.free_gpus: list[dict[str, int]] = [dict(n.gpus) for n in self.nodes]
+        self.excluded: set[int] = set()
+        self._cursor: dict[tuple[str, str], int] = {}
+        self._candidates: dict[tuple[str, str], list[int]] = {}
+        self._by_region: dict[str, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            self._by_region.setdefault(node.region, []).append(i)
+        for p in placed:
+            at = self.index.get(p.node)
+            cls = catalog.get(p.cls)
+            if at is not None and cls is not None:
+                self._subtract(at, cls)
+        self.reserved_cpu: list[float] = [self._reserve_cpu(i) for i in range(len(self.nodes))]
+        self.reserved_mem: list[int] = [self._reserve_mem(i) for i in range(len(self.nodes))]
+        self._region_gpus: dict[tuple[str, str], int] = {}
+        self._region_cpu: dict[str, float] = {}
+        for i, node in enumerate(self.nodes):
+            if not node.schedulable:
+                continue
+            for model, count in self.free_gpus[i].items():
+                key = (node.region, model)
+                self._region_gpus[key] = self._region_gpus.get(key, 0) + max(0, count)
+            self._region_cpu[node.region] = self._region_cpu.get(node.region, 0.0) + self._cpu_usable(i)
+
+    # -- derived per-node figures -------------------------------------------------
+
+    def _reserve_cpu(self, i: int) -> float:
+        return sum(max(0, c) * self.reserves[m].cpu for m, c in self.free_gpus[i].items() if m in self.reserves)
+
+    def _reserve_mem(self, i: int) -> int:
+        return sum(max(0, c) * self.reserves[m].memory for m, c in self.free_gpus[i].items() if m in self.reserves)
+
+    def _cpu_usable(self, i: int) -> float:
+        return max(0.0, self.free_cpu[i] - self.reserved_cpu[i])
+
+    def _subtract(self, i: int, cls: ComputeClass) -> None:
+        self.free_cpu[i] -= cls.cpu
+        self.free_mem[i] -= cls.memory
+        if cls.gpu_model is not None:
+            gpus = self.free_gpus[i]
+            gpus[cls.gpu_model] = gpus.get(cls.gpu_model, 0) - cls.gpu_count
+
+    # -- queries ------------------------------------------------------------------
+
+    def fits(self, i: int, cls: ComputeClass) -> int:
+        """How many instances of ``cls`` fit on node ``i`` now (0 if unschedulable)."""
+        node = self.nodes[i]
+        if not node.schedulable:
+            return 0
+        if cls.gpu_model is None:
+            if node.cores is not None and cls.cpu > node.cores:
+                return 0
+            cpu = self.free_cpu[i] - self.reserved_cpu[i]
+            mem = self.free_mem[i] - self.reserved_mem[i]
+            counts = [cpu // cls.cpu, mem // cls.memory]
+        else:
+            gpus = self.free_gpus[i].get(cls.gpu_model, 0)
+            counts = [gpus // cls.gpu_count, self.free_cpu[i] // cls.cpu, self.free_mem[i] // cls.memory]
+        return max(0, int(min(counts)))
+
+    def _could_ever_host(self, node: Node, cls: ComputeClass) -> bool:
+        if not node.schedulable:
+            return False
+        if cls.gpu_model is None:
+            cores = node.cores
+            if cores is not None and cls.cpu > cores:
+                return False
+            reserve_cpu = sum(c * self.reserves[m].cpu for m, c in node.gpus.items() if m in self.reserves)
+            reserve_mem = sum(c * self.reserves[m].memory for m, c in node.gpus.items() if m in self.reserves)
+            return node.cpu - reserve_cpu >= cls.cpu and node.memory - reserve_mem >= cls.memory
+        return (
+            node.gpus.get(cls.gpu_model, 0) >= cls.gpu_count and node.cpu >= cls.cpu and node.memory >= cls.memory
+        )
+
+    def unhostable(self, region: str, cls: ComputeClass) -> bool:
+        """A CPU class that no node of a non-empty ``region`` could ever host (more vCPUs than a node's
+        cores or allocatable, or more memory): waiting cannot help, and the word ``cpu`` skips it."""
+        return cls.gpu_model is None and bool(self._by_region.get(region)) and not self.candidates(region, cls)
+
+    def candidates(self, region: str, cls: ComputeClass) -> list[int]:
+        """Nodes of ``region`` that could ever host ``cls``, in the order they are filled.
+
+        GPU classes: by node name. CPU classes: CPU-only nodes first, then GPU nodes'
+        idle CPU, each by name, so GPU servers' CPU is used once CPU nodes are full.
+        """
+        key = (region, cls.name)
+        found = self._candidates.get(key)
+        if found is None:
+            nodes = self.nodes
+            found = [i for i in self._by_region.get(region, ()) if self._could_ever_host(nodes[i], cls)]
+            if cls.gpu_model is None:
+                found.sort(key=lambda i: (nodes[i].has_gpus, nodes[i].name))
+            self._candidates[key] = found
+        return found
+
+    def find(self, region: str, cls: ComputeClass) -> int | None:
+        """The first node (in :meth:`candidates` order) where one ``cls`` fits, else None.
+
+        Capacity only shrinks within a cycle, so a node that cannot fit ``cls`` now
+        never will again in this cycle: the cursor moves past it for good.
+        """
+        cands = self.candidates(region, cls)
+        key = (region, cls.name)
+        pos = self._cursor.get(key, 0)
+        free_cpu, free_mem, excluded = self.free_cpu, self.free_mem, self.excluded
+        if cls.gpu_model is None:
+            rcpu, rmem = self.reserved_cpu, self.reserved_mem
+            need_cpu, need_mem = cls.cpu, cls.memory
+            while pos < len(cands):
+                i = cands[pos]
+                if i not in excluded and free_cpu[i] - rcpu[i] >= need_cpu and free_mem[i] - rmem[i] >= need_mem:
+                    self._cursor[key] = pos
+                    return i
+                pos += 1
+        else:
+            model, count, free_gpus = cls.gpu_model, cls.gpu_count, self.free_gpus
+            while pos < len(cands):
+                i = cands[pos]
+                if (
+                    i not in excluded
+                    and free_gpus[i].get(model, 0) >= count
+                    and free_cpu[i] >= cls.cpu
+                    and free_mem[i] >= cls.memory
+                ):
+                    self._cursor[key] = pos
+                    return i
+                pos += 1
+        self._cursor[key] = pos
+        return None
+
+    def free(self, region: str, cls: ComputeClass) -> Free:
+        """Free GPUs of the class's model (GPU class) or vCPUs usable by CPU classes, in a region."""
+        if cls.gpu_model is None:
+            return Free(self._region_cpu.get(region, 0.0), cls.cpu, "vCPU")
+        return Free(self._region_gpus.get((region, cls.gpu_model), 0), cls.gpu_count, "GPU")
+
+    def summary(self, region: str) -> list[ClassCapacity]:
+        """For every class in the catalog: how many instances fit in ``region`` now, per node."""
+        out = []
+        for cls in self.catalog.values():
+            per_node = {}
+            for i in self.candidates(region, cls):
+                n = self.fits(i, cls)
+                if n:
+                    per_node[self.nodes[i].name] = n
+            out.append(ClassCapacity(cls.name, cls.kind.value, sum(per_node.values()), per_node))
+        return out
+
+    # -- changes (only shrinking) ---------------------------------------------------
+
+    def take(self, i: int, cls: ComputeClass) -> None:
+        """Place one instance of ``cls`` on node ``i``."""
+        region = self.nodes[i].region
+        before = self._cpu_usable(i)
+        self._subtract(i, cls)
+        if cls.gpu_model is not None and cls.gpu_model in self.reserves:
+            reserve = self.reserves[cls.gpu_model]
+            self.reserved_cpu[i] -= reserve.cpu * cls.gpu_count
+            self.reserved_mem[i] -= reserve.memory * cls.gpu_count
+        if cls.gpu_model is not None:
+            key = (region, cls.gpu_model)
+            self._region_gpus[key] = self._region_gpus.get(key, 0) - cls.gpu_count
+        self._region_cpu[region] = self._region_cpu.get(region, 0.0) + self._cpu_usable(i) - before
+
+    def hold(self, region: str, cls: ComputeClass) -> int | None:
+        """Hold back, for the rest of the cycle, the node where ``cls`` will fit soonest.
+
+        Used for a starving queue head: nothing else is placed there, so capacity
+        freed on it accumulates until the head fits. Returns the node held, if any.
+        """
+        best: tuple[float, float, str] | None = None
+        chosen = None
+        for i in self.candidates(region, cls):
+            if i in self.excluded:
+                continue
+            if cls.gpu_model is None:
+                score = (self.free_cpu[i] - self.reserved_cpu[i], float(self.free_mem[i] - self.reserved_mem[i]))
+            else:
+                score = (float(self.free_gpus[i].get(cls.gpu_model, 0)), self.free_cpu[i])
+            key = (-score[0], -score[1], self.nodes[i].name)
+            if best is None or key < best:
+                best, chosen = key, i
+        if chosen is not None:
+            self.excluded.add(chosen)
+        return chosen
+
+    def copy(self) -> Capacity:
+        """An independent working copy (admission never changes the caller's)."""
+        other = object.__new__(Capacity)
+        other.catalog = self.catalog
+        other.nodes = self.nodes
+        other.reserves = self.reserves
+        other.index = self.index
+        other.free_cpu = list(self.free_cpu)
+        other.free_mem = list(self.free_mem)
+        other.free_gpus = [dict(g) for g in self.free_gpus]
+        other.excluded = set(self.excluded)
+        other._cursor = {}
+        other._candidates = self._candidates
+        other._by_region = self._by_region
+        other.reserved_cpu = list(self.reserved_cpu)
+        other.reserved_mem = list(self.reserved_mem)
+        other._region_gpus = dict(self._region_gpus)
+        other._region_cpu = dict(self._region_cpu)
+        return other

@@ -1,0 +1,82 @@
+"""`tensora plan` end to end: the real command on the shipped examples and on bad files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+ROOT = Path(__file__).resolve().parents[2]
+EX = ROOT / "examples"
+
+
+def tensora(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "from tensora.cli import main; main()", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def plan_json(at: str, workloads: Path = EX / "workloads.yaml") -> dict[str, dict]:
+    r = tensora("plan", "--nodes", str(EX / "nodes.yaml"), "--workloads", str(workloads), "--at", at, "-o", "json")
+    assert r.returncode == 0, r.stderr
+    return {row["name"]: row for row in json.loads(r.stdout)["workloads"]}
+
+
+def test_plan_example_over_time() -> None:
+    at6 = plan_json("6m")
+    assert at6["alice-nb"]["placed_class"] == "l40s-48gb"
+    assert at6["bob-llm"]["placed_class"] == "cpu-16c-64g"
+    assert at6["bob-llm"]["reason"] == "placed on cpu-16c-64g: l40s-48gb unavailable for 5m"
+    assert at6["carol-vm"]["state"] == "queued" and at6["carol-vm"]["fallback_eligible_at"] == "12m"
+    assert "model too large" in at6["dave-70b"]["reason"]
+    at12 = plan_json("12m")
+    assert at12["carol-vm"]["placed_class"] == "a100-80gb"
+    at25 = plan_json("25m")
+    assert at25["alice-nb"]["state"] == "stopped"
+    assert at25["dave-70b"]["placed_class"] == "l40s-48gb"  # older than erin, and its own owner
+    assert at25["erin-nb"]["state"] == "queued"
+    assert at25["bob-llm"]["placed_class"] == "cpu-16c-64g"  # erin still waits for the L40S: no move back
+
+
+def test_plan_moves_an_endpoint_back_when_the_gpu_frees(tmp_path: Path) -> None:
+    save_file({"w": np.zeros((64, 64), np.float16)}, str(tmp_path / "tiny.safetensors"))
+    wl = tmp_path / "w.yaml"
+    wl.write_text(
+        "workloads:\n"
+        "  - {kind: notebook, name: first, gpu_class: l40s-48gb, submitted_at: 0s, stop_at: 10m}\n"
+        "  - {kind: endpoint, name: llm, gpu_class: l40s-48gb, fallback: [cpu], model: tiny.safetensors,"
+        " submitted_at: 1m}\n"
+        "  - {kind: notebook, name: nb, gpu_class: a100-80gb, fallback: [cpu], submitted_at: 1m}\n"
+        "  - {kind: vm, name: hog, gpu_class: a100-80gb, submitted_at: 0s, stop_at: 20m}\n")
+    rows = plan_json("11m", wl)
+    assert rows["llm"]["placed_class"] == "l40s-48gb" and "moving back" in rows["llm"]["reason"]
+    later = plan_json("21m", wl)
+    assert later["nb"]["placed_class"].startswith("cpu-") and later["nb"]["restart_available"] is True
+
+
+def test_plan_table_output() -> None:
+    r = tensora("plan", "--nodes", str(EX / "nodes.yaml"), "--workloads", str(EX / "workloads.yaml"), "--at", "6m")
+    assert r.returncode == 0 and "bob-llm" in r.stdout and "fallback" in r.stdout
+
+
+def test_bad_files_name_file_line_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "w.yaml"
+    bad.write_text("workloads:\n  - {kind: notebook, name: a, gpu_class: l40s-48gb}\n"
+                   "  - {kind: notebook, name: b, gpu_class: l40s-48gb, fallback: [tpu-v5]}\n")
+    r = tensora("plan", "--nodes", str(EX / "nodes.yaml"), "--workloads", str(bad))
+    assert r.returncode == 2 and f"{bad}:3: workloads[1].fallback[0]" in r.stderr and "tpu-v5" in r.stderr
+    nodes = tmp_path / "n.yaml"
+    nodes.write_text("nodes:\n  - name: x\n    allocatable: {cpu: 4, memory: 8Gi, gpu: {L40S: 1}}\n")
+    r = tensora("plan", "--nodes", str(nodes), "--workloads", str(EX / "workloads.yaml"))
+    assert r.returncode == 2 and f"{nodes}:3: nodes[0].allocatable.gpu: unknown field" in r.stderr
+    r = tensora("plan", "--nodes", str(tmp_path / "missing.yaml"), "--workloads", str(bad))
+    assert r.returncode == 2 and "missing.yaml" in r.stderr
+
+
+def test_model_size_command(tmp_path: Path) -> None:
+    save_file({"w": np.zeros((10, 10), np.float32)}, str(tmp_path / "m.safetensors"))
+    r = tensora("model-size", str(tmp_path / "m.safetensors"), "-o", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)["params"] == 100 and json.loads(r.stdout)["cpu_allowed"]

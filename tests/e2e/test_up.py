@@ -1,0 +1,293 @@
+"""``tensora up`` as a newcomer meets it, real processes on free ports with a temp data dir: the banner
+(the node it offers on a 2-core, 24 GiB machine, the dashboard, the gateway), a clean start without
+warnings, one ``up`` per data dir and port, a port held by another program, a crashed ``up`` that
+blocks nothing, Ctrl-C saying what keeps running, and the gateway's warning about its control API."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tensora.config.settings import ServeSettings
+from tensora.serve import build, ensure_admin_key
+from tests.support.services import free_port, sweep
+
+pytestmark = pytest.mark.slow
+START_DEADLINE_S = 60.0
+SMALL_MACHINE = "node: {name: box, cpu: 2, memory: 24Gi, gpus: {}}\ntick_s: 1\n"  # this machine's size, declared
+NODE_LINE = ("this machine as node box: 2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; "
+             "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs")
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORA_")}
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Up:
+    """One ``tensora up`` child in a session of its own (as a terminal's foreground job), output in files."""
+
+    popen: subprocess.Popen[bytes]
+    data: Path
+    port: int
+    gateway_port: int
+    out: Path
+    err: Path
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stdout(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def output(self) -> str:
+        return self.stdout() + self.err.read_text(errors="replace")
+
+    def key(self) -> str:
+        return (self.data / "admin-key").read_text().strip()
+
+    def wait_ready(self, leader: bool = True) -> None:
+        """Until the API answers, its controller leads (unless not ``leader``) and the gateway has its
+        first routes from the API."""
+        deadline = time.monotonic() + START_DEADLINE_S
+        while True:
+            assert self.popen.poll() is None, f"tensora up exited with {self.popen.returncode}:\n{self.output()}"
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                ready = httpx.get(f"{self.api}/readyz", timeout=2).json()
+                gateway = httpx.get(f"http://127.0.0.1:{self.gateway_port}/readyz", timeout=2).json()
+                if ready.get("status") == "ready" and (ready.get("controller") == "leader" or not leader) \
+                        and gateway.get("routes"):
+                    return
+            assert time.monotonic() < deadline, f"tensora up not ready in {START_DEADLINE_S}s:\n{self.output()}"
+            time.sleep(0.2)
+
+    def interrupt(self) -> int:
+        """Ctrl-C: SIGINT to its whole process group, as a terminal sends it; the exit code."""
+        os.killpg(self.popen.pid, signal.SIGINT)
+        return self.popen.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=10)
+
+
+def _launch(tmp_path: Path, data: Path, port: int, gateway_port: int, config: str = SMALL_MACHINE) -> Up:
+    n = len(list(tmp_path.glob("up-*.out")))
+    (tmp_path / "up.yaml").write_text(config)
+    out, err = tmp_path / f"up-{n}.out", tmp_path / f"up-{n}.err"
+    with out.open("wb") as o, err.open("wb") as e:
+        popen = subprocess.Popen([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(data),
+                                  "--port", str(port), "--gateway-port", str(gateway_port),
+                                  "--config", str(tmp_path / "up.yaml")],
+                                 stdout=o, stderr=e, stdin=subprocess.DEVNULL, env=_env(), cwd=tmp_path,
+                                 start_new_session=True)
+    return Up(popen, data, port, gateway_port, out, err)
+
+
+@contextlib.contextmanager
+def running_up(tmp_path: Path, data: Path | None = None, port: int | None = None,
+               gateway_port: int | None = None, leader: bool = True) -> Iterator[Up]:
+    up = _launch(tmp_path, data or tmp_path / "data", port or free_port(), gateway_port or free_port())
+    try:
+        up.wait_ready(leader)
+        yield up
+    finally:
+        up.kill()
+
+
+def _second(tmp_path: Path, data: Path, port: int, gateway_port: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(data), "--port", str(port),
+                           "--gateway-port", str(gateway_port), "--config", str(tmp_path / "up.yaml")],
+                          capture_output=True, text=True, timeout=60, env=_env(), stdin=subprocess.DEVNULL)
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.suffix not in (".db-wal", ".db-shm")}
+
+
+# -- the banner, a clean start, one tensora up at a time -----------------------------------------------
+
+def test_the_banner_names_node_dashboard_and_gateway_and_a_clean_start_warns_of_nothing(tmp_path: Path) -> None:
+    with running_up(tmp_path) as up:
+        lines = up.stdout().splitlines()
+        assert f"tensora control API on http://127.0.0.1:{up.port}  (docs: /docs)" in lines
+        assert f"dashboard on http://127.0.0.1:{up.port}/  (sign in with an API key)" in lines
+        assert NODE_LINE in lines
+        assert f"OpenAI-compatible gateway on http://127.0.0.1:{up.gateway_port}/v1  (the same keys)" in lines
+        page = httpx.get(f"http://127.0.0.1:{up.port}/", follow_redirects=True, timeout=10)
+        assert page.status_code == 200 and "key" in page.text.lower()  # the dashboard, asking to sign in
+        # the gateway polled its routes while the API beside it was still starting: no warning for that
+        assert "unreachable" not in up.output() and "WARNING" not in up.output(), up.output()
+        # the API's catalog agrees with the controller: CPU classes above the 2 shared cores never fit
+        catalog = httpx.get(f"{up.api}/v1/catalog", headers={"Authorization": f"Bearer {up.key()}"},
+                            timeout=10).json()
+        total = {c["name"]: c["capacity"]["local"]["total"] for c in catalog["data"] if c["kind"] == "cpu"}
+        assert total == {"cpu-1c-4g": 5, "cpu-2c-8g": 2, "cpu-4c-16g": 0, "cpu-8c-32g": 0, "cpu-16c-64g": 0,
+                         "cpu-32c-128g": 0}
+        assert up.interrupt() == 0, up.output()
+    assert up.stdout().splitlines()[-1] == "stopped the API and gateway; no workloads are running"
+    assert "Traceback" not in up.output()
+
+
+def test_a_second_up_says_where_the_first_runs_and_exits_1_before_writing_anything(tmp_path: Path) -> None:
+    with running_up(tmp_path) as first:
+        before = _tree(first.data)
+        # the same data dir, other ports: the data dir's lock says who holds it
+        same_dir = _second(tmp_path, first.data, free_port(), free_port())
+        # another data dir, the same API port: whoever listens there is a Tensora
+        other = tmp_path / "other"
+        same_port = _second(tmp_path, other, first.port, free_port())
+        for second in (same_dir, same_port):
+            assert second.returncode == 1, second
+            assert second.stdout == ""  # no banner
+            assert second.stderr == (f"error: Tensora is already running on 127.0.0.1:{first.port} "
+                                     f"(pid {first.popen.pid})\n")
+        assert not other.exists()
+        assert _tree(first.data) == before
+        assert json.loads((first.data / "up.pid").read_text()) == {
+            "pid": first.popen.pid, "api": f"127.0.0.1:{first.port}", "gateway": f"127.0.0.1:{first.gateway_port}"}
+        assert first.popen.poll() is None  # and the first runs on
+
+
+@pytest.mark.parametrize("held", ["--port", "--gateway-port"])
+def test_a_port_held_by_another_program_is_named_with_the_flag_that_moves_it(held: str, tmp_path: Path) -> None:
+    (tmp_path / "up.yaml").write_text(SMALL_MACHINE)
+    with socket.socket() as other:  # listens, never answers: not Tensora
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        ports = (taken, free_port()) if held == "--port" else (free_port(), taken)
+        result = _second(tmp_path, tmp_path / "data", *ports)
+    assert result.returncode == 1, result
+    assert result.stdout == ""
+    assert result.stderr == (f"error: port {taken} is in use by another program (not Tensora): "
+                             f"choose another with {held}\n")
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_crashed_up_leaves_no_server_on_its_ports_and_blocks_nothing(tmp_path: Path) -> None:
+    data, port, gateway_port = tmp_path / "data", free_port(), free_port()
+    with running_up(tmp_path, data, port, gateway_port) as first:
+        first.popen.send_signal(signal.SIGKILL)  # the main process only: its API worker and gateway are children
+        first.popen.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not (_refused(port) and _refused(gateway_port)):
+            assert time.monotonic() < deadline, "a server of the crashed tensora up still holds its port"
+            time.sleep(0.1)
+    assert (data / "up.pid").exists()  # left behind, but nobody holds its lock
+    # serving at once (its controller leads once the crashed one's lease expires, lease_ttl_s)
+    with running_up(tmp_path, data, port, gateway_port, leader=False) as second:
+        assert NODE_LINE in second.stdout().splitlines()
+        assert second.interrupt() == 0, second.output()
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------------------------
+
+def _placed(c: httpx.Client, workload_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while True:
+        w: dict[str, Any] = c.get(f"/v1/workloads/{workload_id}").json()
+        if w["state"] in ("running", "failed"):
+            return w
+        assert time.monotonic() < deadline, w
+        time.sleep(0.2)
+
+
+def test_ctrl_c_says_which_workloads_keep_running_and_they_do(tmp_path: Path) -> None:
+    """A notebook and a VM as the quick start makes them (an L40S asked for, CPU at once) share the 2 cores,
+    with room left for the quick start's endpoint; Ctrl-C stops the servers and says the two keep running."""
+    pids: list[int] = []
+    try:
+        with running_up(tmp_path) as up:
+            with httpx.Client(base_url=up.api, headers={"Authorization": f"Bearer {up.key()}"}, timeout=10) as c:
+                made = [c.post("/v1/workloads", json={"kind": kind, "name": kind, "gpu_class": "l40s-48gb",
+                                                      "fallback": ["cpu"], "fallback_after": 0}).json()
+                        for kind in ("notebook", "vm")]
+                placed = [_placed(c, w["id"]) for w in made]
+                assert [(w["state"], w["placed_class"]) for w in placed] == [("running", "cpu-2c-8g")] * 2, placed
+                free = {x["name"]: x["capacity"]["local"]["free"] for x in c.get("/v1/catalog").json()["data"]}
+                assert free["cpu-1c-4g"] == 1  # the quick start's endpoint (a tiny model) still fits
+            pids = [int(json.loads(p.read_text())["pid"]) for p in (up.data / "replicas").glob("*/replica.json")]
+            assert len(pids) == 2
+            assert up.interrupt() == 0, up.output()
+            assert up.stdout().splitlines()[-1] == (
+                "stopped the API and gateway; 2 workloads keep running (2 replicas): the next `tensora up` adopts "
+                "them; to stop them, start it and run `tensora workloads stop NAME`")
+            assert _refused(up.port) and _refused(up.gateway_port)
+            for pid in pids:
+                os.kill(pid, 0)  # still there (ProcessLookupError otherwise)
+    finally:
+        sweep(tmp_path / "data")  # the replicas outlive tensora up by design: delete their sandboxes
+
+
+# -- the gateway and its control API ---------------------------------------------------------------------
+
+def test_the_gateway_is_quiet_while_its_api_starts_and_warns_once_when_it_goes(tmp_path: Path) -> None:
+    data, port, gateway_port = tmp_path / "data", free_port(), free_port()
+    services = build(ServeSettings(data_dir=data, controller=False))  # the store and admin key, as a first start
+    ensure_admin_key(services.db, data, time.time())
+    services.db.dispose()
+    env = _env({"TENSORA_GATEWAY_POLL_S": "0.2", "TENSORA_GATEWAY_STARTUP_GRACE_S": "30"})
+    log = tmp_path / "gateway.log"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with log.open("wb") as f:
+            procs.append(subprocess.Popen([sys.executable, "-m", "tensora.cli", "gateway", "--data-dir", str(data),
+                                           "--port", str(gateway_port), "--control-url", f"http://127.0.0.1:{port}"],
+                                          stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env))
+        time.sleep(1.5)  # polls fail: nothing listens on the API's port yet
+        with (tmp_path / "serve.log").open("wb") as f:
+            api = subprocess.Popen([sys.executable, "-m", "tensora.cli", "serve", "--data-dir", str(data),
+                                    "--port", str(port), "--no-controller"],
+                                   stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
+        procs.append(api)
+        deadline = time.monotonic() + START_DEADLINE_S
+        while True:  # the gateway has routes once the API answered it
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if httpx.get(f"http://127.0.0.1:{gateway_port}/readyz", timeout=2).json().get("routes"):
+                    break
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert "unreachable" not in log.read_text()
+        api.terminate()  # a real outage, well within the startup grace: warned at once, and once
+        api.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while "control API unreachable" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        time.sleep(1.0)  # five more failed polls
+        assert log.read_text().count("control API unreachable") == 1, log.read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()

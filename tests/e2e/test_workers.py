@@ -1,0 +1,102 @@
+"""``tensora serve --workers N``: several HTTP worker processes, the controller in the
+supervising one, woken over a unix socket. And the wake socket on its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tensora.control.wake import WakeListener, WakeSender, socket_path
+from tests.support.services import free_port
+
+
+def test_a_datagram_wakes_the_listener(tmp_path: Path) -> None:
+    woken = threading.Event()
+    path = socket_path(tmp_path, "local")
+    listener = WakeListener(path, woken.set).start()
+    try:
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        send = WakeSender(path)
+        send()
+        send.close()
+        assert woken.wait(5)
+    finally:
+        listener.close()
+    assert not path.exists()
+
+
+def test_a_sender_without_a_listener_neither_blocks_nor_raises(tmp_path: Path) -> None:
+    send = WakeSender(socket_path(tmp_path, "nowhere"))
+    started = time.monotonic()
+    for _ in range(3):
+        send()  # nothing listens: the datagram is dropped, the request goes on
+    send.close()
+    assert time.monotonic() - started < 1
+
+
+def test_socket_paths_are_short_and_differ_by_data_dir_and_region(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 90) / ("e" * 90)
+    paths = {socket_path(deep, "local"), socket_path(tmp_path, "local"), socket_path(tmp_path, "eu-west")}
+    assert len(paths) == 3
+    assert all(len(str(p)) < 100 for p in paths)
+
+
+@pytest.mark.slow
+def test_workers_share_the_store_and_wake_the_controller_at_once(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "TENSORA_TICK_S": "60", "TENSORA_START_DELAY_S": "0"}
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "tensora.cli", "serve", "--data-dir", str(tmp_path / "data"),
+                             "--port", str(port), "--workers", "2"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve --workers 2 did not become ready"
+            time.sleep(0.2)
+        key = (tmp_path / "data" / "admin-key").read_text().strip()
+        h = {"Authorization": f"Bearer {key}"}
+        # the controller's first cycle ran at start; the next tick is a minute away, so a
+        # workload placed within seconds was placed because a worker woke the controller
+        time.sleep(1)
+        ids = []
+        with httpx.Client(base_url=url, headers=h, timeout=10) as client:
+            for i in range(6):  # new connections: the kernel spreads them over both workers
+                r = httpx.post(url + "/v1/workloads", headers=h, timeout=10,
+                               json={"kind": "notebook", "name": f"nb-{i}", "gpu_class": "cpu-2c-8g"})
+                assert r.status_code == 201, r.text
+                ids.append(r.json()["id"])
+            deadline = time.monotonic() + 15
+            states: dict[str, str] = {}
+            while time.monotonic() < deadline:
+                states = {w: client.get(f"/v1/workloads/{w}").json()["state"] for w in ids}
+                if all(s == "running" for s in states.values()):
+                    break
+                time.sleep(0.2)
+            assert all(s == "running" for s in states.values()), states
+            listed = client.get("/v1/workloads", params={"limit": 50}).json()["data"]
+            assert {w["id"] for w in listed} == set(ids)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        log.close()
+    assert rc == 0, (tmp_path / "serve.log").read_text()

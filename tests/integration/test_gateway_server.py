@@ -1,0 +1,118 @@
+"""The gateway's own HTTP server (gateway/server.py) over real sockets: keep-alive and pipelined
+requests answered in order, whole bodies with content-length, chunked streams, bad requests,
+the lifespan, and a graceful stop that lets a request in flight finish."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tensora.gateway.server import Server
+from tests.support.services import free_port
+
+EVENTS: list[str] = []
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            EVENTS.append(msg["type"])
+            await send({"type": msg["type"] + ".complete"})
+            if msg["type"] == "lifespan.shutdown":
+                return
+    body = (await receive())["body"]
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for i in range(3):
+            await send({"type": "http.response.body", "body": b"part%d;" % i, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(0.5)
+    if scope["path"] == "/boom":
+        raise RuntimeError("a bug")
+    await send({"type": "http.response.start", "status": 201, "headers": [(b"x-echo", scope["path"].encode())]})
+    await send({"type": "http.response.body", "body": b"got " + body + b" " + scope["query_string"]})
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, asyncio.Event, asyncio.AbstractEventLoop, threading.Thread]]:
+    EVENTS.clear()
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(Server(app, "127.0.0.1", port, grace_s=5).serve(stop))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", stop, loop, t
+    loop.call_soon_threadsafe(stop.set)
+    t.join(10)
+    loop.close()
+
+
+def test_whole_bodies_streams_and_keep_alive(server: Any) -> None:
+    url, *_ = server
+    with httpx.Client(base_url=url) as c:
+        r = c.post("/echo?x=1", content=b"hello")
+        s = c.get("/stream")
+        again = c.post("/echo", content=b"more")
+    assert (r.status_code, r.text, r.headers["content-length"], r.headers["x-echo"]) == (201, "got hello x=1",
+                                                                                          "13", "/echo")
+    assert s.text == "part0;part1;part2;" and s.headers["transfer-encoding"] == "chunked"
+    assert again.text == "got more "
+
+
+def test_pipelined_requests_are_answered_in_order_and_bad_ones_get_400(server: Any) -> None:
+    url, *_ = server
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\n\r\naPOST /fast HTTP/1.1\r\nhost: x\r\n"
+                  b"content-length: 1\r\n\r\nb")
+        data = b""
+        while data.count(b"HTTP/1.1 201") < 2:
+            data += s.recv(65536)
+    assert data.index(b"/slow") < data.index(b"/fast")
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"NONSENSE\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 400")
+
+
+def test_a_failing_app_is_a_500_and_the_lifespan_runs(server: Any) -> None:
+    url, *_ = server
+    with httpx.Client(base_url=url) as c:
+        r = c.get("/boom")
+    assert r.status_code == 500 and "error" in r.json()
+    assert EVENTS == ["lifespan.startup"]
+
+
+def test_a_stop_lets_the_request_in_flight_finish_then_runs_shutdown(server: Any) -> None:
+    url, stop, loop, thread = server
+    out: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(httpx.post(f"{url}/slow", content=b"x", timeout=10)))
+    t.start()
+    time.sleep(0.2)
+    loop.call_soon_threadsafe(stop.set)
+    t.join(10)
+    thread.join(10)
+    assert out and out[0].status_code == 201
+    assert EVENTS == ["lifespan.startup", "lifespan.shutdown"]

@@ -1,0 +1,257 @@
+"""The gateway's usage spool: records on disk at once, batches sent oldest first, kept while the
+control plane is down (here a ``send`` that fails: the outage is the point), bounded, never lost
+by a crash of the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tensora.gateway import metering
+from tensora.gateway.app import GatewaySettings, build
+from tensora.gateway.metering import BATCH, Meter
+from tests.support.gateway_harness import serving
+
+
+class ControlPlane:
+    def __init__(self) -> None:
+        self.up = True
+        self.seen: dict[str, dict[str, Any]] = {}
+        self.calls = 0
+
+    async def send(self, records: list[dict[str, Any]]) -> bool:
+        self.calls += 1
+        if not self.up:
+            raise ConnectionRefusedError("control API down")
+        for r in records:
+            self.seen.setdefault(r["id"], r)  # as the API does: an id seen before is not counted again
+        return True
+
+
+def rec(i: int) -> dict[str, Any]:
+    return {"id": f"req_{i}", "completion_tokens": i}
+
+
+def test_records_wait_on_disk_while_the_control_plane_is_down_then_arrive_once(tmp_path: Path) -> None:
+    cp = ControlPlane()
+    m = Meter(tmp_path, cp.send)
+    for i in range(3):
+        m.record(rec(i))
+    asyncio.run(m.flush())
+    assert set(cp.seen) == {"req_0", "req_1", "req_2"} and m.batches() == []
+    cp.up = False
+    for i in range(3, 6):
+        m.record(rec(i))
+    asyncio.run(m.flush())
+    m.record(rec(6))
+    asyncio.run(m.flush())
+    assert len(m.batches()) == 2 and len(cp.seen) == 3  # kept, in two batches
+    cp.up = True
+    asyncio.run(m.flush())
+    assert sorted(cp.seen) == [f"req_{i}" for i in range(7)] and m.batches() == [] and m.sent == 7
+    m.close()
+
+
+def test_a_crashed_gateway_loses_nothing_it_recorded(tmp_path: Path) -> None:
+    cp = ControlPlane()
+    m = Meter(tmp_path, cp.send)
+    for i in range(5):
+        m.record(rec(i))
+    # the process dies here: no flush, no close; a new gateway starts on the same spool
+    again = Meter(tmp_path, cp.send)
+    asyncio.run(again.flush())
+    assert sorted(cp.seen) == [f"req_{i}" for i in range(5)]
+    m.close()
+    again.close()
+
+
+def test_big_batches_go_in_parts_and_a_part_resent_is_not_counted_twice(tmp_path: Path) -> None:
+    cp = ControlPlane()
+    sent: list[int] = []
+
+    async def flaky(records: list[dict[str, Any]]) -> bool:
+        sent.append(len(records))
+        if len(sent) == 2:
+            return False  # the second part is refused: the whole file stays
+        return await cp.send(records)
+
+    m = Meter(tmp_path, flaky)
+    for i in range(BATCH + 10):
+        m.record(rec(i))
+    asyncio.run(m.flush())
+    assert sent == [BATCH, 10] and len(m.batches()) == 1
+    asyncio.run(m.flush())
+    assert sent == [BATCH, 10, BATCH, 10] and len(cp.seen) == BATCH + 10 and m.batches() == []
+    m.close()
+
+
+def test_the_spool_is_bounded_and_says_what_it_dropped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cp = ControlPlane()
+    cp.up = False
+    m = Meter(tmp_path, cp.send, max_bytes=1 << 16)
+    for round_ in range(4):
+        for i in range(600):
+            m.record({"id": f"req_{round_}_{i}", "pad": "x" * 20})
+        asyncio.run(m.flush())
+    assert m.dropped > 0 and m.dropped % 600 == 0
+    assert sum(f.stat().st_size for f in m.batches()) <= 1 << 16
+    assert "dropped" in caplog.text
+    m.close()
+
+
+# -- a spool that survives garbage, a sender that survives errors ------------------------------------------
+
+
+def test_a_line_torn_by_a_crash_is_moved_aside_and_the_records_around_it_are_sent(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cp = ControlPlane()
+    m = Meter(tmp_path, cp.send)
+    for i in range(3):
+        m.record(rec(i))
+    with m.current.open("ab") as f:  # the machine died in the middle of a write
+        f.write(b'{"id": "req_torn", "comp')
+    again = Meter(tmp_path, cp.send)  # the gateway starts again on the same spool and meters on
+    again.record(rec(3))
+    asyncio.run(again.flush())
+    assert sorted(cp.seen) == ["req_0", "req_1", "req_2", "req_3"] and again.batches() == []
+    (bad,) = (tmp_path / "bad").iterdir()
+    assert bad.read_bytes() == b'{"id": "req_torn", "comp\n' and again.bad == 1 and again.sent == 4
+    assert caplog.text.count("unreadable") == 1
+    m.close()
+    again.close()
+
+
+GARBAGE = [b"\x00\xff\xfe not json", b"[1, 2]", b'{"no_id": 1}', b'{"id": 7}', b'"req_9"']
+
+
+def test_garbage_lines_are_counted_and_logged_once_however_often_the_batch_is_sent(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cp = ControlPlane()
+    cp.up = False
+    m = Meter(tmp_path, cp.send)
+    lines = [orjson.dumps(rec(0)), *GARBAGE, orjson.dumps(rec(1))]
+    (tmp_path / "batch-0000000000000001.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    asyncio.run(m.flush())  # down: kept, and the garbage already set aside
+    asyncio.run(m.flush())
+    assert m.bad == len(GARBAGE) and caplog.text.count("unreadable") == 1 and cp.seen == {}
+    cp.up = True
+    asyncio.run(m.flush())
+    assert sorted(cp.seen) == ["req_0", "req_1"] and m.batches() == [] and m.sent == 2
+    assert (tmp_path / "bad" / "batch-0000000000000001.jsonl").read_bytes().splitlines() == GARBAGE
+    assert m.bad == len(GARBAGE) and caplog.text.count("unreadable") == 1
+    m.close()
+
+
+def test_a_batch_is_on_disk_file_and_directory_before_it_is_sent(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: set[tuple[int, int]] = set()  # (device, inode) of what was fsynced
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        real(fd)
+        st = os.fstat(fd)
+        synced.add((st.st_dev, st.st_ino))
+
+    monkeypatch.setattr(metering.os, "fsync", fsync)
+    checked: list[str] = []
+
+    async def send(records: list[dict[str, Any]]) -> bool:
+        (batch,) = m.batches()
+        for p in (batch, tmp_path):
+            assert (p.stat().st_dev, p.stat().st_ino) in synced, p
+        checked.append(batch.name)
+        return True
+
+    m = Meter(tmp_path, send)
+    for i in range(3):
+        m.record(rec(i))
+    asyncio.run(m.flush())
+    assert len(checked) == 1
+    m.close()
+
+
+async def _run_until(m: Meter, done: Any, timeout: float = 10.0) -> asyncio.Task[None]:
+    task = asyncio.create_task(m.run())
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not done():
+        assert not task.done() and asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    return task
+
+
+def test_the_sender_logs_an_unexpected_error_and_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    cp = ControlPlane()
+    m = Meter(tmp_path, cp.send, flush_s=0.01)
+    real_read = m._read
+    calls: list[Path] = []
+
+    def read(f: Path) -> list[dict[str, Any]]:
+        calls.append(f)
+        if len(calls) == 1:
+            raise PermissionError(13, "Permission denied", str(f))  # an operator's chmod, a full disk...
+        return real_read(f)
+
+    monkeypatch.setattr(m, "_read", read)
+
+    async def go() -> None:
+        m.record(rec(0))
+        task = await _run_until(m, lambda: "req_0" in cp.seen)
+        m.record(rec(1))  # and it goes on metering
+        await _run_until(m, lambda: "req_1" in cp.seen)
+        assert not task.done()
+        task.cancel()
+
+    asyncio.run(go())
+    assert m.errors == 1 and "usage sender: unexpected error" in caplog.text and "PermissionError" in caplog.text
+
+
+def test_a_send_that_raises_keeps_the_batch_and_the_sender_alive(tmp_path: Path) -> None:
+    cp = ControlPlane()
+    failures = [RuntimeError("a bug in the client"), TimeoutError(), ConnectionResetError()]
+
+    async def send(records: list[dict[str, Any]]) -> bool:
+        if failures:
+            raise failures.pop(0)
+        return await cp.send(records)
+
+    m = Meter(tmp_path, send, flush_s=0.01)
+
+    async def go() -> None:
+        for i in range(3):
+            m.record(rec(i))
+        task = await _run_until(m, lambda: len(cp.seen) == 3)
+        assert not task.done()
+        task.cancel()
+
+    asyncio.run(go())
+    assert m.sent == 3 and m.batches() == [] and failures == []
+
+
+def test_the_gateway_starts_its_usage_sender_again_should_it_end(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENSORA_GATEWAY_KEY", "k")
+    gw = build(GatewaySettings(data_dir=tmp_path, control_url="http://127.0.0.1:9", usage_flush_s=0.01,
+                               startup_grace_s=60))
+    runs: list[int] = []
+
+    async def run() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise SystemError("what the sender does not catch")
+        await asyncio.sleep(3600)
+
+    assert gw.meter is not None
+    monkeypatch.setattr(gw.meter, "run", run)
+    with serving(gw):
+        deadline = time.monotonic() + 10
+        while len(runs) < 2:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.02)
+    assert len(runs) == 2 and "the usage sender stopped" in caplog.text and "SystemError" in caplog.text

@@ -1,0 +1,116 @@
+"""Invariants of decide, over random fleets and queues (hypothesis)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensora.placement.admission import Place, Promote, Queued, Wait, WorkloadKind, decide
+from tensora.placement.capacity import Capacity, Node
+from tensora.units import parse_duration
+from tests.support.builders import CATALOG, GI
+
+CLASSES = ["l40s-48gb", "a100-80gb", "cpu-4c-16g", "cpu-16c-64g", "cpu-32c-128g"]
+ENTRIES = ["a100-80gb", "l40s-48gb", "cpu", "cpu-4c-16g"]
+
+nodes_st = st.lists(
+    st.builds(
+        lambda i, cpu, mem, l40s, a100: Node(f"n{i}", "local", cpu, mem * GI,
+                                             {k: v for k, v in (("L40S", l40s), ("A100-80GB", a100)) if v}),
+        st.integers(0, 10_000), st.sampled_from([4, 16, 32, 64]), st.sampled_from([16, 64, 128, 256]),
+        st.integers(0, 2), st.integers(0, 1),
+    ),
+    max_size=6, unique_by=lambda n: n.name,
+)
+
+
+@st.composite
+def queue_st(draw: st.DrawFn) -> list[Queued]:
+    n = draw(st.integers(0, 25))
+    out = []
+    for i in range(n):
+        cls = draw(st.sampled_from(CLASSES))
+        fallback = tuple(e for e in draw(st.lists(st.sampled_from(ENTRIES), max_size=3, unique=True)) if e != cls)
+        kind = draw(st.sampled_from(list(WorkloadKind)))
+        params = draw(st.sampled_from([None, 1e9, 8e9, 70e9])) if kind == WorkloadKind.ENDPOINT else None
+        out.append(Queued(f"w{i}", kind, cls, draw(st.sampled_from("abc")), "local", fallback,
+                          draw(st.sampled_from([0, 60, 600])), draw(st.integers(0, 1000)),
+                          int(params) if params else None, int(params) * 2 if params else None))
+    return out
+
+
+def _check_no_overcommit(nodes: list[Node], decisions: list) -> None:
+    used: dict[str, list[float]] = {n.name: [0, 0] for n in nodes}
+    gpus: dict[tuple[str, str], int] = {}
+    for d in decisions:
+        if isinstance(d, Place | Promote):
+            cls = CATALOG[d.cls if isinstance(d, Place) else d.to_class]
+            used[d.node][0] += cls.cpu
+            used[d.node][1] += cls.memory
+            if cls.gpu_model:
+                gpus[(d.node, cls.gpu_model)] = gpus.get((d.node, cls.gpu_model), 0) + cls.gpu_count
+    for n in nodes:
+        assert used[n.name][0] <= n.cpu and used[n.name][1] <= n.memory
+    for (node, model), count in gpus.items():
+        assert count <= next(n for n in nodes if n.name == node).gpus.get(model, 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(nodes=nodes_st, queue=queue_st(), now=st.integers(0, 2000))
+def test_invariants(nodes: list[Node], queue: list[Queued], now: int) -> None:
+    decisions = decide(queue, Capacity(nodes, [], CATALOG), [], now)
+    assert len([d for d in decisions if isinstance(d, Place | Wait)]) == len(queue)
+    _check_no_overcommit(nodes, decisions)
+    waiting_requested = {d.workload.gpu_class for d in decisions if isinstance(d, Wait)}
+    for d in decisions:
+        if not isinstance(d, Place):
+            continue
+        wl = d.workload
+        assert d.cls in CATALOG  # always a concrete class, never the word "cpu"
+        if d.fallback:
+            # never before the timer
+            assert now >= wl.queued_since + wl.fallback_after_s
+            # primary requesters first: no fallback onto a class its requesters still wait for
+            assert d.cls not in waiting_requested
+            # fallback order kept: every entry before the chosen one was tried and did not fit
+            chosen = d.attempts[-1]
+            assert chosen.cls == d.cls
+            index = wl.fallback.index(chosen.entry)
+            tried_entries = {a.entry for a in d.attempts[1:-1]}
+            assert set(wl.fallback[:index]) <= tried_entries
+            # over-limit endpoints never on CPU
+            if wl.kind == WorkloadKind.ENDPOINT and wl.model_params and wl.model_params > 8.5e9:
+                assert not CATALOG[d.cls].is_cpu
+
+
+@settings(max_examples=60, deadline=None)
+@given(nodes=nodes_st, queue=queue_st(), now=st.integers(0, 2000), seed=st.integers(0, 2**32))
+def test_deterministic_whatever_the_input_order(nodes: list[Node], queue: list[Queued], now: int, seed: int) -> None:
+    first = decide(queue, Capacity(nodes, [], CATALOG), [], now)
+    shuffled_q, shuffled_n = list(queue), list(nodes)
+    random.Random(seed).shuffle(shuffled_q)
+    random.Random(seed).shuffle(shuffled_n)
+    second = decide(shuffled_q, Capacity(shuffled_n, [], CATALOG), [], now)
+    assert first == second
+
+
+ROOM = re.compile(r"([\w.-]+) \((?:no single node has room; )?[\d.]+ (?:GPU|vCPU) free, [\d.]+ needed\)")
+UNAVAILABLE = re.compile(r"unavailable (?:for ([0-9dhms]+)|\(fallback after 0s\))")
+
+
+@settings(max_examples=150, deadline=None)
+@given(nodes=nodes_st, queue=queue_st(), now=st.integers(0, 2000))
+def test_reasons_read_right(nodes: list[Node], queue: list[Queued], now: int) -> None:
+    """Every "N free, M needed" names a concrete class (never the word cpu), and a fallback
+    placement states a wait no shorter than its policy and no longer than what passed."""
+    for d in decide(queue, Capacity(nodes, [], CATALOG), [], now):
+        for cls in ROOM.findall(d.reason):
+            assert cls in CATALOG, d.reason
+        if isinstance(d, Place) and d.fallback:
+            match = UNAVAILABLE.search(d.reason)
+            assert match, d.reason
+            stated = parse_duration(match.group(1)) if match.group(1) else 0.0
+            assert d.workload.fallback_after_s <= stated <= now - d.workload.queued_since, d.reason

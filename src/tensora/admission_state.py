@@ -176,7 +176,9 @@ class AdmissionState:
     # -- records --------------------------------------------------------------------------
 
     def _regions_of(self, owner: str, region: str, n: int) -> None:
-        regions = self.owner_regions.setdefault(owner, Counter())
+        regions = self.owner_regions.get(owner)
+        if regions is None:
+            regions = self.owner_regions[owner] = Counter()
         regions[region] += n
         if regions[region] <= 0:
             del regions[region]
@@ -232,22 +234,27 @@ class AdmissionState:
             self.touched.add(owner)
 
     def _replica(self, p: Placed, sign: int) -> None:
-        if sign > 0:
-            self.replicas.setdefault(p.workload, []).append(p)
-            self.on_node.setdefault(p.node, []).append(p)
-        elif p not in self.replicas.get(p.workload, ()):
+        if not self._book(p, sign):
             return  # not held: nothing to free
-        else:
-            for book, key in ((self.replicas, p.workload), (self.on_node, p.node)):
-                held = book.get(key, [])
-                if p in held:
-                    held.remove(p)
-                if not held:
-                    book.pop(key, None)
         at, cls = self.cap.index.get(p.node), self.catalog.get(p.cls)
         if at is not None and cls is not None:
             self.cap.change(at, cls, sign)
             self._mark(self.cap.nodes[at].region)
+
+    def _book(self, p: Placed, sign: int) -> bool:
+        """Count replica ``p`` in (1) or out (-1) of the books; False: it was not there to count out."""
+        if sign > 0:
+            self.replicas.setdefault(p.workload, []).append(p)
+            self.on_node.setdefault(p.node, []).append(p)
+        elif p not in self.replicas.get(p.workload, ()):
+            return False
+        else:
+            for book, key in ((self.replicas, p.workload), (self.on_node, p.node)):
+                held = book[key]
+                held.remove(p)
+                if not held:
+                    del book[key]
+        return True
 
     def _node(self, name: str, node: Node | None) -> None:
         at = self.cap.index.get(name)
@@ -300,20 +307,21 @@ class AdmissionState:
         turn = self.owner_running[w.owner] + bisect.bisect_left(self.owner_keys[w.owner], (w.queued_since, w.id))
         return (turn, w.queued_since, w.id)
 
-    def _cycle(self, regions: set[str], now: float) -> tuple[set[str], list[Decision]]:
+    def _cycle(self, regions: set[str], now: float) -> tuple[set[str], list[Decision], Capacity]:
         """``decide``'s passes over ``regions``, widened until no owner with a quota there takes
         capacity while it has workloads in a region outside (its quota use spans regions)."""
         while True:
             queued = [w for r in regions for w in self.by_region.get(r, {}).values()]
             queued.sort(key=self._order_key)
             movers = [m for r in regions for m in self.movers.get(r, {}).values()]
-            out = run_cycle(queued, self.cap.copy(), movers, now, self.policy, self.quotas())
+            cap = self.cap.copy()
+            out = run_cycle(queued, cap, movers, now, self.policy, self.quotas())
             wider = set(regions)
             for d in out:
                 if isinstance(d, Place | Promote) and self._quota_of(d.workload.owner) is not None:
                     wider |= set(self.owner_regions.get(d.workload.owner, ()))
             if wider == regions:
-                return regions, out
+                return regions, out, cap
             regions = wider
 
     def _quota_of(self, owner: str) -> Quotas | None:
@@ -335,17 +343,20 @@ class AdmissionState:
             return []
         regions, self.dirty = self.dirty, set()
         # 3. decide them, as decide would
-        regions, out = self._cycle(regions, now)
+        regions, out, cap = self._cycle(regions, now)
         for region in regions:
             self.standing[region] = []
-        # 4. assume: what was placed is running next cycle, and its region (and owner) change
+        # 4. assume: what was placed is running next cycle, and its region (and owner) change; the
+        #    capacity is the cycle's own, which took exactly what was placed and promoted
+        cap.release()
+        self.cap = cap
         for d in out:
             if isinstance(d, Place):
                 self._start(running_from(d))
-                self._replica(Placed(d.node, d.cls, d.workload.id), 1)
+                self._book(Placed(d.node, d.cls, d.workload.id), 1)
             elif isinstance(d, Promote):
                 self._start(replace(d.workload, moving=True))
-                self._replica(Placed(d.node, d.to_class, d.workload.id), 1)
+                self._book(Placed(d.node, d.to_class, d.workload.id), 1)
             else:
                 self.standing[d.workload.region].append(d)
         return out

@@ -331,6 +331,11 @@ class Capacity:
         self.reserved_cpu[i], self.reserved_mem[i] = self._reserve_cpu(i), self._reserve_mem(i)
         self._account(i, 1)
 
+    def release(self) -> None:
+        """End a cycle on this copy: its holds and cursors go, what it took stays (a rebuild's figures)."""
+        self.excluded = set()
+        self._cursor = {}
+
     def add_node(self, node: Node, placed: Iterable[ComputeClass] = ()) -> int:
         """Add ``node`` (with what is already placed on it); returns its index. Indices never move:
         a removed node keeps its slot, so the order of a region's nodes comes from their names."""

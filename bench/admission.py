@@ -32,7 +32,7 @@ import random
 import time
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tensora.admission import Place, Queued, Wait, WorkloadKind, decide
@@ -154,11 +154,15 @@ def settle(state: AdmissionState, now: float) -> tuple[float, list[float]]:
             return now, times[:-1]
 
 
-def step_figures(n: int, n_nodes: int, runs: int, catalog: Catalog) -> StepFigures:
-    """First cycle, settling, an idle cycle and a freed GPU, on the fleet and queue ``decide`` is measured on."""
+def step_figures(n: int, n_nodes: int, runs: int, catalog: Catalog, regions: int = 1) -> StepFigures:
+    """First cycle, settling, an idle cycle and a freed GPU, on the fleet and queue ``decide`` is measured on
+    (``regions`` > 1: the same nodes and queue dealt round-robin into that many regions)."""
     rng = random.Random(20240601 + n)
     nodes, placed = fleet_parts(n_nodes, rng)
     queue = build_queue(n, rng)
+    if regions > 1:
+        nodes = [replace(node, region=f"r{i % regions}") for i, node in enumerate(nodes)]
+        queue = [replace(w, region=f"r{i % regions}") for i, w in enumerate(queue)]
     t0 = time.perf_counter()
     state, first = step(AdmissionState(nodes, placed, catalog), [Submitted(w) for w in queue], NOW)
     first_s = time.perf_counter() - t0
@@ -202,20 +206,24 @@ def state_memory_mib(n: int, n_nodes: int, catalog: Catalog) -> float:
 def step_report(quick: bool, runs: int, catalog: Catalog) -> None:
     n_nodes = 1_000 if quick else 10_000
     sizes = [1_000, 10_000] if quick else [1_000, 10_000, 100_000, 100_000]
+    spread = 10  # the last row again, in this many regions: an event re-decides only its own
     print()
     print(f"admission state kept across cycles (tensora.admission_state.step), {n_nodes:,} nodes, "
           f"best of {runs} for the event")
     print(f"{'queued':>8} {'first s':>8} {'settle s':>16} {'idle ms':>8} {'event ms':>9} {'decisions':>9} "
           f"{'next s':>7} {'MiB':>6}")
     rows = []
-    for n in sizes:
-        f = step_figures(n, n_nodes, runs, catalog)
-        if n == sizes[-1]:
+    for k, n in enumerate([*sizes, sizes[-1]]):
+        in_regions = spread if k == len(sizes) else 1
+        f = step_figures(n, n_nodes, runs, catalog, in_regions)
+        if k == len(sizes) - 1:
             f.memory_mib = state_memory_mib(n, n_nodes, catalog)
-        rows.append(f)
+        if in_regions == 1:
+            rows.append(f)
         mem = f"{f.memory_mib:.0f}" if f.memory_mib is not None else "-"
         after = f"{f.event_settle_s:.3f}" if f.event_settle_s < math.inf else "-"
-        print(f"{n:>8} {f.first_s:>8.3f} {' + '.join(f'{x:.2f}' for x in f.settle_s) or '-':>16} "
+        label = f"{n}/{in_regions}r" if in_regions > 1 else f"{n}"
+        print(f"{label:>8} {f.first_s:>8.3f} {' + '.join(f'{x:.2f}' for x in f.settle_s) or '-':>16} "
               f"{f.idle_ms:>8.3f} {f.event_ms:>9.1f} {f.event_decisions:>9} {after:>7} {mem:>6}")
     big = max(sizes)
     scale = big / 100_000

@@ -275,3 +275,74 @@ def test_a_quota_spans_regions_so_a_place_in_one_re_decides_the_other() -> None:
         "old": "placed on l40s-48gb",
         "new": "waiting for l40s-48gb (owner quota: 1 of 1 GPU in use); no fallback accepted",
     }
+
+
+def _figures(c: Capacity) -> dict[str, object]:
+    """Everything a cycle reads from a Capacity, by node name (indices differ after deltas)."""
+    live = sorted(c.index, key=lambda name: name)
+    at = [c.index[name] for name in live]
+    return {
+        "nodes": [c.nodes[i] for i in at],
+        "free": [(c.free_cpu[i], c.free_mem[i], {m: g for m, g in c.free_gpus[i].items() if g}) for i in at],
+        "reserved": [(c.reserved_cpu[i], c.reserved_mem[i]) for i in at],
+        "region": {k: v for k, v in c._region_gpus.items() if v} | {k: v for k, v in c._region_cpu.items() if v},
+        "candidates": {(r, cls.name): [c.nodes[i].name for i in c.candidates(r, cls)]
+                       for r in REGIONS for cls in CATALOG.values()},
+        "unhostable": {(r, cls.name): c.unhostable(r, cls) for r in REGIONS for cls in CATALOG.values()},
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(nodes=st.lists(node_st, max_size=6, unique_by=lambda n: n.name), data=st.data())
+def test_capacity_by_deltas_is_capacity_rebuilt(nodes: list[Node], data: st.DataObject) -> None:
+    """Replicas placed and ended, nodes added, removed and replaced, in any order: the figures are a rebuild's."""
+    now = {n.name: n for n in nodes}
+    placed: list[Placed] = []
+    cap = Capacity(nodes, [], CATALOG)
+    for _ in range(data.draw(st.integers(1, 25))):
+        what = data.draw(st.sampled_from(["place", "place", "end", "node", "unnode"]))
+        if what == "place" and now:
+            p = Placed(data.draw(st.sampled_from(sorted(now))), data.draw(st.sampled_from(CLASSES)))
+            placed.append(p)
+            cap.change(cap.index[p.node], CATALOG[p.cls], 1)
+        elif what == "end" and placed:
+            p = placed.pop(data.draw(st.integers(0, len(placed) - 1)))
+            if p.node in cap.index:
+                cap.change(cap.index[p.node], CATALOG[p.cls], -1)
+        elif what == "node":
+            node = data.draw(node_st)
+            if node.name in now:
+                cap.remove_node(node.name)
+            now[node.name] = node
+            cap.add_node(node, [CATALOG[p.cls] for p in placed if p.node == node.name])
+        elif what == "unnode" and now:
+            name = data.draw(st.sampled_from(sorted(now)))
+            del now[name]
+            cap.remove_node(name)
+        assert _figures(cap) == _figures(Capacity(list(now.values()), placed, CATALOG))
+
+
+def test_a_move_back_is_assumed_then_finished_by_events() -> None:
+    """An endpoint on CPU moves back when its GPU frees; a notebook there is offered a restart, which stands."""
+    world = World(nodes={"g1": gpu_node("g1"), "c1": Node("c1", "local", 64, 256 * GI)},
+                  placed=[Placed("g1", "l40s-48gb", "x")])
+    state = AdmissionState(world.nodes.values(), world.placed, CATALOG, POLICY)
+    ep = Running("ep", WorkloadKind.ENDPOINT, "l40s-48gb", "cpu-4c-16g", "c1", "o", "local", ("cpu",))
+    nb = Running("nb", WorkloadKind.NOTEBOOK, "a100-80gb", "cpu-4c-16g", "c1", "p", "local", ("cpu",))
+    start = [Started(ep), Started(nb), ReplicaPlaced(Placed("c1", "cpu-4c-16g", "ep")),
+             ReplicaPlaced(Placed("c1", "cpu-4c-16g", "nb"))]
+    assert check_cycle(world, state, start, 10) == []  # nothing free to move to, nothing queued
+    got = check_cycle(world, state, [Stopped("x")], 11)
+    assert [(type(d), d.workload.id) for d in got] == [(Promote, "ep")]
+    assert state.running["ep"].moving
+    check_cycle(world, state, [], 12)
+    done = [ReplicaEnded(Placed("c1", "cpu-4c-16g", "ep")),
+            Started(replace(ep, placed_class="l40s-48gb", node="g1"))]
+    check_cycle(world, state, done, 13)
+    assert check_cycle(world, state, [], 14) == []
+    world.nodes["a1"] = Node("a1", "local", 32, 256 * GI, {"A100-80GB": 1})
+    got = check_cycle(world, state, [NodeAdded(world.nodes["a1"])], 15)
+    assert [(type(d), d.workload.id) for d in got] == [(RestartAvailable, "nb")]
+    assert check_cycle(world, state, [], 16) == []  # a restart offer takes nothing: it stands
+    assert [d.reason for d in state.decisions()] == [
+        "a100-80gb has capacity again: restart on it to leave cpu-4c-16g"]

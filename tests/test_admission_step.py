@@ -346,3 +346,46 @@ def test_a_move_back_is_assumed_then_finished_by_events() -> None:
     assert check_cycle(world, state, [], 16) == []  # a restart offer takes nothing: it stands
     assert [d.reason for d in state.decisions()] == [
         "a100-80gb has capacity again: restart on it to leave cpu-4c-16g"]
+
+
+def _east(id: str, cls: str, owner: str, since: float) -> Submitted:
+    return Submitted(w(id, cls, owner=owner, since=since, region="east"))
+
+
+def _running(owner: str, n: int) -> Started:
+    """The ``n``-th workload ``owner`` runs elsewhere (its turns come later)."""
+    return Started(Running(f"{owner}-run{n}", WorkloadKind.VM, "l40s-48gb", "l40s-48gb", "g9", owner))
+
+
+TURNS = {
+    # a's oldest east workload X starves and holds the only east node from Z; a's newer local one is placed:
+    # X's turn falls behind b's Y, which does not starve, so nothing is held and Z fits (a cycle later)
+    "a place elsewhere": ([_east("X", "cpu-32c-128g", "a", 0), Submitted(w("W", owner="a", since=5))],
+                          [Stopped("x")]),
+    # a submits an older workload elsewhere: X's turn falls behind Y's
+    "a submission elsewhere": ([_east("X", "cpu-32c-128g", "a", 0)], [Submitted(w("V", owner="a", since=-10))]),
+    # b's Y was behind b's older local U; U stops: Y's turn comes before d's X, which starves (d runs two,
+    # and so does c, Z's owner)
+    "a stop elsewhere": ([_running("b", 1), _running("d", 1), _running("d", 2), _running("c", 1), _running("c", 2),
+                          _east("X", "cpu-32c-128g", "d", 0), Submitted(w("U", owner="b", since=400))],
+                         [Stopped("U")]),
+    # a starts running a workload elsewhere: X's turn falls behind Y's
+    "a run started elsewhere": ([_east("X", "cpu-32c-128g", "a", 0)], [_running("a", 1)]),
+    # b stops one it ran elsewhere: Y's turn comes before d's X
+    "a run stopped elsewhere": ([_running("b", 1), _running("d", 1), _running("c", 1),
+                                 _east("X", "cpu-32c-128g", "d", 0)], [Stopped("b-run1")]),
+}
+
+
+@pytest.mark.parametrize(("first", "then"), TURNS.values(), ids=TURNS.keys())
+def test_a_turn_changed_in_one_region_re_decides_the_other(first: list[Event], then: list[Event]) -> None:
+    """Owner turns count every region: a change there can move a hold here (a starving queue head's)."""
+    world = World(nodes={"g1": gpu_node("g1"), "c1": Node("c1", "east", 32, 128 * GI)},
+                  placed=[Placed("g1", "l40s-48gb", "x"), Placed("c1", "cpu-16c-64g", "f")])
+    state = AdmissionState(world.nodes.values(), world.placed, CATALOG, POLICY)
+    queue = [*first, _east("Y", "cpu-32c-128g", "b", 500), _east("Z", "cpu-4c-16g", "c", 550)]
+    check_cycle(world, state, queue, 600)
+    assert check_cycle(world, state, [], 601) == []  # Z waits: X holds c1
+    check_cycle(world, state, then, 602)
+    check_cycle(world, state, [], 603)
+    assert "Z" in state.running

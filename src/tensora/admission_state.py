@@ -114,6 +114,10 @@ class QuotaChanged:
     quota: Quotas | None
 
 
+Key = tuple[float, str]  # a queued workload's (queued_since, id): its place among its owner's
+LOW: Key = (-math.inf, "")
+HIGH: Key = (math.inf, "")
+
 Event = Submitted | Started | Stopped | ReplicaPlaced | ReplicaEnded | NodeAdded | NodeRemoved | QuotaChanged
 
 
@@ -160,7 +164,8 @@ class AdmissionState:
         self.timers: list[tuple[float, str]] = []  # (when, workload id): a fallback or starvation due
         self.standing: dict[str, list[Decision]] = {}  # by region: the waits and restarts that stand
         self.dirty: set[str] = set(self.cap._by_region)
-        self.touched: set[str] = set()  # owners whose turn, quota or use changed
+        self.touched: set[str] = set()  # owners with a quota whose quota or use changed: all their regions
+        self.turns: dict[str, tuple[Key, Key]] = {}  # owner -> (below, above): queued keys whose turn changed
 
     # -- reading ------------------------------------------------------------------------
 
@@ -189,22 +194,28 @@ class AdmissionState:
         self.by_region.setdefault(w.region, {})[w.id] = w
         bisect.insort(self.owner_keys.setdefault(w.owner, []), (w.queued_since, w.id))
         self._regions_of(w.owner, w.region, 1)
-        self._mark(w.region, w.owner)
+        self.dirty.add(w.region)
+        self._turns(w.owner, above=(w.queued_since, w.id))  # one more queued before its later ones
         if w.fallback:
             heapq.heappush(self.timers, (w.queued_since + w.fallback_after_s, w.id))
         heapq.heappush(self.timers, (_starving_from(w.queued_since, self.policy.starvation_after_s), w.id))
 
-    def _start(self, r: Running) -> None:
-        self._drop(r.id)
+    def _start(self, r: Running, *, turns: bool = True) -> None:
+        """Record ``r`` as running; ``turns`` False: the caller accounts for the turns it changes."""
+        was = self.running.get(r.id)
+        turns = turns and (was is None or was.owner != r.owner)  # a record replaced: the same count
+        self._drop(r.id, turns=turns)
         self.running[r.id] = r
         self.owner_running[r.owner] += 1
         if r.on_fallback and not r.moving:
             self.movers.setdefault(r.region, {})[r.id] = r
             self._regions_of(r.owner, r.region, 1)
         self._count(r, 1)
-        self._mark(r.region, r.owner)
+        self.dirty.add(r.region)
+        if turns:
+            self._turns(r.owner, below=HIGH)  # one more running: every queued one of its owner
 
-    def _drop(self, id: str) -> None:
+    def _drop(self, id: str, *, turns: bool = True) -> None:
         """Forget the queued or running record ``id`` (its replicas stay)."""
         w = self.queue.pop(id, None)
         if w is not None:
@@ -212,14 +223,23 @@ class AdmissionState:
             keys = self.owner_keys[w.owner]
             del keys[bisect.bisect_left(keys, (w.queued_since, w.id))]
             self._regions_of(w.owner, w.region, -1)
-            self._mark(w.region, w.owner)
+            self.dirty.add(w.region)
+            if turns:
+                self._turns(w.owner, above=(w.queued_since, w.id))
         r = self.running.pop(id, None)
         if r is not None:
             self.owner_running[r.owner] -= 1
             if self.movers.get(r.region, {}).pop(id, None) is not None:
                 self._regions_of(r.owner, r.region, -1)
             self._count(r, -1)
-            self._mark(r.region, r.owner)
+            self.dirty.add(r.region)
+            if turns:
+                self._turns(r.owner, below=HIGH)
+
+    def _turns(self, owner: str, below: Key = LOW, above: Key = HIGH) -> None:
+        """The owner's queued workloads with a key < ``below`` or > ``above`` change turn."""
+        was = self.turns.get(owner, (LOW, HIGH))
+        self.turns[owner] = (max(was[0], below), min(was[1], above))
 
     def _count(self, r: Running, sign: int) -> None:
         cls = self.catalog.get(r.placed_class)
@@ -227,11 +247,8 @@ class AdmissionState:
             use = self.use.setdefault(r.owner, [0.0, 0.0])
             for i, n in enumerate(share(cls)):
                 use[i] += sign * n
-
-    def _mark(self, region: str, owner: str | None = None) -> None:
-        self.dirty.add(region)
-        if owner is not None:
-            self.touched.add(owner)
+            if self._quota_of(r.owner) is not None:
+                self.touched.add(r.owner)
 
     def _replica(self, p: Placed, sign: int) -> None:
         if not self._book(p, sign):
@@ -239,7 +256,7 @@ class AdmissionState:
         at, cls = self.cap.index.get(p.node), self.catalog.get(p.cls)
         if at is not None and cls is not None:
             self.cap.change(at, cls, sign)
-            self._mark(self.cap.nodes[at].region)
+            self.dirty.add(self.cap.nodes[at].region)
 
     def _book(self, p: Placed, sign: int) -> bool:
         """Count replica ``p`` in (1) or out (-1) of the books; False: it was not there to count out."""
@@ -259,12 +276,12 @@ class AdmissionState:
     def _node(self, name: str, node: Node | None) -> None:
         at = self.cap.index.get(name)
         if at is not None:
-            self._mark(self.cap.nodes[at].region)
+            self.dirty.add(self.cap.nodes[at].region)
             self.cap.remove_node(name)
         if node is not None:
             classes = [c for p in self.on_node.get(name, []) if (c := self.catalog.get(p.cls)) is not None]
             self.cap.add_node(node, classes)
-            self._mark(node.region)
+            self.dirty.add(node.region)
 
     def apply(self, event: Event) -> None:
         """Take in one change."""
@@ -335,10 +352,17 @@ class AdmissionState:
             w = self.queue.get(id)
             if w is not None:
                 self.dirty.add(w.region)
-        # 2. an owner's turn, quota or use changed: every region it waits or could move back in
+        # 2. an owner's turn changed: the regions of its workloads whose turn did; its quota or use (the
+        #    ledger spans regions): every region it waits or could move back in
         for owner in self.touched:
             self.dirty |= set(self.owner_regions.get(owner, ()))
-        self.touched = set()
+        for owner, (below, above) in self.turns.items():
+            if self.dirty.issuperset(self.owner_regions.get(owner, ())):
+                continue
+            keys = self.owner_keys.get(owner, [])
+            changed = keys[: bisect.bisect_left(keys, below)] + keys[bisect.bisect_right(keys, above):]
+            self.dirty.update(self.queue[id].region for _, id in changed)
+        self.touched, self.turns = set(), {}
         if not self.dirty:
             return []
         regions, self.dirty = self.dirty, set()
@@ -351,11 +375,12 @@ class AdmissionState:
         cap.release()
         self.cap = cap
         for d in out:
-            if isinstance(d, Place):
-                self._start(running_from(d))
+            if isinstance(d, Place):  # one more running, one fewer queued before its later ones
+                self._start(running_from(d), turns=False)
+                self._turns(d.workload.owner, below=(d.workload.queued_since, d.workload.id))
                 self._book(Placed(d.node, d.cls, d.workload.id), 1)
-            elif isinstance(d, Promote):
-                self._start(replace(d.workload, moving=True))
+            elif isinstance(d, Promote):  # the same running count
+                self._start(replace(d.workload, moving=True), turns=False)
                 self._book(Placed(d.node, d.to_class, d.workload.id), 1)
             else:
                 self.standing[d.workload.region].append(d)

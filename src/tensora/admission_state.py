@@ -38,7 +38,7 @@ import bisect
 import heapq
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from tensora.admission import (
@@ -52,7 +52,7 @@ from tensora.admission import (
     run_cycle,
     share,
 )
-from tensora.capacity import Capacity, Node, Placed
+from tensora.capacity import Capacity, GpuReserve, Node, Placed
 from tensora.catalog import Catalog
 from tensora.quotas import Quotas
 
@@ -141,7 +141,10 @@ class AdmissionState:
         catalog: Catalog,
         policy: Policy | None = None,
         quotas: OwnerQuotas | None = None,
+        reserves: Mapping[str, GpuReserve] | None = None,
     ) -> None:
+        """``quotas.held`` is not read: each owner's use is kept from its running records (what ``decide``
+        counts when ``held`` is None)."""
         self.catalog = catalog
         self.policy = policy or Policy()
         self.default_quota = quotas.default if quotas else None
@@ -152,7 +155,7 @@ class AdmissionState:
         for p in placed:
             self.replicas.setdefault(p.workload, []).append(p)
             self.on_node.setdefault(p.node, []).append(p)
-        self.cap = Capacity(nodes, placed, catalog)
+        self.cap = Capacity(nodes, placed, catalog, reserves)
         self.queue: dict[str, Queued] = {}
         self.by_region: dict[str, dict[str, Queued]] = {}
         self.owner_keys: dict[str, list[tuple[float, str]]] = {}  # each owner's queued, oldest first
@@ -163,7 +166,7 @@ class AdmissionState:
         self.use: dict[str, list[float]] = {}  # each owner's (GPUs, vCPUs of CPU classes), from running
         self.timers: list[tuple[float, str]] = []  # (when, workload id): a fallback or starvation due
         self.standing: dict[str, list[Decision]] = {}  # by region: the waits and restarts that stand
-        self.dirty: set[str] = set(self.cap._by_region)
+        self.dirty: set[str] = self.cap.regions
         self.touched: set[str] = set()  # owners with a quota whose quota or use changed: all their regions
         self.turns: dict[str, tuple[Key, Key]] = {}  # owner -> (below, above): queued keys whose turn changed
 
@@ -175,6 +178,7 @@ class AdmissionState:
             yield from self.standing[region]
 
     def quotas(self) -> OwnerQuotas:
+        """The quotas as ``decide`` takes them, with each owner's use kept here as ``held``."""
         return OwnerQuotas(self.default_quota, self.quota_by_owner,
                            {o: (u[0], u[1]) for o, u in self.use.items()})
 
@@ -314,7 +318,7 @@ class AdmissionState:
                     self.touched.add(owner)
 
     def _all_regions(self) -> set[str]:
-        return set(self.cap._by_region) | set(self.by_region) | set(self.movers) | set(self.standing)
+        return self.cap.regions | set(self.by_region) | set(self.movers) | set(self.standing)
 
     # -- a cycle ----------------------------------------------------------------------------
 

@@ -331,6 +331,11 @@ class Capacity:
         self.reserved_cpu[i], self.reserved_mem[i] = self._reserve_cpu(i), self._reserve_mem(i)
         self._account(i, 1)
 
+    @property
+    def regions(self) -> set[str]:
+        """The regions that have nodes."""
+        return {r for r, members in self._by_region.items() if members}
+
     def release(self) -> None:
         """End a cycle on this copy: its holds and cursors go, what it took stays (a rebuild's figures)."""
         self.excluded = set()

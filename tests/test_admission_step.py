@@ -62,6 +62,7 @@ class World:
     queue: dict[str, Queued] = field(default_factory=dict)
     default: Quotas | None = None
     by_owner: dict[str, Quotas] = field(default_factory=dict)
+    policy: Policy = POLICY
 
     def apply(self, e: Event) -> None:
         match e:
@@ -94,7 +95,7 @@ class World:
 
     def decide(self, now: float) -> list[Decision]:
         return decide(list(self.queue.values()), Capacity(list(self.nodes.values()), self.placed, CATALOG),
-                      list(self.running.values()), now, POLICY, OwnerQuotas(self.default, self.by_owner))
+                      list(self.running.values()), now, self.policy, OwnerQuotas(self.default, self.by_owner))
 
     def assume(self, decisions: list[Decision]) -> None:
         """What the controller does with the decisions (and what the state assumes)."""
@@ -195,10 +196,10 @@ def events_st(draw: st.DrawFn, world: World, now: float, serial: list[int]) -> l
 
 @st.composite
 def history(draw: st.DrawFn) -> None:
-    world = World()
+    world = World(policy=draw(st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)])))
     nodes = draw(st.lists(node_st, max_size=5, unique_by=lambda n: n.name))
     world.nodes = {n.name: n for n in nodes}
-    state = AdmissionState(nodes, [], CATALOG, POLICY)
+    state = AdmissionState(nodes, [], CATALOG, world.policy)
     now, serial = 1000.0, [0]
     first = [Submitted(draw(queued_st(f"w{i}", now))) for i in range(draw(st.integers(0, 12)))]
     serial[0] = len(first)

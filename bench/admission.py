@@ -26,14 +26,18 @@ Place and one Wait, so a broken ``decide`` is noticed.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import random
 import time
+import tracemalloc
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tensora.config.catalog import default_catalog
 from tensora.placement.admission import Place, Queued, Wait, WorkloadKind, decide
+from tensora.placement.admission_state import AdmissionState, ReplicaEnded, Submitted, step
 from tensora.placement.capacity import Capacity, Node, Placed
 from tensora.placement.catalog import Catalog
 
@@ -55,6 +59,11 @@ FALLBACKS: list[tuple[str, ...]] = [
 
 def build_fleet(n_nodes: int, rng: random.Random, catalog: Catalog) -> Capacity:
     """``n_nodes`` nodes, ~60% GPU nodes; ~40% of nodes have some classes already placed."""
+    return Capacity(*fleet_parts(n_nodes, rng), catalog)
+
+
+def fleet_parts(n_nodes: int, rng: random.Random) -> tuple[list[Node], list[Placed]]:
+    """The nodes and placed replicas of :func:`build_fleet`."""
     nodes: list[Node] = []
     placed: list[Placed] = []
     models = list(GPU_NODES)
@@ -73,7 +82,7 @@ def build_fleet(n_nodes: int, rng: random.Random, catalog: Catalog) -> Capacity:
             nodes.append(Node(name, REGION, cpu=cpu, memory=cpu * 4 * GIB))
             if rng.random() < 0.4:
                 placed.extend(Placed(name, rng.choice(CPU_CLASSES), f"run-{i}-{k}") for k in range(rng.randint(1, 4)))
-    return Capacity(nodes, placed, catalog)
+    return nodes, placed
 
 
 def build_queue(n: int, rng: random.Random) -> list[Queued]:
@@ -117,6 +126,124 @@ def baseline(queue: list[Queued], catalog: Catalog) -> int:
     return found
 
 
+# -- the state kept across cycles (tensora.admission_state) ------------------------------------
+
+
+@dataclass
+class StepFigures:
+    queued: int
+    nodes: int
+    first_s: float  # state built and the first full cycle decided
+    first_decisions: int
+    settle_s: list[float]  # the cycles after it, each re-deciding what its places changed, until none
+    idle_ms: float  # a cycle with no event at the fixed point
+    event_ms: float  # a GPU freed -> its decisions (best of the runs)
+    event_decisions: int
+    event_settle_s: float  # the cycle after the event's place
+    memory_mib: float | None = None
+
+
+def settle(state: AdmissionState, now: float) -> tuple[float, list[float]]:
+    """Run cycles with no event until one decides nothing (the places of each change the world)."""
+    times = []
+    while True:
+        now += 0.001
+        t0 = time.perf_counter()
+        state, got = step(state, [], now)
+        times.append(time.perf_counter() - t0)
+        if not got:
+            return now, times[:-1]
+
+
+def step_figures(n: int, n_nodes: int, runs: int, catalog: Catalog, regions: int = 1) -> StepFigures:
+    """First cycle, settling, an idle cycle and a freed GPU, on the fleet and queue ``decide`` is measured on
+    (``regions`` > 1: the same nodes and queue dealt round-robin into that many regions)."""
+    rng = random.Random(20240601 + n)
+    nodes, placed = fleet_parts(n_nodes, rng)
+    queue = build_queue(n, rng)
+    if regions > 1:
+        nodes = [replace(node, region=f"r{i % regions}") for i, node in enumerate(nodes)]
+        queue = [replace(w, region=f"r{i % regions}") for i, w in enumerate(queue)]
+    t0 = time.perf_counter()
+    state, first = step(AdmissionState(nodes, placed, catalog), [Submitted(w) for w in queue], NOW)
+    first_s = time.perf_counter() - t0
+    now, settle_s = settle(state, NOW)
+    idle, got = best_of(max(runs, 5), lambda: step(state, [], now + 0.0005)[1])
+    assert got == [], "a cycle with no event decided something"
+    # a GPU freed: an L40S replica placed before the queue arrived ends; its waiters may take it
+    gpu = [p for p in placed if p.cls == "l40s-48gb"]
+    event, event_n, after = math.inf, 0, math.inf
+    for p in gpu[:runs]:
+        now += 1.0
+        t0 = time.perf_counter()
+        state, got = step(state, [ReplicaEnded(p)], now)
+        secs = time.perf_counter() - t0
+        if secs < event:
+            event, event_n = secs, len(got)
+        wanted = any(w.gpu_class == "l40s-48gb" for w in state.queue.values())
+        taken = any(isinstance(d, Place) and d.cls == "l40s-48gb" for d in got)
+        assert taken or not wanted, "the freed GPU was not taken by a waiter for it"
+        now, rest = settle(state, now)
+        after = min([after, *rest])
+    return StepFigures(n, n_nodes, first_s, len(first), settle_s, idle * 1e3, event * 1e3, event_n, after)
+
+
+def state_memory_mib(n: int, n_nodes: int, catalog: Catalog) -> float:
+    """What the state holds after its first full cycle, queue included (tracemalloc, the result list dropped)."""
+    rng = random.Random(20240601 + n)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    nodes, placed = fleet_parts(n_nodes, rng)
+    state, first = step(AdmissionState(nodes, placed, catalog), [Submitted(w) for w in build_queue(n, rng)], NOW)
+    del first, nodes, placed
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert state.queue, "nothing left queued"
+    return held / 2**20
+
+
+def step_report(quick: bool, runs: int, catalog: Catalog) -> None:
+    n_nodes = 1_000 if quick else 10_000
+    sizes = [1_000, 10_000] if quick else [1_000, 10_000, 100_000, 100_000]
+    spread = 10  # the last row again, in this many regions: an event re-decides only its own
+    print()
+    print(f"admission state kept across cycles (tensora.admission_state.step), {n_nodes:,} nodes, "
+          f"best of {runs} for the event")
+    print(f"{'queued':>8} {'first s':>8} {'settle s':>16} {'idle ms':>8} {'event ms':>9} {'decisions':>9} "
+          f"{'next s':>7} {'MiB':>6}")
+    rows = []
+    for k, n in enumerate([*sizes, sizes[-1]]):
+        in_regions = spread if k == len(sizes) else 1
+        f = step_figures(n, n_nodes, runs, catalog, in_regions)
+        if k == len(sizes) - 1:
+            f.memory_mib = state_memory_mib(n, n_nodes, catalog)
+        if in_regions == 1:
+            rows.append(f)
+        mem = f"{f.memory_mib:.0f}" if f.memory_mib is not None else "-"
+        after = f"{f.event_settle_s:.3f}" if f.event_settle_s < math.inf else "-"
+        label = f"{n}/{in_regions}r" if in_regions > 1 else f"{n}"
+        print(f"{label:>8} {f.first_s:>8.3f} {' + '.join(f'{x:.2f}' for x in f.settle_s) or '-':>16} "
+              f"{f.idle_ms:>8.3f} {f.event_ms:>9.1f} {f.event_decisions:>9} {after:>7} {mem:>6}")
+    big = max(sizes)
+    scale = big / 100_000
+    last = [f for f in rows if f.queued == big]
+    print()
+    print(f"{'target':<48} {'measured':>18} {'verdict':>8}")
+    for name, limit, got, unit in [
+        (f"cycle with no event, {big:,} queued <= {5 * scale:g} ms", 5 * scale, [f.idle_ms for f in last], "ms"),
+        (f"a GPU freed -> decisions, {big:,} queued <= {5 * scale:g} ms", 5 * scale, [f.event_ms for f in last],
+         "ms"),
+        (f"first full cycle, {big:,} x {n_nodes:,} <= {scale:g} s", scale, [f.first_s for f in last], "s"),
+    ]:
+        shown = " / ".join(f"{x:.3f}" for x in got) + f" {unit}"
+        print(f"{name:<48} {shown:>18} {'PASS' if max(got) <= limit else 'MISS':>8}")
+    mib = last[-1].memory_mib or 0.0
+    print(f"{f'state memory, {big:,} queued <= {200 * scale:g} MiB':<48} {f'{mib:.0f} MiB':>18} "
+          f"{'PASS' if mib <= 200 * scale else 'MISS':>8}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer runs (< 30 s)")
@@ -158,6 +285,7 @@ def main() -> int:
           f"{f'{rate:,.0f}':>12} {'PASS' if rate >= 50_000 else 'MISS':>8}")
     if args.quick:
         print("(quick run: the 100k target is scaled to the largest size measured)")
+    step_report(args.quick, runs, catalog)
     return 0
 
 

@@ -291,9 +291,22 @@ def decide(
 ) -> list[Decision]:
     """Decide placements for one cycle; ``capacity`` is left unchanged (a copy is used)."""
     policy = policy or Policy()
-    cap = capacity.copy()
     running = list(running)
-    ordered = _priority_order(queue, running, policy)
+    return run_cycle(_priority_order(queue, running, policy), capacity.copy(), running, now, policy, quotas)
+
+
+def run_cycle(
+    ordered: Sequence[Queued],
+    cap: Capacity,
+    running: Sequence[Running],
+    now: float,
+    policy: Policy,
+    quotas: OwnerQuotas | None,
+) -> list[Decision]:
+    """The passes of :func:`decide` over a queue already in priority order, taking from ``cap`` itself.
+
+    Apart so that a state kept across cycles (:mod:`tensora.admission_state`) can run them over the
+    regions that changed, with the global order and each owner's ``held`` it keeps itself."""
     ledger = _Ledger(quotas, running, cap.catalog)
     waiting_for: dict[tuple[str, str], int] = {}
 

@@ -18,6 +18,7 @@ Pure: no I/O and no clock.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -314,6 +315,73 @@ class Capacity:
         if chosen is not None:
             self.excluded.add(chosen)
         return chosen
+
+    # -- deltas (a state kept across cycles: tensora.admission_state) ----------------------
+    # Each leaves the figures exactly as a Capacity rebuilt from the same nodes and placed would have them.
+
+    def change(self, i: int, cls: ComputeClass, sign: int) -> None:
+        """Count one more (``sign`` 1) or one fewer (-1) instance of ``cls`` placed on node ``i``."""
+        self._account(i, -1)
+        self.free_cpu[i] -= sign * cls.cpu
+        self.free_mem[i] -= sign * cls.memory
+        if cls.gpu_model is not None:
+            gpus = self.free_gpus[i]
+            gpus[cls.gpu_model] = gpus.get(cls.gpu_model, 0) - sign * cls.gpu_count
+        self.reserved_cpu[i], self.reserved_mem[i] = self._reserve_cpu(i), self._reserve_mem(i)
+        self._account(i, 1)
+
+    @property
+    def regions(self) -> set[str]:
+        """The regions that have nodes."""
+        return {r for r, members in self._by_region.items() if members}
+
+    def release(self) -> None:
+        """End a cycle on this copy: its holds and cursors go, what it took stays (a rebuild's figures)."""
+        self.excluded = set()
+        self._cursor = {}
+
+    def add_node(self, node: Node, placed: Iterable[ComputeClass] = ()) -> int:
+        """Add ``node`` (with what is already placed on it); returns its index. Indices never move:
+        a removed node keeps its slot, so the order of a region's nodes comes from their names."""
+        if node.name in self.index:
+            raise ValueError(f"duplicate node name {node.name!r}")
+        i = len(self.nodes)
+        self.nodes = [*self.nodes, node]  # copies made earlier share the old list
+        self.index = {**self.index, node.name: i}
+        self.free_cpu.append(node.cpu)
+        self.free_mem.append(node.memory)
+        self.free_gpus.append(dict(node.gpus))
+        for cls in placed:
+            self._subtract(i, cls)
+        self.reserved_cpu.append(self._reserve_cpu(i))
+        self.reserved_mem.append(self._reserve_mem(i))
+        self._account(i, 1)
+        members = self._by_region.setdefault(node.region, [])
+        names = [self.nodes[j].name for j in members]
+        members.insert(bisect.bisect(names, node.name), i)
+        self._forget(node.region)
+        return i
+
+    def remove_node(self, name: str) -> None:
+        """Drop a node (its slot stays, unreachable)."""
+        i = self.index[name]
+        self._account(i, -1)
+        self.index = {k: v for k, v in self.index.items() if k != name}
+        self._by_region[self.nodes[i].region].remove(i)
+        self._forget(self.nodes[i].region)
+
+    def _account(self, i: int, sign: int) -> None:
+        """Add (1) or withdraw (-1) node ``i``'s free GPUs and usable vCPUs to its region's totals."""
+        node = self.nodes[i]
+        if not node.schedulable:
+            return
+        for model, count in self.free_gpus[i].items():
+            key = (node.region, model)
+            self._region_gpus[key] = self._region_gpus.get(key, 0) + sign * max(0, count)
+        self._region_cpu[node.region] = self._region_cpu.get(node.region, 0.0) + sign * self._cpu_usable(i)
+
+    def _forget(self, region: str) -> None:
+        self._candidates = {k: v for k, v in self._candidates.items() if k[0] != region}
 
     def copy(self) -> Capacity:
         """An independent working copy (admission never changes the caller's)."""

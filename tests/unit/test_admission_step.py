@@ -1,0 +1,392 @@
+"""The admission state kept across cycles decides what ``decide`` decides, cycle by cycle.
+
+A world (nodes, replicas, running records, queue, quotas) lives here as plain collections; random
+histories change it (submissions, stops, replicas ending, moves finishing, nodes joining, leaving and
+cordoned, quota changes, time passing). After each batch, ``decide`` runs from scratch on the world and
+``step`` takes the same batch as events: every Place and Promote must be the same (attempts, reason,
+order), and every wait and restart offer that stands in the state must be decide's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensora.placement.admission import (
+    Decision,
+    OwnerQuotas,
+    Place,
+    Policy,
+    Promote,
+    Queued,
+    RestartAvailable,
+    Running,
+    Wait,
+    WorkloadKind,
+    decide,
+)
+from tensora.placement.admission_state import (
+    AdmissionState,
+    Event,
+    NodeAdded,
+    NodeRemoved,
+    QuotaChanged,
+    ReplicaEnded,
+    ReplicaPlaced,
+    Started,
+    Stopped,
+    Submitted,
+    running_from,
+    step,
+)
+from tensora.placement.capacity import Capacity, Node, Placed
+from tensora.placement.quotas import Quotas
+from tests.support.builders import CATALOG, GI, gpu_node, w
+
+CLASSES = ["l40s-48gb", "a100-80gb", "cpu-4c-16g", "cpu-16c-64g", "cpu-32c-128g"]
+ENTRIES = ["a100-80gb", "l40s-48gb", "cpu", "cpu-4c-16g"]
+REGIONS = ["local", "east"]
+POLICY = Policy(starvation_after_s=120)
+
+
+@dataclass
+class World:
+    """What the store would hold, and how ``decide`` sees it."""
+
+    nodes: dict[str, Node] = field(default_factory=dict)
+    placed: list[Placed] = field(default_factory=list)
+    running: dict[str, Running] = field(default_factory=dict)
+    queue: dict[str, Queued] = field(default_factory=dict)
+    default: Quotas | None = None
+    by_owner: dict[str, Quotas] = field(default_factory=dict)
+    policy: Policy = POLICY
+
+    def apply(self, e: Event) -> None:
+        match e:
+            case Submitted(q):
+                self.running.pop(q.id, None)
+                self.queue[q.id] = q
+            case Started(r):
+                self.queue.pop(r.id, None)
+                self.running[r.id] = r
+            case Stopped(id):
+                self.queue.pop(id, None)
+                self.running.pop(id, None)
+                self.placed = [p for p in self.placed if p.workload != id]
+            case ReplicaPlaced(p):
+                self.placed.append(p)
+            case ReplicaEnded(p):
+                if p in self.placed:
+                    self.placed.remove(p)
+            case NodeAdded(n):
+                self.nodes[n.name] = n
+            case NodeRemoved(name):
+                self.nodes.pop(name, None)
+            case QuotaChanged(None, q):
+                self.default = q
+            case QuotaChanged(str(owner), q):
+                if q is None:
+                    self.by_owner.pop(owner, None)
+                else:
+                    self.by_owner[owner] = q
+
+    def decide(self, now: float) -> list[Decision]:
+        return decide(list(self.queue.values()), Capacity(list(self.nodes.values()), self.placed, CATALOG),
+                      list(self.running.values()), now, self.policy, OwnerQuotas(self.default, self.by_owner))
+
+    def assume(self, decisions: list[Decision]) -> None:
+        """What the controller does with the decisions (and what the state assumes)."""
+        for d in decisions:
+            if isinstance(d, Place):
+                self.apply(Started(running_from(d)))
+                self.placed.append(Placed(d.node, d.cls, d.workload.id))
+            elif isinstance(d, Promote):
+                self.running[d.workload.id] = replace(d.workload, moving=True)
+                self.placed.append(Placed(d.node, d.to_class, d.workload.id))
+
+
+def _key(d: Decision) -> tuple[str, str]:
+    return ("queued" if isinstance(d, Place | Wait) else "running", d.workload.id)
+
+
+def _settled(d: Decision) -> Decision:
+    return replace(d, now=0.0) if isinstance(d, Wait) else d
+
+
+def check_cycle(world: World, state: AdmissionState, events: list[Event], now: float) -> list[Decision]:
+    """One cycle on both sides; what decide said is assumed by the world (the state assumes it itself)."""
+    for e in events:
+        world.apply(e)
+    want = world.decide(now)
+    state, got = step(state, events, now)
+    got_keys = {_key(d) for d in got}
+    assert got == [d for d in want if _key(d) in got_keys]  # the same decisions, in decide's order
+    assert not [d for d in want if isinstance(d, Place | Promote) and _key(d) not in got_keys]
+    standing = {_key(d): _settled(d) for d in state.decisions()}
+    assert standing == {_key(d): _settled(d) for d in want if isinstance(d, Wait | RestartAvailable)}
+    world.assume(want)
+    return got
+
+
+# -- random histories -------------------------------------------------------------------------
+
+node_st = st.builds(
+    lambda i, region, cpu, mem, l40s, a100, cordoned: Node(
+        f"n{i}", region, cpu, mem * GI, {k: v for k, v in (("L40S", l40s), ("A100-80GB", a100)) if v},
+        schedulable=not cordoned),
+    st.integers(0, 9), st.sampled_from(REGIONS), st.sampled_from([4, 16, 32, 64]),
+    st.sampled_from([16, 64, 128, 256]), st.integers(0, 2), st.integers(0, 1), st.booleans(),
+)
+quota_st = st.none() | st.builds(lambda g, c: Quotas(running_gpus=g, running_cpu=c),
+                                 st.sampled_from([0, 1, 2]), st.sampled_from([0, 4, 16, 64]))
+
+
+def queued_st(id: str, now: float) -> st.SearchStrategy[Queued]:
+    @st.composite
+    def build(draw: st.DrawFn) -> Queued:
+        cls = draw(st.sampled_from(CLASSES))
+        fallback = tuple(e for e in draw(st.lists(st.sampled_from(ENTRIES), max_size=3, unique=True)) if e != cls)
+        kind = draw(st.sampled_from(list(WorkloadKind)))
+        params = draw(st.sampled_from([None, 1e9, 8e9, 70e9])) if kind == WorkloadKind.ENDPOINT else None
+        since = now - draw(st.sampled_from([0, 0, 30, 200, 700]))
+        return Queued(id, kind, cls, draw(st.sampled_from("abc")), draw(st.sampled_from(REGIONS)), fallback,
+                      draw(st.sampled_from([0, 60, 600])), since,
+                      int(params) if params else None, int(params) * 2 if params else None)
+    return build()
+
+
+def events_st(draw: st.DrawFn, world: World, now: float, serial: list[int]) -> list[Event]:
+    out: list[Event] = []
+    for _ in range(draw(st.integers(0, 4))):
+        what = draw(st.sampled_from(["submit", "submit", "stop", "end", "moved", "node", "unnode", "quota", "run"]))
+        ids = sorted({*world.queue, *world.running})
+        if what == "submit":
+            serial[0] += 1
+            out.append(Submitted(draw(queued_st(f"w{serial[0]}", now))))
+        elif what == "stop" and ids:
+            out.append(Stopped(draw(st.sampled_from(ids))))
+        elif what == "end" and world.placed:
+            out.append(ReplicaEnded(draw(st.sampled_from(world.placed))))
+        elif what == "moved":
+            moving = sorted(r.id for r in world.running.values() if r.moving)
+            if moving:
+                r = world.running[draw(st.sampled_from(moving))]
+                new = [p for p in world.placed if p.workload == r.id and p.cls != r.placed_class]
+                out.append(ReplicaEnded(Placed(r.node, r.placed_class, r.id)))
+                if new:
+                    out.append(Started(replace(r, placed_class=new[-1].cls, node=new[-1].node, moving=False)))
+        elif what == "node":
+            out.append(NodeAdded(draw(node_st)))
+        elif what == "unnode" and world.nodes:
+            out.append(NodeRemoved(draw(st.sampled_from(sorted(world.nodes)))))
+        elif what == "run" and world.nodes:  # placed by someone else, on a fallback class: may move back
+            serial[0] += 1
+            node = world.nodes[draw(st.sampled_from(sorted(world.nodes)))]
+            placed = draw(st.sampled_from(["cpu-4c-16g", "a100-80gb"]))
+            r = Running(f"w{serial[0]}", draw(st.sampled_from(list(WorkloadKind))), "l40s-48gb", placed, node.name,
+                        draw(st.sampled_from("abc")), node.region, ("a100-80gb", "cpu"))
+            out += [Started(r), ReplicaPlaced(Placed(node.name, placed, r.id))]
+        elif what == "quota":
+            out.append(QuotaChanged(draw(st.sampled_from([None, "a", "b"])), draw(quota_st)))
+    return out
+
+
+@st.composite
+def history(draw: st.DrawFn) -> None:
+    world = World(policy=draw(st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)])))
+    nodes = draw(st.lists(node_st, max_size=5, unique_by=lambda n: n.name))
+    world.nodes = {n.name: n for n in nodes}
+    state = AdmissionState(nodes, [], CATALOG, world.policy)
+    now, serial = 1000.0, [0]
+    first = [Submitted(draw(queued_st(f"w{i}", now))) for i in range(draw(st.integers(0, 12)))]
+    serial[0] = len(first)
+    check_cycle(world, state, list(first), now)
+    for _ in range(draw(st.integers(1, 12))):
+        now += draw(st.sampled_from([0, 1, 30, 60, 120, 600]))
+        # a copy of the world answers what the events may name; check_cycle applies them to the real one
+        probe = World(dict(world.nodes), list(world.placed), dict(world.running), dict(world.queue))
+        check_cycle(world, state, events_st(draw, probe, now, serial), now)
+
+
+@settings(max_examples=300, deadline=None)
+@given(history())
+def test_step_decides_what_decide_decides(_: None) -> None:
+    """The check is inside the strategy: each cycle of a drawn history is compared as it is drawn."""
+
+
+# -- named cases ----------------------------------------------------------------------------------
+
+
+def test_a_cycle_with_nothing_new_decides_nothing() -> None:
+    world = World(nodes={"g1": gpu_node("g1")})
+    state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
+    first = check_cycle(world, state, [Submitted(w("a", since=0)), Submitted(w("b", since=1))], 10)
+    assert [type(d) for d in first] == [Place, Wait]
+    assert [type(d) for d in check_cycle(world, state, [], 11)] == [Wait]  # the place changed the world
+    assert check_cycle(world, state, [], 12) == []  # a fixed point: b's wait stands
+    assert [d.reason for d in state.decisions()] == ["waiting for l40s-48gb (0 GPU free, 1 needed); "
+                                                     "no fallback accepted"]
+
+
+@pytest.mark.parametrize(("event", "wakes"), [
+    (ReplicaEnded(Placed("g1", "l40s-48gb", "a")), True),
+    (ReplicaEnded(Placed("g1", "l40s-48gb", "nobody")), False),  # not held: frees nothing
+    (NodeAdded(gpu_node("g2")), True),
+    (NodeAdded(Node("e1", "east", 8, 32 * GI)), False),  # another region
+    (Submitted(w("c", region="east")), False),
+    (QuotaChanged("zed", Quotas(running_gpus=0)), False),  # an owner with nothing waiting
+    (QuotaChanged("b", Quotas(running_gpus=0)), True),
+], ids=["replica ended", "unknown replica", "node added", "node elsewhere", "submitted elsewhere",
+        "quota of a stranger", "quota of the waiter"])
+def test_only_what_could_change_a_wait_re_decides_it(event: Event, wakes: bool) -> None:
+    world = World(nodes={"g1": gpu_node("g1")})
+    state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
+    check_cycle(world, state, [Submitted(w("a", since=0)), Submitted(w("b", since=1))], 10)
+    check_cycle(world, state, [], 11)
+    got = check_cycle(world, state, [event], 12)
+    assert ("b" in {d.workload.id for d in got}) is wakes
+
+
+def test_a_timer_coming_due_re_decides_with_no_event() -> None:
+    world = World(nodes={"g1": gpu_node("g1"), "c1": Node("c1", "local", 16, 64 * GI)})
+    state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
+    check_cycle(world, state, [Submitted(w("a", since=0)), Submitted(w("b", fallback=("cpu",), after=600))], 10)
+    assert [type(d) for d in check_cycle(world, state, [], 11)] == [Wait]  # a's place changed the world
+    assert check_cycle(world, state, [], 12) == check_cycle(world, state, [], 119) == []
+    assert [type(d) for d in check_cycle(world, state, [], 120)] == [Wait]  # b starves: it holds a node
+    assert check_cycle(world, state, [], 599) == []
+    got = check_cycle(world, state, [], 600)
+    assert [(type(d), d.workload.id) for d in got] == [(Place, "b")]
+    assert got[0].reason == "placed on cpu-16c-64g: l40s-48gb unavailable for 10m"
+
+
+def test_a_quota_spans_regions_so_a_place_in_one_re_decides_the_other() -> None:
+    """Owner a may run 1 GPU. Its older workload waits in local, its newer one in east (no GPU there).
+    A GPU freed in local places the older one: east's wait now names a's quota, not east's capacity."""
+    world = World(nodes={"g1": gpu_node("g1")}, default=Quotas(running_gpus=1))
+    state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY, OwnerQuotas(Quotas(running_gpus=1)))
+    check_cycle(world, state, [Submitted(w("x", since=0)), Submitted(w("old", owner="a", since=1)),
+                               Submitted(w("new", owner="a", since=2, region="east"))], 10)
+    check_cycle(world, state, [], 11)
+    got = check_cycle(world, state, [Stopped("x")], 12)
+    assert {d.workload.id: d.reason for d in got} == {
+        "old": "placed on l40s-48gb",
+        "new": "waiting for l40s-48gb (owner quota: 1 of 1 GPU in use); no fallback accepted",
+    }
+
+
+def _figures(c: Capacity) -> dict[str, object]:
+    """Everything a cycle reads from a Capacity, by node name (indices differ after deltas)."""
+    live = sorted(c.index, key=lambda name: name)
+    at = [c.index[name] for name in live]
+    return {
+        "nodes": [c.nodes[i] for i in at],
+        "free": [(c.free_cpu[i], c.free_mem[i], {m: g for m, g in c.free_gpus[i].items() if g}) for i in at],
+        "reserved": [(c.reserved_cpu[i], c.reserved_mem[i]) for i in at],
+        "region": {k: v for k, v in c._region_gpus.items() if v} | {k: v for k, v in c._region_cpu.items() if v},
+        "candidates": {(r, cls.name): [c.nodes[i].name for i in c.candidates(r, cls)]
+                       for r in REGIONS for cls in CATALOG.values()},
+        "unhostable": {(r, cls.name): c.unhostable(r, cls) for r in REGIONS for cls in CATALOG.values()},
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(nodes=st.lists(node_st, max_size=6, unique_by=lambda n: n.name), data=st.data())
+def test_capacity_by_deltas_is_capacity_rebuilt(nodes: list[Node], data: st.DataObject) -> None:
+    """Replicas placed and ended, nodes added, removed and replaced, in any order: the figures are a rebuild's."""
+    now = {n.name: n for n in nodes}
+    placed: list[Placed] = []
+    cap = Capacity(nodes, [], CATALOG)
+    for _ in range(data.draw(st.integers(1, 25))):
+        what = data.draw(st.sampled_from(["place", "place", "end", "node", "unnode"]))
+        if what == "place" and now:
+            p = Placed(data.draw(st.sampled_from(sorted(now))), data.draw(st.sampled_from(CLASSES)))
+            placed.append(p)
+            cap.change(cap.index[p.node], CATALOG[p.cls], 1)
+        elif what == "end" and placed:
+            p = placed.pop(data.draw(st.integers(0, len(placed) - 1)))
+            if p.node in cap.index:
+                cap.change(cap.index[p.node], CATALOG[p.cls], -1)
+        elif what == "node":
+            node = data.draw(node_st)
+            if node.name in now:
+                cap.remove_node(node.name)
+            now[node.name] = node
+            cap.add_node(node, [CATALOG[p.cls] for p in placed if p.node == node.name])
+        elif what == "unnode" and now:
+            name = data.draw(st.sampled_from(sorted(now)))
+            del now[name]
+            cap.remove_node(name)
+        assert _figures(cap) == _figures(Capacity(list(now.values()), placed, CATALOG))
+
+
+def test_a_move_back_is_assumed_then_finished_by_events() -> None:
+    """An endpoint on CPU moves back when its GPU frees; a notebook there is offered a restart, which stands."""
+    world = World(nodes={"g1": gpu_node("g1"), "c1": Node("c1", "local", 64, 256 * GI)},
+                  placed=[Placed("g1", "l40s-48gb", "x")])
+    state = AdmissionState(world.nodes.values(), world.placed, CATALOG, POLICY)
+    ep = Running("ep", WorkloadKind.ENDPOINT, "l40s-48gb", "cpu-4c-16g", "c1", "o", "local", ("cpu",))
+    nb = Running("nb", WorkloadKind.NOTEBOOK, "a100-80gb", "cpu-4c-16g", "c1", "p", "local", ("cpu",))
+    start = [Started(ep), Started(nb), ReplicaPlaced(Placed("c1", "cpu-4c-16g", "ep")),
+             ReplicaPlaced(Placed("c1", "cpu-4c-16g", "nb"))]
+    assert check_cycle(world, state, start, 10) == []  # nothing free to move to, nothing queued
+    got = check_cycle(world, state, [Stopped("x")], 11)
+    assert [(type(d), d.workload.id) for d in got] == [(Promote, "ep")]
+    assert state.running["ep"].moving
+    check_cycle(world, state, [], 12)
+    done = [ReplicaEnded(Placed("c1", "cpu-4c-16g", "ep")),
+            Started(replace(ep, placed_class="l40s-48gb", node="g1"))]
+    check_cycle(world, state, done, 13)
+    assert check_cycle(world, state, [], 14) == []
+    world.nodes["a1"] = Node("a1", "local", 32, 256 * GI, {"A100-80GB": 1})
+    got = check_cycle(world, state, [NodeAdded(world.nodes["a1"])], 15)
+    assert [(type(d), d.workload.id) for d in got] == [(RestartAvailable, "nb")]
+    assert check_cycle(world, state, [], 16) == []  # a restart offer takes nothing: it stands
+    assert [d.reason for d in state.decisions()] == [
+        "a100-80gb has capacity again: restart on it to leave cpu-4c-16g"]
+
+
+def _east(id: str, cls: str, owner: str, since: float) -> Submitted:
+    return Submitted(w(id, cls, owner=owner, since=since, region="east"))
+
+
+def _running(owner: str, n: int) -> Started:
+    """The ``n``-th workload ``owner`` runs elsewhere (its turns come later)."""
+    return Started(Running(f"{owner}-run{n}", WorkloadKind.VM, "l40s-48gb", "l40s-48gb", "g9", owner))
+
+
+TURNS = {
+    # a's oldest east workload X starves and holds the only east node from Z; a's newer local one is placed:
+    # X's turn falls behind b's Y, which does not starve, so nothing is held and Z fits (a cycle later)
+    "a place elsewhere": ([_east("X", "cpu-32c-128g", "a", 0), Submitted(w("W", owner="a", since=5))],
+                          [Stopped("x")]),
+    # a submits an older workload elsewhere: X's turn falls behind Y's
+    "a submission elsewhere": ([_east("X", "cpu-32c-128g", "a", 0)], [Submitted(w("V", owner="a", since=-10))]),
+    # b's Y was behind b's older local U; U stops: Y's turn comes before d's X, which starves (d runs two,
+    # and so does c, Z's owner)
+    "a stop elsewhere": ([_running("b", 1), _running("d", 1), _running("d", 2), _running("c", 1), _running("c", 2),
+                          _east("X", "cpu-32c-128g", "d", 0), Submitted(w("U", owner="b", since=400))],
+                         [Stopped("U")]),
+    # a starts running a workload elsewhere: X's turn falls behind Y's
+    "a run started elsewhere": ([_east("X", "cpu-32c-128g", "a", 0)], [_running("a", 1)]),
+    # b stops one it ran elsewhere: Y's turn comes before d's X
+    "a run stopped elsewhere": ([_running("b", 1), _running("d", 1), _running("c", 1),
+                                 _east("X", "cpu-32c-128g", "d", 0)], [Stopped("b-run1")]),
+}
+
+
+@pytest.mark.parametrize(("first", "then"), TURNS.values(), ids=TURNS.keys())
+def test_a_turn_changed_in_one_region_re_decides_the_other(first: list[Event], then: list[Event]) -> None:
+    """Owner turns count every region: a change there can move a hold here (a starving queue head's)."""
+    world = World(nodes={"g1": gpu_node("g1"), "c1": Node("c1", "east", 32, 128 * GI)},
+                  placed=[Placed("g1", "l40s-48gb", "x"), Placed("c1", "cpu-16c-64g", "f")])
+    state = AdmissionState(world.nodes.values(), world.placed, CATALOG, POLICY)
+    queue = [*first, _east("Y", "cpu-32c-128g", "b", 500), _east("Z", "cpu-4c-16g", "c", 550)]
+    check_cycle(world, state, queue, 600)
+    assert check_cycle(world, state, [], 601) == []  # Z waits: X holds c1
+    check_cycle(world, state, then, 602)
+    check_cycle(world, state, [], 603)
+    assert "Z" in state.running

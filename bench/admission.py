@@ -32,9 +32,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tensora.admission import Place, Queued, Wait, WorkloadKind, decide
+from tensora.admission import Place, Queued, Wait, decide
 from tensora.capacity import Capacity, Node, Placed
 from tensora.catalog import Catalog, default_catalog
+from tensora.placement.kinds import WorkloadKind
 
 GIB = 2**30
 REGION = "local"

@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import default_catalog
-from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import Isolation, LocalDriver
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import available
 from tensora.sandbox.network import helper_pid
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tensora.admission import Place, Promote, Queued, RestartAvailable, Running, Wait, WorkloadKind
+from tensora.admission import Place, Promote, Queued, RestartAvailable, Running, Wait
 from tensora.capacity import CORES_LABEL, Capacity, Node, Placed
 from tensora.catalog import Catalog, default_catalog
+from tensora.placement.kinds import WorkloadKind
 
 GI = 2**30
 CATALOG = default_catalog()

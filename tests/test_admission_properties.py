@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builders import CATALOG, GI
-from tensora.admission import Place, Promote, Queued, Wait, WorkloadKind, decide
+from tensora.admission import Place, Promote, Queued, Wait, decide
 from tensora.capacity import Capacity, Node
+from tensora.placement.kinds import WorkloadKind
 from tensora.units import parse_duration
 
 CLASSES = ["l40s-48gb", "a100-80gb", "cpu-4c-16g", "cpu-16c-64g", "cpu-32c-128g"]

@@ -22,6 +22,7 @@ from tensora.api import gatewayroutes
 from tensora.api.auth import create_key
 from tensora.quotas import Limits, OwnerSettings
 from tensora.store import repo
+from tensora.store.rows import ReplicaRow
 
 
 class Routes:
@@ -103,8 +104,9 @@ def _second_replica(r: Routes) -> None:
     (w,) = r.write(lambda c: repo.serving_endpoints(c, "local"))
     (x,) = r.write(lambda c: repo.replicas_of(c, [w["id"]]))
     now = r.st.clock.now()
-    r.write(lambda c: repo.insert_replica(c, {**x, "id": "rp_second", "slot": 1, "url": "http://127.0.0.1:8/v1",
-                                              "created_at": now, "updated_at": now}))
+    r.write(lambda c: repo.insert_replica(c, ReplicaRow.of({**x, "id": "rp_second", "slot": 1,
+                                                            "url": "http://127.0.0.1:8/v1",
+                                                            "created_at": now, "updated_at": now})))
 
 
 def _replica_gone(r: Routes) -> None:

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tensora.admission import Place, Queued, WorkloadKind, decide
+from tensora.admission import Place, Queued, decide
 from tensora.capacity import Capacity, Node, Placed
 from tensora.catalog import default_catalog
 from tensora.hardware import Gpu, Hardware, NodeOverrides, detect, gpu_model_for, local_node, offered, parse_nvidia_smi
+from tensora.placement.kinds import WorkloadKind
 
 GIB = 2**30
 MIB = 2**20

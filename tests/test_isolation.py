@@ -31,13 +31,13 @@ import services
 from services import free_port
 from stack import stack
 from tensora import runtimes
-from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import ComputeClass, Kind, default_catalog, load_catalog
 from tensora.drivers import launch as plan
-from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import Isolation, LocalDriver
 from tensora.drivers.vmdisk import DiskFormat, ImageInfo, Layer
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import Limits, Mount, Runc, SandboxSpec, available
 from tensora.serve import ServeSettings, describe_isolation, isolation_of
 from tensora.tinymodel import write_tiny_model

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from tensora.admission import WorkloadKind
 from tensora.catalog import default_catalog
-from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.base import ReplicaSpec
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 
 KUBECONFIG = os.environ.get("TENSORA_TEST_KUBECONFIG")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

@@ -186,11 +186,11 @@ def test_the_controller_may_do_exactly_what_its_driver_does_to_replicas_objects(
     """Every kind the driver renders for a notebook (with its Ingress), a VM and an endpoint is granted the verbs it
     uses (create; get, list, watch; update for a replace; delete) in the workloads namespace, and
     nothing else is granted there."""
-    from tensora.admission import WorkloadKind
     from tensora.catalog import default_catalog
     from tensora.drivers.base import ReplicaSpec
     from tensora.drivers.kubernetes.driver import _resources
     from tensora.drivers.kubernetes.render import Context, replica_objects
+    from tensora.placement.kinds import WorkloadKind
 
     catalog = default_catalog()
     rendered = [doc for kind, cls in ((WorkloadKind.NOTEBOOK, "cpu-4c-16g"), (WorkloadKind.VM, "l40s-48gb"),

@@ -20,7 +20,6 @@ import pytest
 
 from kube_double import RESTRICTED, violations
 from kube_schemas import validate
-from tensora.admission import WorkloadKind
 from tensora.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.kubernetes.render import (
@@ -32,6 +31,7 @@ from tensora.drivers.kubernetes.render import (
     label_value,
     replica_objects,
 )
+from tensora.placement.kinds import WorkloadKind
 from tensora.storage import owner_dir
 
 CATALOG = default_catalog()

@@ -28,13 +28,13 @@ from gateway_harness import make_table, serving
 from gateway_harness import replica as gw_replica
 from services import free_port, sweep
 from tensora import apikeys, replicakeys, runtimes
-from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import default_catalog
-from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import LocalDriver, qmp
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sdk import Client
 from tensora.storage import owner_dir
 from tensora.tinymodel import write_tiny_model

@@ -52,7 +52,8 @@ def test_plan_moves_an_endpoint_back_when_the_gpu_frees(tmp_path: Path) -> None:
         "  - {kind: notebook, name: nb, gpu_class: a100-80gb, fallback: [cpu], submitted_at: 1m}\n"
         "  - {kind: vm, name: hog, gpu_class: a100-80gb, submitted_at: 0s, stop_at: 20m}\n")
     rows = plan_json("11m", wl)
-    assert rows["llm"]["placed_class"] == "l40s-48gb" and "moving back" in rows["llm"]["reason"]
+    # the controller's move back: a candidate on the L40S, ready, then primary while the CPU replica drains
+    assert rows["llm"]["placed_class"] == "l40s-48gb" and rows["llm"]["reason"].startswith("moved back to l40s-48gb")
     later = plan_json("21m", wl)
     assert later["nb"]["placed_class"].startswith("cpu-") and later["nb"]["restart_available"] is True
 

@@ -24,8 +24,9 @@ import pytest
 
 from services import PgCluster, free_port
 from tensora.apikeys import well_formed
-from tensora.drivers.base import ReplicaState, ReplicaStatus
+from tensora.drivers.base import ReplicaStatus
 from tensora.errors import ConfigError
+from tensora.placement.kinds import ReplicaState
 from tensora.serve import ADMIN_KEY_FILE, ServeSettings, build, left_running, load_settings
 
 START_DEADLINE_S = 30.0

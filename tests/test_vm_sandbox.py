@@ -26,12 +26,12 @@ from typing import Any
 import pytest
 
 from services import sweep
-from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import default_catalog
 from tensora.drivers import launch as plan
-from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.local import Isolation, LocalDriver, qmp
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import available
 from tensora.storage import owner_dir
 

@@ -42,16 +42,11 @@ from enum import StrEnum
 
 from tensora.capacity import Capacity
 from tensora.catalog import CPU_WORD, Catalog, ComputeClass
+from tensora.placement.kinds import WorkloadKind
 from tensora.quotas import Quotas
 from tensora.units import format_clock, format_duration, format_memory, format_params
 
 GIB = 2**30
-
-
-class WorkloadKind(StrEnum):
-    NOTEBOOK = "notebook"
-    VM = "vm"
-    ENDPOINT = "endpoint"
 
 
 @dataclass(frozen=True, slots=True)

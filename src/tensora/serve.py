@@ -36,9 +36,10 @@ from tensora.apikeys import digest, well_formed
 from tensora.catalog import Catalog, load_catalog
 from tensora.clock import Clock, SystemClock
 from tensora.controller import Controller
-from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
+from tensora.drivers.base import Driver, ReplicaStatus
 from tensora.errors import ConfigError, TensoraError
 from tensora.hardware import NodeOverrides, offered
+from tensora.placement.kinds import ReplicaState
 from tensora.quotas import Limits, OwnerSettings, Quotas
 from tensora.storage import Storage
 from tensora.store import repo

@@ -23,9 +23,9 @@ from pydantic import (
     model_validator,
 )
 
-from tensora.admission import WorkloadKind
 from tensora.catalog import CPU_WORD, Catalog
 from tensora.errors import SpecError
+from tensora.placement.kinds import WorkloadKind
 from tensora.units import parse_duration, parse_params
 
 _NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"

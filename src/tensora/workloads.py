@@ -11,9 +11,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from tensora.admission import WorkloadKind
 from tensora.catalog import CPU_WORD, Catalog
 from tensora.errors import ModelFileError, SpecError
+from tensora.placement.kinds import WorkloadKind
 from tensora.spec import WorkloadSpec, check_against
 from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo

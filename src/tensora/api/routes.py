@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request
@@ -37,7 +38,7 @@ from tensora.api.schemas import (
 )
 from tensora.api.services import Services
 from tensora.apikeys import DEFAULT_SCOPES, allows
-from tensora.capacity import Capacity, Node, Placed
+from tensora.capacity import Capacity, Placed
 from tensora.spec import WorkloadSpec
 from tensora.store import repo
 from tensora.units import format_memory
@@ -177,7 +178,7 @@ def workload_events(workload_id: str, svc: Svc, p: Reader,
     with svc.db.read() as conn:
         _own(conn, p, workload_id)
         events = repo.list_events(conn, workload_id)
-    return {"data": [{**e, "at": iso(e["at"]), "workload_id": None} for e in events]}
+    return {"data": [{**asdict(e), "at": iso(e.at), "workload_id": None} for e in events]}
 
 
 @router.post("/v1/workloads/{workload_id}/stop", response_model=WorkloadOut, responses=ERRORS,
@@ -232,9 +233,8 @@ def delete_workload(workload_id: str, svc: Svc, p: Writer) -> Response:
 def catalog(svc: Svc, _: Reader) -> dict[str, Any]:
     with svc.db.read() as conn:
         node_rows = repo.nodes_in(conn, svc.region)
-        placed = [Placed(r["node"], r["cls"], r["workload_id"]) for r in repo.active_replicas(conn, svc.region)]
-    nodes = [Node(n["name"], n["region"], n["cpu"], n["memory"], n["gpus"], n["labels"], n["schedulable"])
-             for n in node_rows]
+        placed = [Placed(r.node, r.cls, r.workload_id) for r in repo.active_replicas(conn, svc.region)]
+    nodes = [n.node() for n in node_rows]
     free = {c.cls: c.fits for c in Capacity(nodes, placed, svc.catalog, svc.reserves).summary(svc.region)}
     total = {c.cls: c.fits for c in Capacity(nodes, [], svc.catalog, svc.reserves).summary(svc.region)}
     data = []

@@ -64,13 +64,13 @@ from typing import Any
 import httpx
 
 from tensora import replicakeys, runtimes
-from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.catalog import Catalog, ComputeClass
 from tensora.drivers import launch as plan
 from tensora.drivers import vmdisk
-from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.vmdisk import ImageRefused
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import Device, Runc, SandboxError, SandboxState, host_device
 from tensora.sandbox.network import NETNS_FILE
 from tensora.storage import owner_dir

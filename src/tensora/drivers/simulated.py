@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from tensora.admission import WorkloadKind
 from tensora.capacity import Node
 from tensora.clock import Clock, FakeClock
-from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from tensora.capacity import Node
 from tensora.catalog import Catalog
-from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.kubernetes.cluster import REPLICA_LABEL, nodes_from_cluster
 from tensora.drivers.kubernetes.render import (
     CLASS_LABEL,
@@ -52,6 +52,7 @@ from tensora.drivers.kubernetes.render import (
     reconciled,
     replica_objects,
 )
+from tensora.placement.kinds import ReplicaState
 
 MANAGED = {"app.kubernetes.io/managed-by": "tensora"}
 CONFLICT_RETRIES = 5

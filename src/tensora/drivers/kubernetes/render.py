@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from tensora.admission import WorkloadKind
 from tensora.catalog import ComputeClass
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.kubernetes.cluster import GPU_RESOURCE, REPLICA_LABEL
+from tensora.placement.kinds import WorkloadKind
 from tensora.storage import owner_dir
 from tensora.units import format_memory
 

@@ -1,0 +1,1 @@
+"""Placement: the pure words and decisions of where workloads run (no I/O)."""

@@ -1,4 +1,4 @@
-"""The reconcile loop of one region: observe -> capacity -> decide -> apply -> events and usage.
+"""The reconcile loop of one region: lead -> observe -> reconcile -> snapshot -> decide -> apply.
 
 The controller holds no decisions of its own (admission makes them) and no state of its own
 (the store has it). One controller per region leads, by a lease in the store; every write
@@ -16,11 +16,11 @@ The steps are units of ``tensora.control``: ``snapshot`` (admission's inputs), `
 ``events`` (sentences rendered from values); this module is the loop that runs them in order,
 leads, fences and calls the driver. ``tensora plan`` runs the same reconcile and apply.
 
-Workload states (``placement.kinds.WorkloadState``): ``queued -> starting -> running -> stopping ->
-stopped``, plus ``failed``. An endpoint moving back stays ``running`` while a ``candidate`` replica starts on the better
-class; when it is ready it becomes the primary (traffic shifts: the gateway routes to
-primaries) and the old one drains: out of the routes at once, it keeps serving the requests in
-flight for ``drain_s``, then stops.
+Workload states (``placement.kinds.WorkloadState``): ``queued -> starting -> running ->
+stopping -> stopped``, plus ``failed``. An endpoint moving back stays ``running`` while a
+``candidate`` replica starts on the better class; when it is ready it becomes the primary
+(traffic shifts: the gateway routes to primaries) and the old one drains: out of the routes at
+once, it keeps serving the requests in flight for ``drain_s``, then stops.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ TIMER_SLACK_TICKS = 2
 for a placement within this many ticks of the timer."""
 STOP_JOIN_S = 10.0
 """How long ``stop`` waits for the loop's thread to end its cycle."""
-_TRANSIENT = (WorkloadState.STOPPING,)
+_ASKED_TO_STOP = (WorkloadState.STOPPING,)
 """The workloads reconcile reads besides those holding replicas: asked to stop, maybe with none left."""
 
 
@@ -193,7 +193,7 @@ class Controller:
                 # the workloads that hold replicas (failed or deleted ones too: their replicas still drain),
                 # and those asked to stop; queued workloads have nothing to reconcile and are not read here
                 held = {r.workload_id for r in replicas}
-                workloads = repo.workloads_by_id_or_state(conn, held, self.region, _TRANSIENT)
+                workloads = repo.workloads_by_id_or_state(conn, held, self.region, _ASKED_TO_STOP)
                 done = reconcile(StoreLedger(conn), workloads, replicas, observed, now, self.drain_s)
                 effects.start = self._specs(conn, done.start) if done.start else []
                 effects.stop = done.stop

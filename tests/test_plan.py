@@ -79,7 +79,7 @@ def test_plan_moves_back_as_the_controller_does_through_candidate_and_draining(
     the primary when ready, and the CPU replica drains (still holding its capacity) for drain_s, then stops."""
     (tmp_path / "w.yaml").write_text(MOVE_BACK)
     ledger = fleet.replay(fleet.load_nodes(EX / "nodes.yaml"), fleet.load_workloads(tmp_path / "w.yaml", CATALOG),
-                          CATALOG, at)
+                          CATALOG, at).ledger
     moved = [e for e in ledger.events if e.workload_id == "llm" and e.type != EventType.TRANSITION]
     assert [(e.type, e.at) for e in moved] == [(EventType.MOVING, 600.0), (EventType.MOVED, 600.0),
                                                *([(EventType.DRAINED, 605.0)] if at >= 605 else [])]
@@ -88,6 +88,20 @@ def test_plan_moves_back_as_the_controller_does_through_candidate_and_draining(
     assert replicas == {"cpu-16c-64g": (ReplicaRole.DRAINING, old_state),
                         "l40s-48gb": (ReplicaRole.PRIMARY, ReplicaState.RUNNING)}
     assert ledger.workloads["llm"].placed_class == "l40s-48gb"
+
+
+def test_a_stop_frees_its_capacity_at_the_moment_it_stops(tmp_path: Path) -> None:
+    """The simulated replica stops at once: a workload whose fallback timer runs out at that very moment
+    gets the GPU it asked for, not its fallback (the stop is seen by the first cycle of the moment)."""
+    (tmp_path / "w.yaml").write_text(
+        "workloads:\n"
+        "  - {kind: notebook, name: first, gpu_class: l40s-48gb, submitted_at: 0s, stop_at: 5m}\n"
+        "  - {kind: vm, name: next, gpu_class: l40s-48gb, fallback: [a100-80gb], fallback_after: 4m,"
+        " submitted_at: 1m}\n")
+    rows = {r.name: r for r in fleet.plan(fleet.load_nodes(EX / "nodes.yaml"),
+                                          fleet.load_workloads(tmp_path / "w.yaml", CATALOG), CATALOG, 300.0)}
+    assert (rows["first"].state, rows["first"].reason, rows["first"].node) == ("stopped", "stopped at 5m", "gpu-l40s-1")
+    assert (rows["next"].state, rows["next"].placed_class, rows["next"].node) == ("running", "l40s-48gb", "gpu-l40s-1")
 
 
 def test_plan_table_output() -> None:

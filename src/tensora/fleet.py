@@ -183,7 +183,8 @@ def plan(
 
     Time 0 is the start of the plan; clock times in reasons read as offsets (00:10:00 = 10m).
     """
-    ledger = replay(nodes, workloads, catalog, at, policy)
+    replayed = replay(nodes, workloads, catalog, at, policy)
+    ledger, offers = replayed.ledger, replayed.offers
     rows = []
     for pw in workloads:
         spec, w = pw.spec, ledger.workloads.get(pw.spec.name)
@@ -192,23 +193,31 @@ def plan(
                                 f"submitted at {format_duration(pw.submitted_at)}", None))
             continue
         reason = w.reason or f"submitted at {format_duration(pw.submitted_at)}"
-        if w.restart_available:
-            reason = f"{reason}; {ledger.restart_reasons.get(w.id, '')}"
+        if w.id in offers:
+            reason = f"{reason}; {offers[w.id]}"
         queued = w.state is WorkloadState.QUEUED
         eligible = format_duration(w.fallback_eligible_at) if w.fallback_eligible_at is not None and queued else None
         primary = [r for r in ledger.replicas.values()
                    if r.workload_id == w.id and r.slot == 0 and r.role is ReplicaRole.PRIMARY]
         node = primary[-1].node if primary and w.placed_class is not None else None
         rows.append(PlanRow(spec.name, spec.kind.value, spec.gpu_class, w.placed_class, w.state.value, reason,
-                            eligible, node, w.restart_available))
+                            eligible, node, w.id in offers))
     return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    ledger: MemoryLedger
+    """The rows after the replay: workloads by name, every replica, every event."""
+    offers: dict[str, str]
+    """The restart offers admission made in the last cycle (workload -> reason): what the plan reports."""
 
 
 def replay(
     nodes: Sequence[Node], workloads: Sequence[PlannedWorkload], catalog: Catalog, at: float,
     policy: Policy | None = None,
-) -> MemoryLedger:
-    """The rows (workloads by name, every replica, events) after replaying up to offset ``at``.
+) -> Replayed:
+    """The state after replaying up to offset ``at``.
 
     Each cycle is the controller's (``control.reconcile``, ``control.snapshot``, admission,
     ``control.apply``) on a simulated fleet and clock, with the rows in memory: a move back starts a
@@ -223,6 +232,7 @@ def replay(
     moments = {m for m in moments if m <= at}
     done: set[float] = set()
     models = {pw.spec.name: pw.spec.model for pw in workloads}
+    offers: dict[str, str] = {}
     while moments - done:
         now = min(moments - done)
         done.add(now)
@@ -232,13 +242,13 @@ def replay(
             if w is None and pw.submitted_at <= now:
                 w = ledger.workloads[pw.spec.name] = _submitted(pw)
             if w is not None and pw.stop_at is not None and pw.stop_at <= now and w.state not in _STOPPED:
-                _stop(ledger, w, now, f"stopped at {format_duration(pw.stop_at)}")
+                _stop(ledger, driver, w, now, f"stopped at {format_duration(pw.stop_at)}")
         for _ in range(MAX_CYCLES_PER_MOMENT):
-            later, changed = _cycle(driver, ledger, catalog, models, now, policy)
+            later, changed, offers = _cycle(driver, ledger, catalog, models, now, policy)
             moments.update(m for m in later if m <= at)
             if not changed:
                 break
-    return ledger
+    return Replayed(ledger, offers)
 
 
 _STOPPED = (WorkloadState.STOPPING, WorkloadState.STOPPED)
@@ -253,18 +263,21 @@ def _submitted(pw: PlannedWorkload) -> WorkloadRow:
                        s.model_bytes, t, t, queued_since=t)
 
 
-def _stop(ledger: MemoryLedger, w: WorkloadRow, now: float, reason: str) -> None:
-    """What ``POST .../stop`` records: the workload and its replicas ``stopping``; reconcile stops them."""
+def _stop(ledger: MemoryLedger, driver: SimulatedDriver, w: WorkloadRow, now: float, reason: str) -> None:
+    """What ``POST .../stop`` records (the workload and its replicas ``stopping``), and the simulated
+    replicas stopped at once: the next reconcile sees them gone and frees their capacity."""
     ledger.update_workload(w.id, {"state": WorkloadState.STOPPING, "updated_at": now, "restart_available": False,
                                   "reason": reason})
     for r in ledger.active():
         if r.workload_id == w.id:
             ledger.update_replica(r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
+            driver.stop(r.id)
 
 
 def _cycle(driver: SimulatedDriver, ledger: MemoryLedger, catalog: Catalog, models: dict[str, str | None],
-           now: float, policy: Policy | None) -> tuple[list[float], bool]:
-    """One controller cycle on the simulated fleet: moments worth revisiting, and whether anything moved."""
+           now: float, policy: Policy | None) -> tuple[list[float], bool, dict[str, str]]:
+    """One controller cycle on the simulated fleet: moments worth revisiting, whether anything moved, and
+    the restart offers made."""
     # observe and reconcile
     observed = {s.id: s for s in driver.observe()}
     replicas = ledger.active()
@@ -278,7 +291,7 @@ def _cycle(driver: SimulatedDriver, ledger: MemoryLedger, catalog: Catalog, mode
     applied = apply(ledger, decide(snap.queue, snap.capacity, snap.running, now, policy), snap.workloads, now)
     _effects(driver, models, applied.start, [])
     changed = bool(done.transitions or done.start or done.stop or applied.start)
-    return [*applied.later, *done.drains_end], changed
+    return [*applied.later, *done.drains_end], changed, applied.offers
 
 
 def _effects(driver: SimulatedDriver, models: dict[str, str | None],

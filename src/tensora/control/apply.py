@@ -26,6 +26,9 @@ class Applied:
     """Replicas recorded ``starting``, for the driver."""
     later: list[float] = field(default_factory=list)
     """Fallback timers still to run out (moments ``tensora plan`` revisits)."""
+    offers: dict[str, str] = field(default_factory=dict)
+    """This cycle's restart offers (workload id -> reason). The store keeps the first offer's reason until
+    it is withdrawn; ``tensora plan`` shows the current one."""
 
 
 def apply(ledger: Ledger, decisions: Sequence[Decision], workloads: Mapping[str, WorkloadRow],
@@ -68,6 +71,7 @@ def apply(ledger: Ledger, decisions: Sequence[Decision], workloads: Mapping[str,
             out.promoted += 1
         elif isinstance(d, RestartAvailable):
             restart[w.id] = d
+            out.offers[w.id] = d.reason
     ledger.add_events(events)
     ledger.set_wait_reasons(waits)
     for wid, w in rows.items():

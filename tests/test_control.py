@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -116,7 +115,7 @@ def test_housekeeping_is_due_on_the_first_cycle_and_every_period_after(cycle: in
 def wrow(wid: str, state: WorkloadState = WorkloadState.QUEUED, **kw: Any) -> WorkloadRow:
     base = WorkloadRow(wid, "alice", WorkloadKind.ENDPOINT, "local", "l40s-48gb", "l40s-48gb", None, ("cpu",), 0.0,
                        "policy", state, "", None, False, 1, None, None, T0, T0, queued_since=T0)
-    return replace(base, **kw)
+    return base._replace(**kw)
 
 
 def rrow(rid: str, wid: str, cls: str, node: str, slot: int = 0, state: ReplicaState = ReplicaState.RUNNING,

@@ -104,9 +104,9 @@ def _second_replica(r: Routes) -> None:
     (w,) = r.write(lambda c: repo.serving_endpoints(c, "local"))
     (x,) = r.write(lambda c: repo.replicas_of(c, [w["id"]]))
     now = r.st.clock.now()
-    r.write(lambda c: repo.insert_replica(c, ReplicaRow.of({**x, "id": "rp_second", "slot": 1,
-                                                            "url": "http://127.0.0.1:8/v1",
-                                                            "created_at": now, "updated_at": now})))
+    second = ReplicaRow.of_mapping({**x, "id": "rp_second", "slot": 1, "url": "http://127.0.0.1:8/v1",
+                                    "created_at": now, "updated_at": now})
+    r.write(lambda c: repo.insert_replica(c, second))
 
 
 def _replica_gone(r: Routes) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sqlalchemy import Connection
@@ -58,7 +58,7 @@ def transition(ledger: Ledger, w: WorkloadRow, from_state: WorkloadState, to_sta
     if not ledger.update_workload(w.id, values, expect_state=from_state):
         return None
     ledger.add_event(EventRow(w.id, now, EventType.TRANSITION, reason, from_state, to_state))
-    return replace(w, **values)  # type: ignore[arg-type]  # the keys are WorkloadRow's columns
+    return w._replace(**values)  # type: ignore[arg-type]  # the keys are WorkloadRow's columns
 
 
 def new_replica(ledger: Ledger, w: WorkloadRow, slot: int, cls: str, node: str, role: ReplicaRole,
@@ -103,8 +103,8 @@ class StoreLedger:
         repo.set_wait_reasons(self.conn, waits)
 
 
-_WORKLOAD_FIELDS = frozenset(f.name for f in fields(WorkloadRow))
-_REPLICA_FIELDS = frozenset(f.name for f in fields(ReplicaRow))
+_WORKLOAD_FIELDS = frozenset(WorkloadRow._fields)
+_REPLICA_FIELDS = frozenset(ReplicaRow._fields)
 
 
 @dataclass
@@ -129,13 +129,14 @@ class MemoryLedger:
             return False
         if "restart_reason" in values:
             self.restart_reasons[workload_id] = str(values["restart_reason"])
-        self.workloads[workload_id] = replace(w, **{k: v for k, v in values.items()  # type: ignore[arg-type]
+        self.workloads[workload_id] = w._replace(**{k: v for k, v in values.items()  # type: ignore[arg-type]
                                                     if k in _WORKLOAD_FIELDS})
         return True
 
     def update_replica(self, replica_id: str, values: Values) -> None:
-        self.replicas[replica_id] = replace(self.replicas[replica_id],
-                                            **{k: v for k, v in values.items() if k in _REPLICA_FIELDS})  # type: ignore[arg-type]
+        r = self.replicas[replica_id]
+        self.replicas[replica_id] = r._replace(**{k: v for k, v in values.items()  # type: ignore[arg-type]
+                                                  if k in _REPLICA_FIELDS})
 
     def insert_replica(self, r: ReplicaRow, w: WorkloadRow, now: float) -> None:
         self.replicas[r.id] = r
@@ -153,7 +154,7 @@ class MemoryLedger:
         for wid, reason, at in waits:
             w = self.workloads.get(wid)
             if w is not None and w.state is WorkloadState.QUEUED:
-                self.workloads[wid] = replace(w, reason=reason, fallback_eligible_at=at)
+                self.workloads[wid] = w._replace(reason=reason, fallback_eligible_at=at)
 
     def active(self) -> list[ReplicaRow]:
         """The replicas that hold capacity (the store's ``active_replicas``)."""

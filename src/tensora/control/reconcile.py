@@ -9,7 +9,7 @@ re-starts what a crash left recorded but never handed to the driver. Writes go t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tensora.control.events import (
     AllStopped,
@@ -116,7 +116,7 @@ class _Reconcile:
         if seen.state is ReplicaState.RUNNING and r.state is ReplicaState.STARTING:
             self.ledger.update_replica(r.id, {"state": ReplicaState.RUNNING, "url": seen.url,
                                               "served_model": seen.served_model, "updated_at": now})
-            r = self.r[r.id] = replace(r, state=ReplicaState.RUNNING)
+            r = self.r[r.id] = r._replace(state=ReplicaState.RUNNING)
             if r.role is ReplicaRole.CANDIDATE:
                 return self.finish_move(w, r)
             if w.state is WorkloadState.STARTING:
@@ -127,7 +127,7 @@ class _Reconcile:
     def done(self, r: ReplicaRow, state: ReplicaState, detail: str) -> None:
         self.ledger.update_replica(r.id, {"state": state, "updated_at": self.now, "detail": detail})
         self.ledger.close_segment(r.id, self.now)
-        self.r[r.id] = replace(r, state=state)
+        self.r[r.id] = r._replace(state=state)
 
     def failed(self, w: WorkloadRow, r: ReplicaRow, why: str) -> int:
         self.done(r, ReplicaState.FAILED, why)

@@ -167,7 +167,7 @@ _W_ROW = [W.c[k] for k in WORKLOAD_COLUMNS]  # no name, model or spec: a cycle r
 def workloads_in(conn: Connection, region: str, states: Iterable[WorkloadState]) -> list[WorkloadRow]:
     """The region's workloads in ``states``, as a cycle reads them (no ``spec``)."""
     q = select(*_W_ROW).where(W.c.region == region, W.c.state.in_(list(states)))
-    return [WorkloadRow.of(r) for r in conn.execute(q).mappings()]
+    return [WorkloadRow.of(r) for r in conn.execute(q)]
 
 
 _SET_WAIT = (update(W).where(W.c.id == bindparam("b_id"), W.c.state == WorkloadState.QUEUED)
@@ -186,7 +186,7 @@ def workloads_by_id_or_state(conn: Connection, ids: Iterable[str], region: str,
     """Workloads named in ``ids`` (deleted ones too), and the region's workloads in ``states``."""
     q = select(*_W_ROW).where(or_(W.c.id.in_(bindparam("ids", expanding=True)),
                                   and_(W.c.region == region, W.c.state.in_(bindparam("states", expanding=True)))))
-    return [WorkloadRow.of(r) for r in conn.execute(q, {"ids": list(ids), "states": list(states)}).mappings()]
+    return [WorkloadRow.of(r) for r in conn.execute(q, {"ids": list(ids), "states": list(states)})]
 
 
 def add_event(conn: Connection, workload_id: str, at: float, type_: str, reason: str,
@@ -209,7 +209,7 @@ def list_events(conn: Connection, workload_id: str, limit: int = 1000) -> list[E
 # -- replicas -------------------------------------------------------------------------
 
 def insert_replica(conn: Connection, row: ReplicaRow) -> None:
-    conn.execute(_INSERT_R, asdict(row))
+    conn.execute(_INSERT_R, row._asdict())
 
 
 def replicas_of(conn: Connection, workload_ids: Sequence[str], active_only: bool = True) -> list[dict[str, Any]]:
@@ -229,7 +229,7 @@ _ACTIVE_IN = select(*(R.c[k] for k in REPLICA_COLUMNS)).where(R.c.region == bind
 
 def active_replicas(conn: Connection, region: str) -> list[ReplicaRow]:
     """The region's replicas that hold capacity."""
-    return [ReplicaRow.of(r) for r in conn.execute(_ACTIVE_IN, {"b_region": region}).mappings()]
+    return [ReplicaRow.of(r) for r in conn.execute(_ACTIVE_IN, {"b_region": region})]
 
 
 def unreleased(conn: Connection, region: str, limit: int = 50) -> list[str]:
@@ -344,7 +344,7 @@ def held_replicas(conn: Connection) -> list[HeldReplica]:
     """Every replica that holds capacity, in every region, with its workload's owner (running quotas)."""
     q = (select(W.c.owner, R.c.workload_id, R.c.slot, R.c.cls).join(W, W.c.id == R.c.workload_id)
          .where(R.c.state.in_(ACTIVE_REPLICA)))
-    return [HeldReplica(*r) for r in conn.execute(q)]
+    return [HeldReplica._make(r) for r in conn.execute(q)]
 
 
 def workload_specs(conn: Connection, ids: Iterable[str]) -> dict[str, dict[str, Any]]:

@@ -36,10 +36,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tensora.config.catalog import default_catalog
-from tensora.placement.admission import Place, Queued, Wait, WorkloadKind, decide
+from tensora.placement.admission import Place, Queued, Wait, decide
 from tensora.placement.admission_state import AdmissionState, ReplicaEnded, Submitted, step
 from tensora.placement.capacity import Capacity, Node, Placed
 from tensora.placement.catalog import Catalog
+from tensora.placement.kinds import WorkloadKind
 
 GIB = 2**30
 REGION = "local"

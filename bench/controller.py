@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tensora.clock import FakeClock
 from tensora.config.catalog import default_catalog
+from tensora.control import snapshot
 from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
@@ -74,8 +75,8 @@ def measure(db_url: str, queued: int, spec_kib: int, cycles: int) -> dict[str, f
         cpu.append(time.process_time() - began_cpu)
         assert report.leader and report.waiting == queued and report.placed == 0, report
     with db.read() as conn:
-        got = c._snapshot(conn, nodes)[3]
-    spec_bytes = sum(len(str(w.get("spec") or "")) for w in got.values())
+        got = repo.workloads_in(conn, "local", snapshot.LIVE)  # the snapshot's read (its rows hold no spec)
+    spec_bytes = sum(len(str(getattr(w, "spec", None) or "")) for w in got)
     db.dispose()
     return {"median_ms": statistics.median(times) * 1000, "min_ms": min(times) * 1000,
             "cpu_ms": statistics.median(cpu) * 1000,

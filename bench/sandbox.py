@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from tensora.config.catalog import default_catalog
-from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import Isolation, LocalDriver
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import available
 from tensora.sandbox.network import helper_pid
 

@@ -42,10 +42,11 @@ from tensora.config.settings import (
     load_settings,
 )
 from tensora.control.controller import Controller
-from tensora.drivers.base import Driver, ReplicaState, ReplicaStatus
+from tensora.drivers.base import Driver, ReplicaStatus
 from tensora.drivers.hardware import gpu_notes, offered
 from tensora.errors import ConfigError, TensoraError
 from tensora.placement.catalog import Catalog
+from tensora.placement.kinds import ReplicaState
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir

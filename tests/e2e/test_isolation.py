@@ -30,14 +30,14 @@ import websockets.sync.client
 from tensora.config.catalog import default_catalog, load_catalog
 from tensora.config.settings import ServeSettings, describe_isolation, isolation_of
 from tensora.drivers import launch as plan
-from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import Isolation, LocalDriver
 from tensora.drivers.vmdisk import DiskFormat, ImageInfo, Layer
 from tensora.models import runtimes
 from tensora.models.tinymodel import write_tiny_model
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import ComputeClass, Kind
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import Limits, Mount, Runc, SandboxSpec, available
 from tests.support import services
 from tests.support.services import free_port

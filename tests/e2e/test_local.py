@@ -26,14 +26,14 @@ import pytest
 
 from tensora import apikeys, replicakeys
 from tensora.config.catalog import default_catalog
-from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import LocalDriver, qmp
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.models import runtimes
 from tensora.models.tinymodel import write_tiny_model
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sdk import Client
 from tensora.storage import owner_dir
 from tests.support.gateway_harness import make_table, serving

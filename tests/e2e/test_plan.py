@@ -8,10 +8,17 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
+
+from tensora.config.catalog import default_catalog
+from tensora.control import fleet
+from tensora.control.events import EventType
+from tensora.placement.kinds import ReplicaRole, ReplicaState
 
 ROOT = Path(__file__).resolve().parents[2]
 EX = ROOT / "examples"
+CATALOG = default_catalog()
 
 
 def tensora(*args: str) -> subprocess.CompletedProcess[str]:
@@ -52,9 +59,49 @@ def test_plan_moves_an_endpoint_back_when_the_gpu_frees(tmp_path: Path) -> None:
         "  - {kind: notebook, name: nb, gpu_class: a100-80gb, fallback: [cpu], submitted_at: 1m}\n"
         "  - {kind: vm, name: hog, gpu_class: a100-80gb, submitted_at: 0s, stop_at: 20m}\n")
     rows = plan_json("11m", wl)
-    assert rows["llm"]["placed_class"] == "l40s-48gb" and "moving back" in rows["llm"]["reason"]
+    # the controller's move back: a candidate on the L40S, ready, then primary while the CPU replica drains
+    assert rows["llm"]["placed_class"] == "l40s-48gb" and rows["llm"]["reason"].startswith("moved back to l40s-48gb")
     later = plan_json("21m", wl)
     assert later["nb"]["placed_class"].startswith("cpu-") and later["nb"]["restart_available"] is True
+
+
+MOVE_BACK = ("workloads:\n"
+             "  - {kind: notebook, name: first, gpu_class: l40s-48gb, submitted_at: 0s, stop_at: 10m}\n"
+             "  - {kind: endpoint, name: llm, gpu_class: l40s-48gb, fallback: [cpu], model_params: 1B,"
+             " submitted_at: 1m}\n")
+
+
+@pytest.mark.parametrize(("at", "old_state"), [pytest.param(600.0, ReplicaState.RUNNING, id="while it drains"),
+                                               pytest.param(605.0, ReplicaState.STOPPED, id="drained")])
+def test_plan_moves_back_as_the_controller_does_through_candidate_and_draining(
+        tmp_path: Path, at: float, old_state: ReplicaState) -> None:
+    """The plan runs the controller's apply and reconcile: the L40S replica starts as a candidate, becomes
+    the primary when ready, and the CPU replica drains (still holding its capacity) for drain_s, then stops."""
+    (tmp_path / "w.yaml").write_text(MOVE_BACK)
+    ledger = fleet.replay(fleet.load_nodes(EX / "nodes.yaml"), fleet.load_workloads(tmp_path / "w.yaml", CATALOG),
+                          CATALOG, at).ledger
+    moved = [e for e in ledger.events if e.workload_id == "llm" and e.type != EventType.TRANSITION]
+    assert [(e.type, e.at) for e in moved] == [(EventType.MOVING, 600.0), (EventType.MOVED, 600.0),
+                                               *([(EventType.DRAINED, 605.0)] if at >= 605 else [])]
+    assert moved[0].reason.startswith("moving back to l40s-48gb from cpu-16c-64g")
+    replicas = {r.cls: (r.role, r.state) for r in ledger.replicas.values() if r.workload_id == "llm"}
+    assert replicas == {"cpu-16c-64g": (ReplicaRole.DRAINING, old_state),
+                        "l40s-48gb": (ReplicaRole.PRIMARY, ReplicaState.RUNNING)}
+    assert ledger.workloads["llm"].placed_class == "l40s-48gb"
+
+
+def test_a_stop_frees_its_capacity_at_the_moment_it_stops(tmp_path: Path) -> None:
+    """The simulated replica stops at once: a workload whose fallback timer runs out at that very moment
+    gets the GPU it asked for, not its fallback (the stop is seen by the first cycle of the moment)."""
+    (tmp_path / "w.yaml").write_text(
+        "workloads:\n"
+        "  - {kind: notebook, name: first, gpu_class: l40s-48gb, submitted_at: 0s, stop_at: 5m}\n"
+        "  - {kind: vm, name: next, gpu_class: l40s-48gb, fallback: [a100-80gb], fallback_after: 4m,"
+        " submitted_at: 1m}\n")
+    rows = {r.name: r for r in fleet.plan(fleet.load_nodes(EX / "nodes.yaml"),
+                                          fleet.load_workloads(tmp_path / "w.yaml", CATALOG), CATALOG, 300.0)}
+    assert (rows["first"].state, rows["first"].reason, rows["first"].node) == ("stopped", "stopped at 5m", "gpu-l40s-1")
+    assert (rows["next"].state, rows["next"].placed_class, rows["next"].node) == ("running", "l40s-48gb", "gpu-l40s-1")
 
 
 def test_plan_table_output() -> None:

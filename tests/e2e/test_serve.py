@@ -24,8 +24,9 @@ import pytest
 
 from tensora.apikeys import well_formed
 from tensora.config.settings import ADMIN_KEY_FILE, ServeSettings, load_settings
-from tensora.drivers.base import ReplicaState, ReplicaStatus
+from tensora.drivers.base import ReplicaStatus
 from tensora.errors import ConfigError
+from tensora.placement.kinds import ReplicaState
 from tensora.serve import build, left_running
 from tests.support.services import PgCluster, free_port
 

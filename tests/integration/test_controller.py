@@ -11,13 +11,14 @@ import pytest
 
 from tensora.clock import FakeClock, SystemClock
 from tensora.config.catalog import default_catalog
-from tensora.control import workloads
+from tensora.control import snapshot, workloads
 from tensora.control.controller import Controller
 from tensora.control.spec import parse_spec
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
 from tensora.store import repo
 from tensora.store.db import Database
+from tensora.store.rows import WORKLOAD_COLUMNS
 from tests.support.doubles import Crash, CrashingDriver
 from tests.support.stack import GI, T0, fleet
 
@@ -54,7 +55,7 @@ def get(db: Database, wid: str) -> dict[str, Any]:
 
 def events(db: Database, wid: str) -> list[str]:
     with db.read() as conn:
-        return [e["reason"] for e in repo.list_events(conn, wid)]
+        return [e.reason for e in repo.list_events(conn, wid)]
 
 
 def replicas(db: Database, wid: str, active_only: bool = True) -> list[dict[str, Any]]:
@@ -476,9 +477,9 @@ def test_a_cycle_reads_the_spec_only_of_what_it_starts(db: Database, monkeypatch
     c.run_once()
     c.run_once()
     assert read == [{ids[0]}, set()]  # the placed one, once; never the two still queued
-    with db.read() as conn:
-        rows = c._snapshot(conn, fleet())[3]
-    assert set(rows) == set(ids) and not any("spec" in w for w in rows.values())
+    with db.read() as conn:  # what the snapshot reads: rows that cannot hold a spec
+        rows = repo.workloads_in(conn, "local", snapshot.LIVE)
+    assert {w.id for w in rows} == set(ids) and "spec" not in WORKLOAD_COLUMNS
     assert [(s.workload_id, s.model) for s in sim.specs()] == [(ids[0], "/models/m0")]
 
 

@@ -23,6 +23,7 @@ from tensora.gateway.routedoc import RouteDocument
 from tensora.gateway.routes import table_from_json
 from tensora.placement.quotas import Limits, OwnerSettings
 from tensora.store import repo
+from tensora.store.rows import ReplicaRow
 from tests.support import services
 from tests.support.stack import Stack, stack
 
@@ -106,8 +107,9 @@ def _second_replica(r: Routes) -> None:
     (w,) = r.write(lambda c: repo.serving_endpoints(c, "local"))
     (x,) = r.write(lambda c: repo.replicas_of(c, [w["id"]]))
     now = r.st.clock.now()
-    r.write(lambda c: repo.insert_replica(c, {**x, "id": "rp_second", "slot": 1, "url": "http://127.0.0.1:8/v1",
-                                              "created_at": now, "updated_at": now}))
+    second = ReplicaRow.of_mapping({**x, "id": "rp_second", "slot": 1, "url": "http://127.0.0.1:8/v1",
+                                    "created_at": now, "updated_at": now})
+    r.write(lambda c: repo.insert_replica(c, second))
 
 
 def _replica_gone(r: Routes) -> None:

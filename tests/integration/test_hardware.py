@@ -23,8 +23,9 @@ from tensora.drivers.hardware import (
     offered,
     parse_nvidia_smi,
 )
-from tensora.placement.admission import Place, Queued, WorkloadKind, decide
+from tensora.placement.admission import Place, Queued, decide
 from tensora.placement.capacity import Capacity, Node, Placed
+from tensora.placement.kinds import WorkloadKind
 
 GIB = 2**30
 MIB = 2**20

@@ -18,10 +18,10 @@ import orjson
 import pytest
 
 from tensora.config.catalog import default_catalog
-from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.kubernetes.driver import KubernetesDriver, connect
 from tensora.drivers.kubernetes.render import KATA, home_claim_name, object_name
-from tensora.placement.admission import WorkloadKind
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.storage import owner_dir
 from tests.support import services
 from tests.support.kube_double import ENFORCE, NAMESPACES, ApiServerDouble
@@ -444,7 +444,7 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
         assert runtimes() == ["tensora-vllm"], runtimes()
         assert state()["placed_class"] == "l40s-48gb" and set(seen_states) == {"running"}
         with svc.db.read() as conn:
-            reasons = [e["reason"] for e in repo.list_events(conn, ep["id"])]
+            reasons = [e.reason for e in repo.list_events(conn, ep["id"])]
         assert any("l40s-48gb" in r and ("move" in r or "promot" in r) for r in reasons), reasons
     finally:
         svc.controller.driver.close()  # type: ignore[attr-defined]

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tensora.config.catalog import default_catalog
-from tensora.drivers.base import ReplicaSpec, ReplicaState
-from tensora.placement.admission import WorkloadKind
+from tensora.drivers.base import ReplicaSpec
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 
 KUBECONFIG = os.environ.get("TENSORA_TEST_KUBECONFIG")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

@@ -190,7 +190,7 @@ def test_the_controller_may_do_exactly_what_its_driver_does_to_replicas_objects(
     from tensora.drivers.base import ReplicaSpec
     from tensora.drivers.kubernetes.driver import _resources
     from tensora.drivers.kubernetes.render import Context, replica_objects
-    from tensora.placement.admission import WorkloadKind
+    from tensora.placement.kinds import WorkloadKind
 
     catalog = default_catalog()
     rendered = [doc for kind, cls in ((WorkloadKind.NOTEBOOK, "cpu-4c-16g"), (WorkloadKind.VM, "l40s-48gb"),

@@ -54,7 +54,7 @@ class World:
             self.stack.controller.run_once()
         with self.stack.services.db.write() as conn:
             for r in repo.active_replicas(conn, "local"):
-                repo.update_replica(conn, r["id"], {"url": f"http://127.0.0.1:9/{r['id']}/v1"})
+                repo.update_replica(conn, r.id, {"url": f"http://127.0.0.1:9/{r.id}/v1"})
 
     def row_spec(self, wid: str) -> dict[str, Any]:
         with self.stack.services.db.read() as conn:

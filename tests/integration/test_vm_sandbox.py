@@ -27,10 +27,10 @@ import pytest
 
 from tensora.config.catalog import default_catalog
 from tensora.drivers import launch as plan
-from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.local import Isolation, LocalDriver, qmp
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import available
 from tensora.storage import owner_dir
 from tests.support.services import sweep

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tensora.config.catalog import default_catalog
-from tensora.placement.admission import Place, Promote, Queued, RestartAvailable, Running, Wait, WorkloadKind
+from tensora.placement.admission import Place, Promote, Queued, RestartAvailable, Running, Wait
 from tensora.placement.capacity import CORES_LABEL, Capacity, Node, Placed
 from tensora.placement.catalog import Catalog
+from tensora.placement.kinds import WorkloadKind
 
 GI = 2**30
 CATALOG = default_catalog()

@@ -6,17 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tensora.placement.admission import (
-    Outcome,
-    Place,
-    Policy,
-    Queued,
-    Running,
-    Wait,
-    WorkloadKind,
-    decide,
-)
+from tensora.placement.admission import Outcome, Place, Policy, Queued, Running, Wait, decide
 from tensora.placement.capacity import Node, Placed
+from tensora.placement.kinds import WorkloadKind
 from tests.support.builders import cap, cores_node, cpu_node, ep, gpu_node, outcomes, running, w
 
 

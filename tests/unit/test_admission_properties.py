@@ -8,8 +8,9 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensora.placement.admission import Place, Promote, Queued, Wait, WorkloadKind, decide
+from tensora.placement.admission import Place, Promote, Queued, Wait, decide
 from tensora.placement.capacity import Capacity, Node
+from tensora.placement.kinds import WorkloadKind
 from tensora.units import parse_duration
 from tests.support.builders import CATALOG, GI
 

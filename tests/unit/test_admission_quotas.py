@@ -8,19 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensora.placement.admission import (
-    Outcome,
-    OwnerQuotas,
-    Place,
-    Policy,
-    Queued,
-    Running,
-    Wait,
-    WorkloadKind,
-    decide,
-    share,
-)
+from tensora.placement.admission import Outcome, OwnerQuotas, Place, Policy, Queued, Running, Wait, decide, share
 from tensora.placement.capacity import Capacity, Node, Placed
+from tensora.placement.kinds import WorkloadKind
 from tensora.placement.quotas import Quotas
 from tests.support.builders import CATALOG, cap, cpu_node, ep, gpu_node, outcomes, w
 from tests.unit.test_admission_properties import nodes_st, queue_st

@@ -25,7 +25,6 @@ from tensora.placement.admission import (
     RestartAvailable,
     Running,
     Wait,
-    WorkloadKind,
     decide,
 )
 from tensora.placement.admission_state import (
@@ -43,6 +42,7 @@ from tensora.placement.admission_state import (
     step,
 )
 from tensora.placement.capacity import Capacity, Node, Placed
+from tensora.placement.kinds import WorkloadKind
 from tensora.placement.quotas import Quotas
 from tests.support.builders import CATALOG, GI, gpu_node, w
 

@@ -29,7 +29,7 @@ from tensora.drivers.kubernetes.render import (
     label_value,
     replica_objects,
 )
-from tensora.placement.admission import WorkloadKind
+from tensora.placement.kinds import WorkloadKind
 from tensora.storage import owner_dir
 from tests.support.kube_double import RESTRICTED, violations
 from tests.support.kube_schemas import validate

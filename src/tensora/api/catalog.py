@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from tensora.api.deps import ERRORS, Reader, Svc
 from tensora.api.schemas import CatalogOut
-from tensora.placement.capacity import Capacity, Node, Placed
+from tensora.placement.capacity import Capacity, Placed
 from tensora.store import repo
 from tensora.units import format_memory
 
@@ -19,9 +19,8 @@ router = APIRouter()
 def catalog(svc: Svc, _: Reader) -> dict[str, Any]:
     with svc.db.read() as conn:
         node_rows = repo.nodes_in(conn, svc.region)
-        placed = [Placed(r["node"], r["cls"], r["workload_id"]) for r in repo.active_replicas(conn, svc.region)]
-    nodes = [Node(n["name"], n["region"], n["cpu"], n["memory"], n["gpus"], n["labels"], n["schedulable"])
-             for n in node_rows]
+        placed = [Placed(r.node, r.cls, r.workload_id) for r in repo.active_replicas(conn, svc.region)]
+    nodes = [n.node() for n in node_rows]
     free = {c.cls: c.fits for c in Capacity(nodes, placed, svc.catalog, svc.reserves).summary(svc.region)}
     total = {c.cls: c.fits for c in Capacity(nodes, [], svc.catalog, svc.reserves).summary(svc.region)}
     data = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query
@@ -103,7 +104,7 @@ def workload_events(workload_id: str, svc: Svc, p: Reader,
     with svc.db.read() as conn:
         _own(conn, p, workload_id)
         events = repo.list_events(conn, workload_id)
-    return {"data": [{**e, "at": iso(e["at"]), "workload_id": None} for e in events]}
+    return {"data": [{**asdict(e), "at": iso(e.at), "workload_id": None} for e in events]}
 
 
 @router.post("/v1/workloads/{workload_id}/stop", response_model=WorkloadOut, responses=ERRORS,

@@ -1,4 +1,4 @@
-"""The reconcile loop of one region: observe -> capacity -> decide -> apply -> events and usage.
+"""The reconcile loop of one region: lead -> observe -> reconcile -> snapshot -> decide -> apply.
 
 The controller holds no decisions of its own (admission makes them) and no state of its own
 (the store has it). One controller per region leads, by a lease in the store; every write
@@ -11,11 +11,16 @@ crash between the two loses nothing: the next cycle (of this or the next leader)
 replica recorded ``starting`` that the driver does not know and starts it, or one recorded
 ``stopping`` that still runs and stops it. Driver calls are idempotent by replica id.
 
-Workload states: ``queued -> starting -> running -> stopping -> stopped``, plus ``failed``.
-An endpoint moving back stays ``running`` while a ``candidate`` replica starts on the better
-class; when it is ready it becomes the primary (traffic shifts: the gateway routes to
-primaries) and the old one drains: out of the routes at once, it keeps serving the requests in
-flight for ``drain_s``, then stops.
+The steps are units of ``tensora.control``: ``snapshot`` (admission's inputs), ``reconcile``
+(observed against recorded), ``apply`` (admission's decisions recorded), ``housekeeping`` and
+``events`` (sentences rendered from values); this module is the loop that runs them in order,
+leads, fences and calls the driver. ``tensora plan`` runs the same reconcile and apply.
+
+Workload states (``placement.kinds.WorkloadState``): ``queued -> starting -> running ->
+stopping -> stopped``, plus ``failed``. An endpoint moving back stays ``running`` while a
+``candidate`` replica starts on the better class; when it is ready it becomes the primary
+(traffic shifts: the gateway routes to primaries) and the old one drains: out of the routes at
+once, it keeps serving the requests in flight for ``drain_s``, then stops.
 """
 
 from __future__ import annotations
@@ -25,33 +30,50 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+
+from sqlalchemy import Connection
 
 from tensora.clock import Clock, SystemClock
-from tensora.drivers.base import Driver, ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.control import housekeeping, snapshot
+from tensora.control.apply import apply
+from tensora.control.ledger import StoreLedger
+from tensora.control.reconcile import DRAIN_S, reconcile
+from tensora.drivers.base import Driver, ReplicaSpec
 from tensora.errors import Conflict, StoreUnavailable
 from tensora.placement.admission import (
-    OwnerQuotas,
-    Place,
     Policy,
-    Promote,
-    Queued,
-    RestartAvailable,
-    Running,
-    Wait,
-    WorkloadKind,
     decide,
-    share,
 )
-from tensora.placement.capacity import Capacity, GpuReserve, Node, Placed
+from tensora.placement.capacity import GpuReserve, Node
 from tensora.placement.catalog import Catalog
-from tensora.placement.quotas import OwnerSettings, Quotas
+from tensora.placement.kinds import WorkloadState
+from tensora.placement.quotas import OwnerSettings
 from tensora.store import repo
 from tensora.store.db import Database
+from tensora.store.rows import NodeRow, ReplicaRow, WorkloadRow
 
 log = logging.getLogger("tensora.controller")
 
+LEASE_TTL_S = 15.0
+"""How long a leader's lease lasts unless renewed (every write transaction renews it): a standby takes
+over within this long of a leader's death; several ticks, so a slow cycle does not lose it."""
+TICK_S = 2.0
+"""Seconds between cycles when nothing wakes the loop (creates and stops wake it at once)."""
+STARTING_TICK_S = 0.5
+"""The tick while replicas are starting, stopping or draining: a ready replica is noticed within this."""
+MIN_GAP_S = 0.02
+"""The least rest between two cycles when woken early (a burst of creates)."""
+BUSY_REST = 2.0
+"""A woken loop rests this many times as long as its last cycle took: a busy controller serves many
+requests per cycle and takes at most about a third of a core."""
+TIMER_SLACK_TICKS = 2
+"""A fallback timer is noticed up to a tick (and a cycle) late: admission's reason says the policy's wait
+for a placement within this many ticks of the timer."""
+STOP_JOIN_S = 10.0
+"""How long ``stop`` waits for the loop's thread to end its cycle."""
+_ASKED_TO_STOP = (WorkloadState.STOPPING,)
+"""The workloads reconcile reads besides those holding replicas: asked to stop, maybe with none left."""
 
 
 class LostLease(Exception):
@@ -87,27 +109,26 @@ class Controller:
 
     def __init__(self, db: Database, driver: Driver, catalog: Catalog, *, region: str = "local",
                  clock: Clock | None = None, policy: Policy | None = None, holder: str | None = None,
-                 lease_ttl_s: float = 15.0, tick_s: float = 2.0, min_gap_s: float = 0.02, drain_s: float = 5.0,
-                 reserves: dict[str, GpuReserve] | None = None, release_every: int = 15,
+                 lease_ttl_s: float = LEASE_TTL_S, tick_s: float = TICK_S, min_gap_s: float = MIN_GAP_S,
+                 drain_s: float = DRAIN_S, reserves: dict[str, GpuReserve] | None = None,
+                 release_every: int = housekeeping.RELEASE_EVERY,
                  sandbox_uids: tuple[int, int] = (repo.UID_FIRST, repo.UID_LAST),
                  owner_defaults: OwnerSettings | None = None) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
         self.owner_defaults = owner_defaults or OwnerSettings()  # quotas unless an admin set an owner's own
         self.clock = clock or SystemClock()
-        # a fallback timer is noticed up to a tick (and a cycle) late: the reason says the policy's wait
-        self.policy = policy or Policy(timer_slack_s=max(Policy().timer_slack_s, 2 * tick_s))
+        self.policy = policy or Policy(timer_slack_s=max(Policy().timer_slack_s, TIMER_SLACK_TICKS * tick_s))
         self.holder = holder or f"controller-{uuid.uuid4().hex[:12]}"
         self.lease_name = f"controller/{region}"
         self.lease_ttl_s, self.tick_s, self.min_gap_s = lease_ttl_s, tick_s, min_gap_s
         self.drain_s = drain_s  # a replica replaced by a move back serves its in-flight requests this long
-        self.starting_tick_s = 0.5
+        self.starting_tick_s = STARTING_TICK_S
         self.sandbox_uids = sandbox_uids  # the range owners' sandbox uids are allocated from
         self.reserves = reserves
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._known_nodes: list[dict[str, Any]] | None = None
-        self._starting = 0
+        self._known_nodes: list[NodeRow] | None = None
         self._cycles = 0
         self.release_every = release_every  # cycles between looks for deleted workloads' storage to give back
         self._released: list[str] = []  # given back by the driver, recorded in the next cycle's write
@@ -127,7 +148,7 @@ class Controller:
         self._stop.set()
         self._wake.set()
         if self._thread:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=STOP_JOIN_S)
         if release:
             try:
                 with self.db.write() as conn:
@@ -148,10 +169,8 @@ class Controller:
                 log.exception("controller cycle failed; the next one redoes its work")
             ended = time.monotonic()
             self._wake.wait(min(self.tick_s, self.starting_tick_s) if report.starting else self.tick_s)
-            # Woken early (a burst of creates): rest at least min_gap_s, and twice as long as the
-            # last cycle took, before the next one. An idle controller still reacts at once; a
-            # busy one serves many requests per cycle and takes at most about a third of a core.
-            rest = max(self.min_gap_s, 2 * (ended - began)) - (time.monotonic() - ended)
+            # woken early: rest at least min_gap_s, and BUSY_REST times as long as the last cycle took
+            rest = max(self.min_gap_s, BUSY_REST * (ended - began)) - (time.monotonic() - ended)
             if rest > 0:
                 self._stop.wait(rest)
 
@@ -169,45 +188,51 @@ class Controller:
         observed = {s.id: s for s in self.driver.observe()}
         # 3. reconcile: record replica transitions; redo starts and stops a crash left undone
         effects = _Effects()
-        self._starting = 0
         try:
             with self.db.write() as conn:
                 self._fence(conn, now)
                 self._sync_nodes(conn, nodes, now)
-                report.transitions = self._reconcile(conn, observed, now, effects)
+                replicas = repo.active_replicas(conn, self.region)
+                # the workloads that hold replicas (failed or deleted ones too: their replicas still drain),
+                # and those asked to stop; queued workloads have nothing to reconcile and are not read here
+                held = {r.workload_id for r in replicas}
+                workloads = repo.workloads_by_id_or_state(conn, held, self.region, _ASKED_TO_STOP)
+                done = reconcile(StoreLedger(conn), workloads, replicas, observed, now, self.drain_s)
+                effects.start = self._specs(conn, done.start) if done.start else []
+                effects.stop = done.stop
         except LostLease:
             return CycleReport(leader=False)
+        report.transitions = done.transitions
         self._apply_effects(effects, report)
-        # 4. capacity: nodes' allocatable minus every replica that holds capacity, from a snapshot
+        # 4. snapshot: nodes' allocatable minus every replica that holds capacity, from a snapshot
         #    read (no write lock is held while admission decides; only this leader adds replicas,
         #    so capacity can only have grown since)
         with self.db.read() as conn:
-            capacity, queue, running, rows = self._snapshot(conn, nodes)
-            quotas = self._quotas(conn)
+            snap = snapshot.take(nodes, repo.active_replicas(conn, self.region),
+                                 repo.workloads_in(conn, self.region, snapshot.LIVE), self.catalog, self.reserves,
+                                 self.region)
+            quotas = snapshot.owner_quotas(self.owner_defaults.quotas, repo.owner_quotas(conn),
+                                           repo.held_replicas(conn), self.catalog)
         # 5. decide: the pure admission decision
-        decisions = decide(queue, capacity, running, now, self.policy, quotas)
+        decisions = decide(snap.queue, snap.capacity, snap.running, now, self.policy, quotas)
         # 6. apply: record intents (fenced, one transaction, each conditional on the state the
-        #    snapshot saw: a workload stopped meanwhile is left alone), then tell the driver
+        #    snapshot saw: a workload stopped meanwhile is left alone), then tell the driver;
+        # 7. housekeeping, in the same transaction
         effects = _Effects()
         try:
             with self.db.write() as conn:
                 self._fence(conn, now)
-                self._apply(conn, decisions, rows, now, effects, report)
-                # 7. housekeeping: forget idempotency records past their expiry; give back the
-                #    storage of deleted workloads whose replicas are all gone (a notebook's home
-                #    outlives its replicas, so a restart keeps its files), recorded once the driver
-                #    did it (a crash in between only gives back again: the driver's release is idempotent)
+                applied = apply(StoreLedger(conn), decisions, snap.workloads, now)
+                effects.start = self._specs(conn, applied.start)
                 self._cycles += 1
-                if self._cycles % 30 == 1:
-                    repo.expire_idempotency(conn, now)
-                repo.mark_released(conn, self._released, now)
+                effects.release = housekeeping.housekeep(conn, self._cycles, now, self.region, self._released,
+                                                         self.release_every)
                 self._released = []
-                if (self._cycles - 1) % self.release_every == 0:
-                    effects.release = repo.unreleased(conn, self.region)
         except LostLease:
             return CycleReport(leader=False)
+        report.placed, report.waiting, report.promoted = applied.placed, applied.waiting, applied.promoted
         self._apply_effects(effects, report)
-        report.starting = self._starting + len(effects.start)
+        report.starting = done.busy + len(effects.start)
         return report
 
     # -- 1. lead ------------------------------------------------------------------------
@@ -219,7 +244,7 @@ class Controller:
         except Conflict:  # another controller inserted the lease first
             return False
 
-    def _fence(self, conn: Any, now: float) -> None:
+    def _fence(self, conn: Connection, now: float) -> None:
         if not repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s):
             raise LostLease(self.lease_name)
 
@@ -227,284 +252,33 @@ class Controller:
         with self.db.read() as conn:
             return repo.lease_holder(conn, self.lease_name, self.clock.now()) == self.holder
 
-    # -- 2/3. observe and reconcile ----------------------------------------------------------
+    # -- 2. observe ---------------------------------------------------------------------
 
-    def _sync_nodes(self, conn: Any, nodes: Sequence[Node], now: float) -> None:
-        rows = [{"name": n.name, "region": n.region, "cpu": n.cpu, "memory": n.memory, "gpus": dict(n.gpus),
-                 "labels": dict(n.labels), "schedulable": n.schedulable, "updated_at": now}
+    def _sync_nodes(self, conn: Connection, nodes: Sequence[Node], now: float) -> None:
+        rows = [NodeRow(n.name, n.region, n.cpu, n.memory, dict(n.gpus), dict(n.labels), n.schedulable)
                 for n in nodes if n.region == self.region]
-        comparable = [{k: v for k, v in r.items() if k != "updated_at"} for r in rows]
-        if comparable != self._known_nodes:
-            repo.replace_nodes(conn, self.region, rows)
-            self._known_nodes = comparable
+        if rows != self._known_nodes:  # updated_at is left out of the comparison: it is 0 in both
+            repo.replace_nodes(conn, self.region, [replace(r, updated_at=now) for r in rows])
+            self._known_nodes = rows
 
-    def _reconcile(self, conn: Any, observed: dict[str, ReplicaStatus], now: float, fx: _Effects) -> int:
-        replicas = repo.active_replicas(conn, self.region)
-        # the workloads that hold replicas (failed or deleted ones too: their replicas still drain),
-        # and those asked to stop; queued workloads have nothing to reconcile and are not read here
-        held = {r["workload_id"] for r in replicas}
-        workloads = {w["id"]: w for w in repo.workloads_by_id_or_state(conn, held, self.region, ("stopping",),
-                                                                        without=_NOT_READ)}
-        transitions = 0
-        by_workload: dict[str, list[dict[str, Any]]] = {}
-        for r in replicas:
-            by_workload.setdefault(r["workload_id"], []).append(r)
-        for r in replicas:
-            w = workloads.get(r["workload_id"])
-            if w is None:
-                continue
-            seen = observed.get(r["id"])
-            transitions += self._reconcile_replica(conn, w, r, seen, by_workload[w["id"]], now, fx)
-            self._starting += r["state"] in ("starting", "stopping") or r["role"] == "draining"
-        # workloads asked to stop whose replicas are all gone
-        for w in workloads.values():
-            if w["state"] != "stopping":
-                continue
-            live = [r for r in by_workload.get(w["id"], []) if r["state"] in repo.ACTIVE_REPLICA]
-            if not live:
-                self._transition(conn, w, "stopping", "stopped", "stopped: all replicas stopped", now)
-                transitions += 1
-        return transitions
+    # -- the driver ---------------------------------------------------------------------
 
-    def _reconcile_replica(self, conn: Any, w: dict[str, Any], r: dict[str, Any], seen: ReplicaStatus | None,
-                           siblings: list[dict[str, Any]], now: float, fx: _Effects) -> int:
-        wants_stop = r["state"] == "stopping" or w["state"] in ("stopping", "stopped", "failed") or (
-            w["deleted_at"] is not None)
-        if wants_stop:
-            if seen is None or seen.state in (ReplicaState.STOPPED, ReplicaState.FAILED):
-                self._replica_done(conn, r, "stopped", now, seen.detail if seen else "")
-                return 0
-            if r["state"] != "stopping":
-                repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
-            fx.stop.append(r["id"])
-            return 0
-        if r["role"] == "draining":  # replaced by a move back: out of the routes; stop it once drained
-            if seen is not None and seen.state in (ReplicaState.STOPPED, ReplicaState.FAILED):
-                self._replica_done(conn, r, "stopped", now, seen.detail)
-            elif now >= r["updated_at"] + self.drain_s:
-                repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
-                repo.add_event(conn, w["id"], now, "drained",
-                               f"drained: stopping the {r['cls']} replica at {r['node']}")
-                fx.stop.append(r["id"])
-            return 0
-        if seen is None:  # recorded but never handed to the driver (or the driver forgot it): start it
-            fx.start.append(self._replica_spec(conn, w, r))
-            return 0
-        if seen.state is ReplicaState.FAILED:
-            return self._replica_failed(conn, w, r, seen, siblings, now)
-        if seen.state is ReplicaState.STOPPED:
-            return self._replica_failed(conn, w, r, seen, siblings, now, "stopped by itself")
-        if seen.state is ReplicaState.RUNNING and r["state"] == "starting":
-            repo.update_replica(conn, r["id"], {"state": "running", "url": seen.url,
-                                                "served_model": seen.served_model, "updated_at": now})
-            r["state"] = "running"
-            if r["role"] == "candidate":
-                return self._finish_move(conn, w, r, siblings, now, fx)
-            if w["state"] == "starting":
-                self._transition(conn, w, "starting", "running",
-                                 f"running on {r['cls']} at {r['node']}", now)
-                return 1
-        return 0
-
-    def _replica_done(self, conn: Any, r: dict[str, Any], state: str, now: float, detail: str = "") -> None:
-        repo.update_replica(conn, r["id"], {"state": state, "updated_at": now, "detail": detail})
-        repo.close_segment(conn, r["id"], now)
-        r["state"] = state
-
-    def _replica_failed(self, conn: Any, w: dict[str, Any], r: dict[str, Any], seen: ReplicaStatus,
-                        siblings: list[dict[str, Any]], now: float, detail: str | None = None) -> int:
-        why = detail or seen.detail or "replica failed"
-        self._replica_done(conn, r, "failed", now, why)
-        if r["role"] == "candidate":
-            repo.add_event(conn, w["id"], now, "move_failed",
-                           f"move back to {r['cls']} failed ({why}); staying on {w['placed_class']}")
-            return 0
-        if w["kind"] != WorkloadKind.ENDPOINT:
-            self._transition(conn, w, w["state"], "failed", f"failed: replica on {r['cls']} at {r['node']}: {why}",
-                             now)
-            return 1
-        others = [s for s in siblings if s["id"] != r["id"] and s["role"] == "primary"
-                  and s["state"] in ("starting", "running")]
-        if others:
-            repo.add_event(conn, w["id"], now, "replica_failed",
-                           f"replica on {r['cls']} at {r['node']} failed ({why}); replacing it")
-            return 0
-        self._transition(conn, w, w["state"], "queued",
-                         f"queued: its only replica ({r['cls']} at {r['node']}) failed: {why}", now,
-                         extra={"queued_since": now, "placed_class": None})
-        return 1
-
-    def _finish_move(self, conn: Any, w: dict[str, Any], r: dict[str, Any], siblings: list[dict[str, Any]],
-                     now: float, fx: _Effects) -> int:
-        """The preferred replica is ready: it becomes the primary, traffic shifts, the old one drains."""
-        old = [s for s in siblings if s["slot"] == r["slot"] and s["role"] == "primary" and s["id"] != r["id"]]
-        repo.update_replica(conn, r["id"], {"role": "primary", "updated_at": now})
-        for s in old:  # routes stop naming it now; it stops once in-flight requests had drain_s to finish
-            repo.update_replica(conn, s["id"], {"role": "draining", "updated_at": now})
-        placed = r["cls"] if r["slot"] == 0 else w["placed_class"]
-        was = ", ".join(sorted({s["cls"] for s in old})) or "nothing"
-        reason = (f"moved back to {r['cls']}: replica ready at {r['node']}, traffic shifted, "
-                  f"draining the {was} replica ({self.drain_s:g} s for requests in flight)")
-        repo.update_workload(conn, w["id"], {"placed_class": placed, "reason": reason, "updated_at": now})
-        repo.add_event(conn, w["id"], now, "moved", reason)
-        return 1
-
-    def _transition(self, conn: Any, w: dict[str, Any], from_state: str, to_state: str, reason: str, now: float,
-                    extra: dict[str, Any] | None = None) -> bool:
-        values = {"state": to_state, "updated_at": now, **(extra or {})}
-        if to_state == "failed":  # the why of a failure is what a user needs to see first
-            values.setdefault("reason", reason)
-        if to_state != "queued":
-            values.setdefault("restart_available", False)
-        if not repo.update_workload(conn, w["id"], values, expect_state=from_state):
-            return False
-        repo.add_event(conn, w["id"], now, "transition", reason, from_state, to_state)
-        w.update(values)
-        return True
-
-    # -- 4/5. capacity and the admission snapshot ---------------------------------------
-
-    def _snapshot(self, conn: Any, nodes: Sequence[Node]) -> tuple[Capacity, list[Queued], list[Running],
-                                                                     dict[str, dict[str, Any]]]:
-        replicas = repo.active_replicas(conn, self.region)
-        placed = [Placed(r["node"], r["cls"], r["workload_id"]) for r in replicas]
-        capacity = Capacity([n for n in nodes if n.region == self.region], placed, self.catalog, self.reserves)
-        rows = {w["id"]: w for w in repo.workloads_in(conn, self.region, ("queued", "starting", "running"),
-                                                      without=_NOT_READ)}
-        by_slot: dict[tuple[str, int], list[dict[str, Any]]] = {}
-        for r in replicas:
-            by_slot.setdefault((r["workload_id"], r["slot"]), []).append(r)
-        queue: list[Queued] = []
-        running: list[Running] = []
-        for w in rows.values():
-            if w["deleted_at"] is not None:
-                continue
-            kind = WorkloadKind(w["kind"])
-            fallback = () if w["placement"] == "requested" else tuple(w["fallback"])
-            for slot in range(w["replicas"] if kind == WorkloadKind.ENDPOINT else 1):
-                held = by_slot.get((w["id"], slot), [])
-                primary = next((r for r in held if r["role"] == "primary" and r["state"] != "stopping"), None)
-                if primary is None:
-                    if w["state"] == "queued" or slot > 0:
-                        since = w["queued_since"] if w["queued_since"] is not None else w["created_at"]
-                        queue.append(Queued(f"{w['id']}/{slot}", kind, w["gpu_class"], w["owner"], w["region"],
-                                            fallback, w["fallback_after_s"], since, w["model_params"],
-                                            w["model_bytes"]))
-                    continue
-                if w["state"] == "running" and primary["state"] == "running":
-                    moving = any(r["role"] == "candidate" for r in held)
-                    running.append(Running(f"{w['id']}/{slot}", kind, w["gpu_class"], primary["cls"],
-                                           primary["node"], w["owner"], w["region"], tuple(w["fallback"]),
-                                           w["model_params"], w["model_bytes"], moving))
-        return capacity, queue, running, rows
-
-    def _quotas(self, conn: Any) -> OwnerQuotas:
-        """Each owner's running quotas (the admins' overrides over the server's defaults, in one read) and
-        what its replicas hold now in every region, starting and stopping ones too: per replica slot, the
-        largest of its replicas (a move back or a restart replaces one; while both exist, the larger counts,
-        so no sequence of moves or restarts holds more than one replica's worth per slot against the quota)."""
-        defaults = self.owner_defaults
-        by_owner: dict[str, Quotas] = {}
-        for owner, stored in repo.owner_quotas(conn).items():
-            try:  # effective(), validated: a bad row must cost its owner the override, not every owner the cycle
-                by_owner[owner] = Quotas.model_validate({**defaults.quotas.model_dump(), **dict(stored)})
-            except (TypeError, ValueError) as exc:
-                log.warning("owner %r: its stored quotas are not valid, the defaults apply: %s", owner, exc)
-        slots: dict[tuple[str, str, int], tuple[float, float]] = {}
-        for r in repo.held_replicas(conn):
-            cls = self.catalog.get(r["cls"])
-            if cls is None:
-                continue
-            key = (r["owner"], r["workload_id"], r["slot"])
-            was, now = slots.get(key, (0.0, 0.0)), share(cls)
-            slots[key] = (max(was[0], now[0]), max(was[1], now[1]))
-        held: dict[str, tuple[float, float]] = {}
-        for (owner, _, _), (gpus, cpu) in slots.items():
-            total = held.get(owner, (0.0, 0.0))
-            held[owner] = (total[0] + gpus, total[1] + cpu)
-        return OwnerQuotas(defaults.quotas, by_owner, held)
-
-    # -- 6. apply -----------------------------------------------------------------------
-
-    def _apply(self, conn: Any, decisions: Sequence[Any], rows: dict[str, dict[str, Any]], now: float,
-               fx: _Effects, report: CycleReport) -> None:
-        restart: dict[str, RestartAvailable] = {}
-        events: list[dict[str, Any]] = []
-        waits: list[dict[str, Any]] = []
-        starting = {_split(d.workload.id)[0] for d in decisions if isinstance(d, Place | Promote)}
-        for wid, spec in repo.workload_specs(conn, starting).items():  # only what starts: never a queue's specs
-            rows[wid]["spec"] = spec
-        for d in decisions:
-            if isinstance(d, Place):
-                wid, slot = _split(d.workload.id)
-                w = rows[wid]
-                if slot == 0 and not self._transition(conn, w, "queued", "starting", d.reason, now,
-                                                      {"placed_class": d.cls, "reason": d.reason,
-                                                       "fallback_eligible_at": None}):
-                    continue  # someone else moved it meanwhile: never place twice
-                if slot > 0 and not self._still(conn, w, now):
-                    continue
-                replica = self._new_replica(conn, w, slot, d.cls, d.node, "primary", now)
-                if slot > 0:
-                    events.append(_event(wid, now, "replica_placed", f"replica {slot}: {d.reason}"))
-                fx.start.append(self._replica_spec(conn, w, replica))
-                report.placed += 1
-            elif isinstance(d, Wait):
-                wid, slot = _split(d.workload.id)
-                w = rows[wid]
-                report.waiting += 1
-                if slot == 0 and (w["reason"] != d.reason or w["fallback_eligible_at"] != d.fallback_eligible_at):
-                    waits.append({"id": wid, "reason": d.reason, "fallback_eligible_at": d.fallback_eligible_at})
-            elif isinstance(d, Promote):
-                wid, slot = _split(d.workload.id)
-                w = rows[wid]
-                if not self._still(conn, w, now):
-                    continue
-                replica = self._new_replica(conn, w, slot, d.to_class, d.node, "candidate", now)
-                events.append(_event(wid, now, "moving", d.reason))
-                fx.start.append(self._replica_spec(conn, w, replica))
-                report.promoted += 1
-            elif isinstance(d, RestartAvailable):
-                restart[_split(d.workload.id)[0]] = d
-        repo.add_events(conn, events)
-        repo.set_wait_reasons(conn, waits)
-        for wid, w in rows.items():
-            offer = restart.get(wid)
-            if offer is not None and not w["restart_available"]:
-                if repo.update_workload(conn, wid, {"restart_available": True, "restart_reason": offer.reason},
-                                        expect_state=w["state"]):
-                    repo.add_event(conn, wid, now, "restart_available", offer.reason)
-            elif offer is None and w["restart_available"]:
-                repo.update_workload(conn, wid, {"restart_available": False, "restart_reason": ""})
-
-    @staticmethod
-    def _still(conn: Any, w: dict[str, Any], now: float) -> bool:
-        """The workload is still in the state the snapshot saw (and not deleted since)."""
-        return repo.update_workload(conn, w["id"], {"updated_at": now}, expect_state=w["state"],
-                                    live_only=True)
-
-    def _new_replica(self, conn: Any, w: dict[str, Any], slot: int, cls: str, node: str, role: str,
-                     now: float) -> dict[str, Any]:
-        row = {"id": repo.new_id("rp_"), "workload_id": w["id"], "slot": slot, "cls": cls, "node": node,
-               "region": w["region"], "state": "starting", "role": role, "url": None, "detail": "",
-               "created_at": now, "updated_at": now}
-        repo.insert_replica(conn, row)
-        repo.open_segment(conn, row, w, now)
-        return row
-
-    def _replica_spec(self, conn: Any, w: dict[str, Any], r: dict[str, Any]) -> ReplicaSpec:
-        if self._trusted is None:  # one read a cycle, not one a start: a flag set since applies to new replicas
-            self._trusted = repo.trusted_owners(conn)
+    def _specs(self, conn: Connection, starts: Sequence[tuple[WorkloadRow, ReplicaRow]]) -> list[ReplicaSpec]:
+        """What the driver needs to start each replica: read only for those (never a queue's specs)."""
         # the host paths the API resolved the owner's names to (workloads.validate), never a client's value:
         # a row without them (made before names) starts with no model or image
-        if "spec" not in w:  # a start the reconcile redoes (rare): its spec alone
-            w["spec"] = repo.workload_specs(conn, [w["id"]]).get(w["id"], {})
-        spec = w["spec"] or {}
+        specs = repo.workload_specs(conn, {w.id for w, _ in starts})
+        if starts and self._trusted is None:  # one read a cycle, not one a start: a flag set since applies
+            self._trusted = repo.trusted_owners(conn)
+        trusted = self._trusted or set()
         first, last = self.sandbox_uids  # the owner's sandbox uid, allocated on its first replica
-        uid = repo.owner_uid(conn, w["owner"], self.clock.now(), first=first, last=last)
-        return ReplicaSpec(r["id"], w["id"], WorkloadKind(w["kind"]), r["cls"], r["node"], spec.get("model_path"),
-                           spec.get("image_path"), w["owner"], trusted=w["owner"] in self._trusted,
-                           uid=uid, gid=uid)
+        out = []
+        for w, r in starts:
+            spec = specs.get(w.id) or {}
+            uid = repo.owner_uid(conn, w.owner, self.clock.now(), first=first, last=last)
+            out.append(ReplicaSpec(r.id, w.id, w.kind, r.cls, r.node, spec.get("model_path"), spec.get("image_path"),
+                                   w.owner, trusted=w.owner in trusted, uid=uid, gid=uid))
+        return out
 
     def _apply_effects(self, fx: _Effects, report: CycleReport) -> None:
         """Driver calls, after the intents committed. A failure here is redone next cycle."""
@@ -530,17 +304,3 @@ class Controller:
             else:
                 report.released.append(workload_id)
                 self._released.append(workload_id)
-
-
-_NOT_READ = ("name", "restart_reason", "model", "spec")
-"""Columns a cycle's bulk reads leave out: ``spec`` (up to 16 KiB each) is read only for workloads that start."""
-
-
-def _split(slot_id: str) -> tuple[str, int]:
-    wid, _, slot = slot_id.rpartition("/")
-    return wid, int(slot)
-
-
-def _event(wid: str, at: float, type_: str, reason: str) -> dict[str, Any]:
-    return {"workload_id": wid, "at": at, "type": type_, "reason": reason, "from_state": None, "to_state": None}
-

@@ -1,8 +1,9 @@
 """The simulated fleet: ``nodes.yaml`` + ``workloads.yaml`` -> who gets placed where, when, and why.
 
 ``tensora plan`` is capacity planning without hardware: it replays the workloads'
-submissions and stops against the nodes, on a fake clock, with the same admission
-the controller uses, and reports each workload's state at ``--at``.
+submissions and stops against the nodes, on a fake clock, with the controller's own
+steps (reconcile, snapshot, admission, apply) over rows in memory, and reports each
+workload's state at ``--at``.
 
 Formats (other tools drive them; keep them stable):
 
@@ -29,14 +30,20 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from tensora.clock import FakeClock
 from tensora.config import yamlsource
+from tensora.control import snapshot
+from tensora.control.apply import apply
+from tensora.control.ledger import MemoryLedger
+from tensora.control.reconcile import reconcile
 from tensora.control.spec import WorkloadSpec, check_against
-from tensora.drivers.base import ReplicaSpec, ReplicaState
+from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.errors import FleetError, ModelFileError
 from tensora.models.validator import read_model
-from tensora.placement.admission import Place, Policy, Promote, Queued, RestartAvailable, Running, Wait, decide
-from tensora.placement.capacity import Capacity, Node, Placed
+from tensora.placement.admission import Policy, decide
+from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
+from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadState
+from tensora.store.rows import ReplicaRow, WorkloadRow
 from tensora.units import format_duration, parse_duration, parse_memory
 
 Memory = Annotated[int, BeforeValidator(parse_memory)]
@@ -163,18 +170,9 @@ class PlanRow:
         }
 
 
-@dataclass(slots=True)
-class _Tracked:
-    w: PlannedWorkload
-    state: str = "not submitted"
-    placed_class: str | None = None
-    node: str | None = None
-    replica: str | None = None
-    reason: str = ""
-    eligible_at: float | None = None
-    restart_available: bool = False
-    restart_reason: str = ""
-    generation: int = 0
+MAX_CYCLES_PER_MOMENT = 32
+"""Cycles replayed at one moment until nothing changes (a placement, its replica ready, a move back's
+candidate ready, a replica freed for another): a bound, never reached by a plan that settles."""
 
 
 def plan(
@@ -185,92 +183,121 @@ def plan(
 
     Time 0 is the start of the plan; clock times in reasons read as offsets (00:10:00 = 10m).
     """
+    replayed = replay(nodes, workloads, catalog, at, policy)
+    ledger, offers = replayed.ledger, replayed.offers
+    rows = []
+    for pw in workloads:
+        spec, w = pw.spec, ledger.workloads.get(pw.spec.name)
+        if w is None:
+            rows.append(PlanRow(spec.name, spec.kind.value, spec.gpu_class, None, "not submitted",
+                                f"submitted at {format_duration(pw.submitted_at)}", None))
+            continue
+        reason = w.reason or f"submitted at {format_duration(pw.submitted_at)}"
+        if w.id in offers:
+            reason = f"{reason}; {offers[w.id]}"
+        queued = w.state is WorkloadState.QUEUED
+        eligible = format_duration(w.fallback_eligible_at) if w.fallback_eligible_at is not None and queued else None
+        primary = [r for r in ledger.replicas.values()
+                   if r.workload_id == w.id and r.slot == 0 and r.role is ReplicaRole.PRIMARY]
+        node = primary[-1].node if primary and w.placed_class is not None else None
+        rows.append(PlanRow(spec.name, spec.kind.value, spec.gpu_class, w.placed_class, w.state.value, reason,
+                            eligible, node, w.id in offers))
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    ledger: MemoryLedger
+    """The rows after the replay: workloads by name, every replica, every event."""
+    offers: dict[str, str]
+    """The restart offers admission made in the last cycle (workload -> reason): what the plan reports."""
+
+
+def replay(
+    nodes: Sequence[Node], workloads: Sequence[PlannedWorkload], catalog: Catalog, at: float,
+    policy: Policy | None = None,
+) -> Replayed:
+    """The state after replaying up to offset ``at``.
+
+    Each cycle is the controller's (``control.reconcile``, ``control.snapshot``, admission,
+    ``control.apply``) on a simulated fleet and clock, with the rows in memory: a move back starts a
+    candidate, which becomes the primary when ready while the old replica drains, as it does live.
+    """
     clock = FakeClock(0.0)
     driver = SimulatedDriver(nodes, clock)
-    tracked = {pw.spec.name: _Tracked(pw) for pw in workloads}
+    ledger = MemoryLedger()
     moments = {0.0, at} | {pw.submitted_at for pw in workloads} | {
         pw.stop_at for pw in workloads if pw.stop_at is not None
     }
     moments = {m for m in moments if m <= at}
     done: set[float] = set()
+    models = {pw.spec.name: pw.spec.model for pw in workloads}
+    offers: dict[str, str] = {}
     while moments - done:
         now = min(moments - done)
         done.add(now)
         clock.set(now)
-        for t in tracked.values():
-            w = t.w
-            if w.stop_at is not None and w.stop_at <= now and t.state != "stopped" and w.submitted_at <= now:
-                if t.replica:
-                    driver.stop(t.replica)
-                t.state, t.reason, t.restart_available = "stopped", f"stopped at {format_duration(w.stop_at)}", False
-            elif t.state == "not submitted" and w.submitted_at <= now:
-                t.state = "queued"
-        for _ in range(8):  # a move frees capacity others may use at the same moment
-            later, changed = _cycle(driver, tracked, catalog, now, policy)
+        for pw in workloads:
+            w = ledger.workloads.get(pw.spec.name)
+            if w is None and pw.submitted_at <= now:
+                w = ledger.workloads[pw.spec.name] = _submitted(pw)
+            if w is not None and pw.stop_at is not None and pw.stop_at <= now and w.state not in _STOPPED:
+                _stop(ledger, driver, w, now, f"stopped at {format_duration(pw.stop_at)}")
+        for _ in range(MAX_CYCLES_PER_MOMENT):
+            later, changed, offers = _cycle(driver, ledger, catalog, models, now, policy)
             moments.update(m for m in later if m <= at)
             if not changed:
                 break
-    rows = []
-    for t in tracked.values():
-        w = t.w
-        reason = t.reason or f"submitted at {format_duration(w.submitted_at)}"
-        if t.restart_available:
-            reason = f"{reason}; {t.restart_reason}"
-        eligible = format_duration(t.eligible_at) if t.eligible_at is not None and t.state == "queued" else None
-        rows.append(PlanRow(w.spec.name, w.spec.kind.value, w.spec.gpu_class, t.placed_class, t.state, reason,
-                            eligible, t.node, t.restart_available))
-    return rows
+    return Replayed(ledger, offers)
 
 
-def _cycle(
-    driver: SimulatedDriver, tracked: dict[str, _Tracked], catalog: Catalog, now: float, policy: Policy | None
-) -> tuple[list[float], bool]:
-    """One controller cycle on the simulated fleet: moments worth revisiting, and whether anything moved."""
-    # 1. observe
-    statuses = [s for s in driver.observe() if s.holds_capacity]
-    # 2. capacity
-    capacity = Capacity(driver.nodes(), [Placed(s.node, s.cls, s.workload_id) for s in statuses], catalog)
-    # 3. decide
-    queue, running = [], []
-    for t in tracked.values():
-        s = t.w.spec
-        if t.state == "queued":
-            queue.append(Queued(s.name, s.kind, s.gpu_class, s.owner, s.region, tuple(s.fallback),
-                                s.fallback_after_s, t.w.submitted_at, s.model_params, s.model_bytes))
-        elif t.state == "running" and t.placed_class and t.node:
-            running.append(Running(s.name, s.kind, s.gpu_class, t.placed_class, t.node, s.owner, s.region,
-                                   tuple(s.fallback), s.model_params, s.model_bytes))
-        t.restart_available = False
-    decisions = decide(queue, capacity, running, now, policy)
-    # 4. apply
-    later = []
-    for d in decisions:
-        if isinstance(d, Place):
-            t = tracked[d.workload.id]
-            t.replica = _start(driver, t, d.cls, d.node)
-            t.state, t.placed_class, t.node, t.reason, t.eligible_at = "running", d.cls, d.node, d.reason, None
-        elif isinstance(d, Wait):
-            t = tracked[d.workload.id]
-            t.reason, t.eligible_at = d.reason, d.fallback_eligible_at
-            if d.fallback_eligible_at is not None and d.fallback_eligible_at > now:
-                later.append(d.fallback_eligible_at)
-        elif isinstance(d, Promote):
-            # Start the preferred replica, (instantly) ready, shift traffic, stop the fallback one.
-            t = tracked[d.workload.id]
-            old = t.replica
-            t.replica = _start(driver, t, d.to_class, d.node)
-            if old:
-                driver.stop(old)
-            t.placed_class, t.node, t.reason = d.to_class, d.node, d.reason
-        elif isinstance(d, RestartAvailable):
-            t = tracked[d.workload.id]
-            t.restart_available, t.restart_reason = True, d.reason
-    return later, any(isinstance(d, Place | Promote) for d in decisions)
+_STOPPED = (WorkloadState.STOPPING, WorkloadState.STOPPED)
 
 
-def _start(driver: SimulatedDriver, t: _Tracked, cls: str, node: str) -> str:
-    t.generation += 1
-    replica_id = f"{t.w.spec.name}-{t.generation}"
-    status = driver.start(ReplicaSpec(replica_id, t.w.spec.name, t.w.spec.kind, cls, node, t.w.spec.model))
-    assert status.state in (ReplicaState.RUNNING, ReplicaState.STARTING)
-    return replica_id
+def _submitted(pw: PlannedWorkload) -> WorkloadRow:
+    """The row ``POST /v1/workloads`` would make, queued at ``submitted_at`` (one replica: the plan has
+    always counted one per workload)."""
+    s, t = pw.spec, pw.submitted_at
+    return WorkloadRow(s.name, s.owner, s.kind, s.region, s.gpu_class, s.gpu_class, None, tuple(s.fallback),
+                       s.fallback_after_s, "policy", WorkloadState.QUEUED, "", None, False, 1, s.model_params,
+                       s.model_bytes, t, t, queued_since=t)
+
+
+def _stop(ledger: MemoryLedger, driver: SimulatedDriver, w: WorkloadRow, now: float, reason: str) -> None:
+    """What ``POST .../stop`` records (the workload and its replicas ``stopping``), and the simulated
+    replicas stopped at once: the next reconcile sees them gone and frees their capacity."""
+    ledger.update_workload(w.id, {"state": WorkloadState.STOPPING, "updated_at": now, "restart_available": False,
+                                  "reason": reason})
+    for r in ledger.active():
+        if r.workload_id == w.id:
+            ledger.update_replica(r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
+            driver.stop(r.id)
+
+
+def _cycle(driver: SimulatedDriver, ledger: MemoryLedger, catalog: Catalog, models: dict[str, str | None],
+           now: float, policy: Policy | None) -> tuple[list[float], bool, dict[str, str]]:
+    """One controller cycle on the simulated fleet: moments worth revisiting, whether anything moved, and
+    the restart offers made."""
+    # observe and reconcile
+    observed = {s.id: s for s in driver.observe()}
+    replicas = ledger.active()
+    held = {r.workload_id for r in replicas}
+    asked = [w for w in ledger.workloads.values() if w.id in held or w.state is WorkloadState.STOPPING]
+    done = reconcile(ledger, asked, replicas, observed, now)
+    _effects(driver, models, done.start, done.stop)
+    # snapshot, decide (no quotas: the plan has no owners' settings), apply
+    snap = snapshot.take(driver.nodes(), ledger.active(),
+                         [w for w in ledger.workloads.values() if w.state in snapshot.LIVE], catalog)
+    applied = apply(ledger, decide(snap.queue, snap.capacity, snap.running, now, policy), snap.workloads, now)
+    _effects(driver, models, applied.start, [])
+    changed = bool(done.transitions or done.start or done.stop or applied.start)
+    return [*applied.later, *done.drains_end], changed, applied.offers
+
+
+def _effects(driver: SimulatedDriver, models: dict[str, str | None],
+             start: Sequence[tuple[WorkloadRow, ReplicaRow]], stop: Sequence[str]) -> None:
+    for w, r in start:
+        status = driver.start(ReplicaSpec(r.id, w.id, w.kind, r.cls, r.node, models.get(w.id)))
+        assert status.state in (ReplicaState.RUNNING, ReplicaState.STARTING)
+    for replica_id in stop:
+        driver.stop(replica_id)

@@ -25,8 +25,8 @@ from pydantic import (
 
 from tensora.errors import SpecError
 from tensora.names import NAME_PATTERN
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.catalog import CPU_WORD, Catalog
+from tensora.placement.kinds import WorkloadKind
 from tensora.units import parse_duration, parse_params
 
 _NAME = NAME_PATTERN

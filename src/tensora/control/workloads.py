@@ -14,9 +14,9 @@ from typing import Any
 from tensora.control.spec import WorkloadSpec, check_against
 from tensora.errors import ModelFileError, SpecError
 from tensora.models.validator import read_context, read_model
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.catalog import Catalog
 from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
+from tensora.placement.kinds import WorkloadKind
 from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo
 

@@ -1,6 +1,6 @@
 """Drivers: side effects on real (or simulated) resources behind one small protocol."""
 
-from tensora.drivers.base import Driver, ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.drivers.base import Driver, ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
 
-__all__ = ["Driver", "ReplicaSpec", "ReplicaState", "ReplicaStatus", "SimulatedDriver"]
+__all__ = ["Driver", "ReplicaSpec", "ReplicaStatus", "SimulatedDriver"]

@@ -8,19 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Protocol
 
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
-
-
-class ReplicaState(StrEnum):
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    FAILED = "failed"
+from tensora.placement.kinds import HOLDING, ReplicaState, WorkloadKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +54,7 @@ class ReplicaStatus:
 
     @property
     def holds_capacity(self) -> bool:
-        return self.state in (ReplicaState.STARTING, ReplicaState.RUNNING, ReplicaState.STOPPING)
+        return self.state in HOLDING
 
 
 class Driver(Protocol):

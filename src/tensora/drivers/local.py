@@ -67,12 +67,12 @@ import httpx
 from tensora import replicakeys
 from tensora.drivers import launch as plan
 from tensora.drivers import vmdisk
-from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.vmdisk import ImageRefused
 from tensora.models import runtimes
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog, ComputeClass
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import Device, Runc, SandboxError, SandboxState, host_device
 from tensora.sandbox.host import NvidiaDriver
 from tensora.sandbox.host import nvidia_driver as find_nvidia_driver

@@ -11,9 +11,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from tensora.clock import Clock, FakeClock
-from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
-from tensora.placement.admission import WorkloadKind
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.placement.capacity import Node
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 
 
 @dataclass(slots=True)

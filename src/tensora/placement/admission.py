@@ -42,14 +42,9 @@ from enum import StrEnum
 
 from tensora.placement.capacity import Capacity
 from tensora.placement.catalog import CPU_WORD, Catalog, ComputeClass
+from tensora.placement.kinds import WorkloadKind
 from tensora.placement.quotas import Quotas
 from tensora.units import GIB, format_clock, format_duration, format_memory, format_params
-
-
-class WorkloadKind(StrEnum):
-    NOTEBOOK = "notebook"
-    VM = "vm"
-    ENDPOINT = "endpoint"
 
 
 @dataclass(frozen=True, slots=True)

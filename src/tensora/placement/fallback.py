@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.catalog import CPU_WORD, Catalog
+from tensora.placement.kinds import WorkloadKind
 
 ON_CPU: dict[WorkloadKind, str] = {
     WorkloadKind.NOTEBOOK: "JupyterLab runs without a GPU while on CPU; restart on GPU when one frees "

@@ -11,7 +11,7 @@ import string
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 from sqlalchemy import Connection, Table, and_, bindparam, case, delete, func, insert, or_, select, update
@@ -19,6 +19,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from tensora.errors import Conflict, TensoraError
+from tensora.placement.kinds import HOLDING, ReplicaRole, ReplicaState, WorkloadKind, WorkloadState
 from tensora.store.models import (
     ApiKey,
     Event,
@@ -32,6 +33,16 @@ from tensora.store.models import (
     TokenUsage,
     UsageSegment,
     Workload,
+)
+from tensora.store.rows import (
+    NODE_COLUMNS,
+    REPLICA_COLUMNS,
+    WORKLOAD_COLUMNS,
+    EventRow,
+    HeldReplica,
+    NodeRow,
+    ReplicaRow,
+    WorkloadRow,
 )
 
 W = cast(Table, Workload.__table__)
@@ -65,8 +76,9 @@ def _pk(pk: dict[str, Any]) -> dict[str, Any]:
 
 
 _B62 = string.digits + string.ascii_letters
-ACTIVE_REPLICA = ("pending", "starting", "running", "stopping")
-"""Replica states that hold capacity. ``pending``: written, not yet handed to the driver."""
+ACTIVE_REPLICA = HOLDING
+"""Replica states that hold capacity: recorded ``starting`` before the driver is told (a crash between
+the two is redone by the next cycle), ``running``, and ``stopping`` until the driver says it stopped."""
 
 
 _B36 = string.digits + string.ascii_lowercase  # sorts the same in every collation (digits, then a-z)
@@ -149,32 +161,32 @@ def update_workload(conn: Connection, workload_id: str, values: dict[str, Any],
     return conn.execute(q.values(**values)).rowcount == 1
 
 
-def workloads_in(conn: Connection, region: str, states: Iterable[str],
-                 without: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """The region's workloads in ``states``; ``without`` names columns not to read (e.g. ``spec``)."""
-    cols = [c for c in W.c if c.name not in without]
-    q = select(*cols).where(W.c.region == region, W.c.state.in_(list(states)))
-    return [dict(r) for r in conn.execute(q).mappings()]
+_W_ROW = [W.c[k] for k in WORKLOAD_COLUMNS]  # no name, model or spec: a cycle reads many and needs none
 
 
-_SET_WAIT = (update(W).where(W.c.id == bindparam("b_id"), W.c.state == "queued")
+def workloads_in(conn: Connection, region: str, states: Iterable[WorkloadState]) -> list[WorkloadRow]:
+    """The region's workloads in ``states``, as a cycle reads them (no ``spec``)."""
+    q = select(*_W_ROW).where(W.c.region == region, W.c.state.in_(list(states)))
+    return [WorkloadRow.of(r) for r in conn.execute(q)]
+
+
+_SET_WAIT = (update(W).where(W.c.id == bindparam("b_id"), W.c.state == WorkloadState.QUEUED)
              .values(reason=bindparam("b_reason"), fallback_eligible_at=bindparam("b_at")))
 
 
-def set_wait_reasons(conn: Connection, rows: list[dict[str, Any]]) -> None:
-    """The admission reason of queued workloads (one statement for all; ones no longer queued are left)."""
+def set_wait_reasons(conn: Connection, rows: Sequence[tuple[str, str, float | None]]) -> None:
+    """The admission reason of queued workloads, ``(id, reason, fallback_eligible_at)`` each (one statement
+    for all; ones no longer queued are left)."""
     if rows:
-        conn.execute(_SET_WAIT, [{"b_id": r["id"], "b_reason": r["reason"], "b_at": r["fallback_eligible_at"]}
-                                 for r in rows])
+        conn.execute(_SET_WAIT, [{"b_id": wid, "b_reason": reason, "b_at": at} for wid, reason, at in rows])
 
 
-def workloads_by_id_or_state(conn: Connection, ids: Iterable[str], region: str, states: Iterable[str],
-                             without: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Workloads named in ``ids`` (deleted ones too), and the region's workloads in ``states``;
-    ``without`` names columns not to read."""
-    q = select(*(c for c in W.c if c.name not in without)).where(or_(W.c.id.in_(bindparam("ids", expanding=True)),
-                            and_(W.c.region == region, W.c.state.in_(bindparam("states", expanding=True)))))
-    return [dict(r) for r in conn.execute(q, {"ids": list(ids), "states": list(states)}).mappings()]
+def workloads_by_id_or_state(conn: Connection, ids: Iterable[str], region: str,
+                             states: Iterable[WorkloadState]) -> list[WorkloadRow]:
+    """Workloads named in ``ids`` (deleted ones too), and the region's workloads in ``states``."""
+    q = select(*_W_ROW).where(or_(W.c.id.in_(bindparam("ids", expanding=True)),
+                                  and_(W.c.region == region, W.c.state.in_(bindparam("states", expanding=True)))))
+    return [WorkloadRow.of(r) for r in conn.execute(q, {"ids": list(ids), "states": list(states)})]
 
 
 def add_event(conn: Connection, workload_id: str, at: float, type_: str, reason: str,
@@ -183,20 +195,21 @@ def add_event(conn: Connection, workload_id: str, at: float, type_: str, reason:
                              "from_state": from_state, "to_state": to_state})
 
 
-def add_events(conn: Connection, rows: list[dict[str, Any]]) -> None:
+def add_events(conn: Connection, rows: Sequence[EventRow]) -> None:
     if rows:
-        conn.execute(insert(E), rows)
+        conn.execute(insert(E), [{"workload_id": e.workload_id, "at": e.at, "type": e.type, "reason": e.reason,
+                                  "from_state": e.from_state, "to_state": e.to_state} for e in rows])
 
 
-def list_events(conn: Connection, workload_id: str, limit: int = 1000) -> list[dict[str, Any]]:
+def list_events(conn: Connection, workload_id: str, limit: int = 1000) -> list[EventRow]:
     q = select(E).where(E.c.workload_id == workload_id).order_by(E.c.id).limit(limit)
-    return [dict(r) for r in conn.execute(q).mappings()]
+    return [EventRow.of(r) for r in conn.execute(q).mappings()]
 
 
 # -- replicas -------------------------------------------------------------------------
 
-def insert_replica(conn: Connection, row: dict[str, Any]) -> None:
-    conn.execute(_INSERT_R, row)
+def insert_replica(conn: Connection, row: ReplicaRow) -> None:
+    conn.execute(_INSERT_R, row._asdict())
 
 
 def replicas_of(conn: Connection, workload_ids: Sequence[str], active_only: bool = True) -> list[dict[str, Any]]:
@@ -210,9 +223,13 @@ _REPLICAS_OF = select(R).where(R.c.workload_id.in_(bindparam("ids", expanding=Tr
 _REPLICAS_OF_ACTIVE = _REPLICAS_OF.where(R.c.state.in_(ACTIVE_REPLICA))
 
 
-def active_replicas(conn: Connection, region: str) -> list[dict[str, Any]]:
-    q = select(R).where(R.c.region == region, R.c.state.in_(ACTIVE_REPLICA))
-    return [dict(r) for r in conn.execute(q).mappings()]
+_ACTIVE_IN = select(*(R.c[k] for k in REPLICA_COLUMNS)).where(R.c.region == bindparam("b_region"),
+                                                                 R.c.state.in_(ACTIVE_REPLICA))
+
+
+def active_replicas(conn: Connection, region: str) -> list[ReplicaRow]:
+    """The region's replicas that hold capacity."""
+    return [ReplicaRow.of(r) for r in conn.execute(_ACTIVE_IN, {"b_region": region})]
 
 
 def unreleased(conn: Connection, region: str, limit: int = 50) -> list[str]:
@@ -239,10 +256,10 @@ def update_replica(conn: Connection, replica_id: str, values: dict[str, Any],
 
 # -- usage ----------------------------------------------------------------------------
 
-def open_segment(conn: Connection, replica: dict[str, Any], workload: dict[str, Any], at: float) -> None:
-    conn.execute(_INSERT_U, {"workload_id": workload["id"], "replica_id": replica["id"], "owner": workload["owner"],
-                             "region": workload["region"], "kind": workload["kind"],
-                             "placed_class": replica["cls"], "started_at": at, "ended_at": None})
+def open_segment(conn: Connection, replica: ReplicaRow, workload: WorkloadRow, at: float) -> None:
+    conn.execute(_INSERT_U, {"workload_id": workload.id, "replica_id": replica.id, "owner": workload.owner,
+                             "region": workload.region, "kind": workload.kind,
+                             "placed_class": replica.cls, "started_at": at, "ended_at": None})
 
 
 def close_segment(conn: Connection, replica_id: str, at: float) -> None:
@@ -262,17 +279,17 @@ def segments(conn: Connection, owner: str | None, since: float, until: float,
 
 # -- nodes ----------------------------------------------------------------------------
 
-def nodes_in(conn: Connection, region: str | None = None) -> list[dict[str, Any]]:
-    q = select(N)
+def nodes_in(conn: Connection, region: str | None = None) -> list[NodeRow]:
+    q = select(*(N.c[k] for k in NODE_COLUMNS))
     if region is not None:
         q = q.where(N.c.region == region)
-    return [dict(r) for r in conn.execute(q.order_by(N.c.name)).mappings()]
+    return [NodeRow(**r) for r in conn.execute(q.order_by(N.c.name)).mappings()]
 
 
-def replace_nodes(conn: Connection, region: str, rows: list[dict[str, Any]]) -> None:
+def replace_nodes(conn: Connection, region: str, rows: Sequence[NodeRow]) -> None:
     conn.execute(delete(N).where(N.c.region == region))
     if rows:
-        conn.execute(insert(N), rows)
+        conn.execute(insert(N), [asdict(r) for r in rows])
 
 
 # -- api keys -------------------------------------------------------------------------
@@ -323,11 +340,11 @@ def owner_quotas(conn: Connection) -> dict[str, dict[str, Any]]:
     return {owner: quotas for owner, quotas in conn.execute(q) if quotas}
 
 
-def held_replicas(conn: Connection) -> list[dict[str, Any]]:
+def held_replicas(conn: Connection) -> list[HeldReplica]:
     """Every replica that holds capacity, in every region, with its workload's owner (running quotas)."""
     q = (select(W.c.owner, R.c.workload_id, R.c.slot, R.c.cls).join(W, W.c.id == R.c.workload_id)
          .where(R.c.state.in_(ACTIVE_REPLICA)))
-    return [dict(r) for r in conn.execute(q).mappings()]
+    return [HeldReplica._make(r) for r in conn.execute(q)]
 
 
 def workload_specs(conn: Connection, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -412,8 +429,10 @@ def gateway_keys(conn: Connection) -> list[dict[str, Any]]:
     return [dict(r) for r in conn.execute(q.order_by(K.c.id)).mappings()]
 
 
-_SERVING = (W.c.kind == "endpoint", W.c.deleted_at.is_(None), W.c.state.in_(("starting", "running")))
-_ROUTABLE = (R.c.workload_id == W.c.id, R.c.state == "running", R.c.role == "primary", R.c.url.is_not(None))
+_SERVING = (W.c.kind == WorkloadKind.ENDPOINT, W.c.deleted_at.is_(None),
+            W.c.state.in_((WorkloadState.STARTING, WorkloadState.RUNNING)))
+_ROUTABLE = (R.c.workload_id == W.c.id, R.c.state == ReplicaState.RUNNING, R.c.role == ReplicaRole.PRIMARY,
+             R.c.url.is_not(None))
 
 
 def route_marker(conn: Connection, region: str) -> tuple[Any, ...]:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-from tensora.drivers.base import ReplicaSpec, ReplicaState, ReplicaStatus
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.kubernetes.cluster import REPLICA_LABEL, nodes_from_cluster
 from tensora.drivers.kubernetes.render import (
     CLASS_LABEL,
@@ -52,6 +52,7 @@ from tensora.drivers.kubernetes.render import (
 )
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
+from tensora.placement.kinds import ReplicaState
 
 MANAGED = {"app.kubernetes.io/managed-by": "tensora"}
 CONFLICT_RETRIES = 5

@@ -37,8 +37,8 @@ from typing import Any
 
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.kubernetes.cluster import GPU_RESOURCE, REPLICA_LABEL
-from tensora.placement.admission import WorkloadKind
 from tensora.placement.catalog import ComputeClass
+from tensora.placement.kinds import WorkloadKind
 from tensora.storage import owner_dir
 from tensora.units import format_memory
 

@@ -1,0 +1,37 @@
+"""Housekeeping: what a leader does every so many cycles, in the cycle's fenced write transaction.
+
+Forgets idempotency records past their expiry, and gives back the storage of deleted workloads
+whose replicas are all gone (a notebook's home outlives its replicas, so a restart keeps its
+files). A release is recorded once the driver did it, in the next cycle's transaction: a crash in
+between only gives back again, and the driver's ``release`` is idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import Connection
+
+from tensora.store import repo
+
+EXPIRE_IDEMPOTENCY_EVERY = 30
+"""Cycles between sweeps of expired idempotency records: about a minute at the default tick. A claim
+takes over an expired record by itself (``repo.take_over_expired``): the sweep only bounds the table."""
+
+RELEASE_EVERY = 15
+"""Cycles between looks for deleted workloads' storage to give back (a query over deleted workloads:
+rare work that need not cost every cycle)."""
+
+
+def due(cycle: int, every: int) -> bool:
+    """Cycle 1 (the first a leader runs) and every ``every`` cycles after it."""
+    return (cycle - 1) % every == 0
+
+
+def housekeep(conn: Connection, cycle: int, now: float, region: str, released: Sequence[str],
+              release_every: int = RELEASE_EVERY) -> list[str]:
+    """Sweep and record ``released`` (given back since the last cycle); the workloads to give back now."""
+    if due(cycle, EXPIRE_IDEMPOTENCY_EVERY):
+        repo.expire_idempotency(conn, now)
+    repo.mark_released(conn, released, now)
+    return repo.unreleased(conn, region) if due(cycle, release_every) else []

@@ -1,0 +1,142 @@
+"""Typed rows: what the control plane reads of workloads, replicas, events and nodes.
+
+Immutable values rather than the mapped classes of ``models``: the store speaks SQLAlchemy Core on
+a Connection (no Session, no identity map, no lazy loads), a cycle reads hundreds of rows and keeps
+none, and a value can be handed to a pure step (snapshot, apply) and compared in a test. A step that
+changes a row makes a new one (``_replace``); the store is written by its own statements, never by
+mutating a row. The rows a cycle reads by the hundred (workloads, replicas, held replicas) are
+``NamedTuple``s, built from the result's tuple at C speed (a frozen dataclass costs ~15 times as much
+per row, which a 500-workload cycle notices); events and nodes are frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from tensora.placement.capacity import Node
+from tensora.placement.kinds import ReplicaRole, ReplicaState, SlotRef, WorkloadKind, WorkloadState
+
+
+class WorkloadRow(NamedTuple):
+    """A workload as a cycle reads it: every column but ``name``, ``model``, ``restart_reason`` and
+    ``spec`` (up to 16 KiB; read only for the workloads that start, ``repo.workload_specs``)."""
+
+    id: str
+    owner: str
+    kind: WorkloadKind
+    region: str
+    gpu_class: str
+    requested_class: str
+    placed_class: str | None
+    fallback: tuple[str, ...]
+    fallback_after_s: float
+    placement: str
+    state: WorkloadState
+    reason: str
+    fallback_eligible_at: float | None
+    restart_available: bool
+    replicas: int
+    model_params: int | None
+    model_bytes: int | None
+    created_at: float
+    updated_at: float
+    queued_since: float | None = None
+    deleted_at: float | None = None
+    released_at: float | None = None
+
+    @classmethod
+    def of(cls, row: Sequence[Any]) -> WorkloadRow:
+        """From the columns in field order (``WORKLOAD_COLUMNS``), as the store selects them."""
+        i, owner, kind, region, gpu, requested, placed, fallback, after, placement, state, *rest = row
+        return cls(i, owner, _KIND[kind], region, gpu, requested, placed, tuple(fallback or ()), after, placement,
+                   _WSTATE[state], *rest)
+
+
+class ReplicaRow(NamedTuple):
+    id: str
+    workload_id: str
+    slot: int
+    cls: str
+    node: str
+    region: str
+    state: ReplicaState
+    role: ReplicaRole
+    created_at: float
+    updated_at: float
+    url: str | None = None
+    detail: str = ""
+    served_model: str | None = None
+
+    @property
+    def ref(self) -> SlotRef:
+        return SlotRef(self.workload_id, self.slot)
+
+    @classmethod
+    def of(cls, row: Sequence[Any]) -> ReplicaRow:
+        """From the columns in field order (``REPLICA_COLUMNS``), as the store selects them."""
+        i, wid, slot, cls_, node, region, state, role, *rest = row
+        return cls(i, wid, slot, cls_, node, region, _RSTATE[state], _ROLE[role], *rest)
+
+    @classmethod
+    def of_mapping(cls, m: Mapping[str, Any]) -> ReplicaRow:
+        return cls.of([m[k] for k in REPLICA_COLUMNS])
+
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    """One event of a workload; ``id`` is None until the store numbered it."""
+
+    workload_id: str
+    at: float
+    type: str
+    reason: str
+    from_state: WorkloadState | None = None
+    to_state: WorkloadState | None = None
+    id: int | None = None
+
+    @classmethod
+    def of(cls, m: Mapping[Any, Any]) -> EventRow:
+        return cls(m["workload_id"], m["at"], m["type"], m["reason"], _state(m["from_state"]), _state(m["to_state"]),
+                   m["id"])
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    """A node as the region's controller last observed it."""
+
+    name: str
+    region: str
+    cpu: float
+    memory: int
+    gpus: dict[str, int] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    schedulable: bool = True
+    updated_at: float = 0.0
+
+    def node(self) -> Node:
+        return Node(self.name, self.region, self.cpu, self.memory, dict(self.gpus), dict(self.labels),
+                    self.schedulable)
+
+
+class HeldReplica(NamedTuple):
+    """A replica that holds capacity, with its workload's owner (running quotas)."""
+
+    owner: str
+    workload_id: str
+    slot: int
+    cls: str
+
+
+def _state(v: str | None) -> WorkloadState | None:
+    return None if v is None else WorkloadState(v)
+
+
+WORKLOAD_COLUMNS = WorkloadRow._fields
+REPLICA_COLUMNS = ReplicaRow._fields
+NODE_COLUMNS = ("name", "region", "cpu", "memory", "gpus", "labels", "schedulable", "updated_at")
+_KIND = {k.value: k for k in WorkloadKind}  # a dict lookup: Enum(value) costs more, once per row
+_WSTATE = {s.value: s for s in WorkloadState}
+_RSTATE = {s.value: s for s in ReplicaState}
+_ROLE = {r.value: r for r in ReplicaRole}

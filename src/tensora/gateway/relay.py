@@ -55,8 +55,10 @@ class Relay:
 
     async def whole(self, call: Call, b: Backend, resp: Reply) -> Served:
         try:
-            async with asyncio.timeout(max(0.0, call.deadline - self.clock())):
-                data = await resp.read()
+            data = resp.read_now()  # a small answer is usually in with its head: no timer for it
+            if data is None:
+                async with asyncio.timeout(max(0.0, call.deadline - self.clock())):
+                    data = await resp.read()
         except TimeoutError:
             raise Failed("timeout") from None
         except UpstreamError as exc:

@@ -200,7 +200,7 @@ class Gateway:
         else:  # replayed, refused, or served once and kept
             head = [(b"x-request-id", rid.encode()), (b"x-tensora-region", self.o.region.encode())]
             await idem.run(send, head, key.id, path, ik, ask.obj, lambda s: self._serve(replace(call, send=s)),
-                           lambda: self._count(send, rid, key, table))
+                           lambda: self._count(send, rid, key, table), key.owner)
 
     async def _count(self, send: Send, rid: str, key: KeyRoute, table: RouteTable) -> bool:
         """A replay (or a 409/422 of Idempotency-Key) is a request against the caller's limits, with no tokens:

@@ -207,6 +207,8 @@ def main() -> int:
     ap.add_argument("--peers-dir", type=Path, default=ROOT / ".cache" / "bench")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--baseline-src", type=Path, help="also the gateway of another source tree (its src/, e.g. "
+                    "of `git archive main`) as 'tensora baseline', in the same rounds: an A/B of a change")
     a = ap.parse_args()
     if a.quick:
         a.duration, a.streams, a.no_peers, a.rounds = 1.0, 30, True, 1
@@ -238,6 +240,16 @@ def main() -> int:
                                               tmp / "gateway.log", f"http://127.0.0.1:{port}/healthz",
                                               env={"TENSORA_GATEWAY_SETTINGS": gateway_settings(tmp, sink, port)}))
                 targets["tensora"] = (f"http://127.0.0.1:{port}", key)
+                if a.baseline_src is not None:
+                    bdir = tmp / "baseline"
+                    write_routes(bdir, key, [f"{b}/v1" for b in backs[:2]])
+                    port = free_port()
+                    proxies.enter_context(process(
+                        [*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"], bdir / "gateway.log",
+                        f"http://127.0.0.1:{port}/healthz", env={
+                            "TENSORA_GATEWAY_SETTINGS": gateway_settings(bdir, sink, port),
+                            "PYTHONPATH": str(a.baseline_src.resolve())}))
+                    targets["tensora baseline"] = (f"http://127.0.0.1:{port}", key)
                 if not a.no_peers:
                     targets.update(peers(a, tmp, key, backs, proxies))
                 for i in range(a.rounds):
@@ -317,15 +329,16 @@ def report(results: dict[str, Any]) -> None:
         r["added_over_direct"] = added
         rows.append(f"{name} +{added['p50_ms']:.3f} ms")
     print(", ".join(rows))
-    t = results.get("tensora")
-    for peer in ("litellm", "vllm-router"):
-        if t is not None and peer in results:  # round by round: the same minutes of a shared machine
-            pairs = list(zip(t["rounds"], results[peer]["rounds"], strict=True))
-            rps = [x["c32"]["rps"] / y["c32"]["rps"] for x, y in pairs]
-            p99 = [x["c32"]["p99_ms"] / y["c32"]["p99_ms"] for x, y in pairs]
-            t[f"c32_vs_{peer}"], t[f"c32_p99_vs_{peer}"] = median(rps), median(p99)
-            print(f"tensora / {peer} at c=32, by round: req/s {' '.join(f'{v:.2f}x' for v in rps)}; "
-                  f"p99 {' '.join(f'{v:.2f}x' for v in p99)}")
+    for name in ("tensora", "tensora baseline"):
+        t = results.get(name)
+        for peer in ("litellm", "vllm-router"):
+            if t is not None and peer in results:  # round by round: the same minutes of a shared machine
+                pairs = list(zip(t["rounds"], results[peer]["rounds"], strict=True))
+                rps = [x["c32"]["rps"] / y["c32"]["rps"] for x, y in pairs]
+                p99 = [x["c32"]["p99_ms"] / y["c32"]["p99_ms"] for x, y in pairs]
+                t[f"c32_vs_{peer}"], t[f"c32_p99_vs_{peer}"] = median(rps), median(p99)
+                print(f"{name} / {peer} at c=32, by round: req/s {' '.join(f'{v:.2f}x' for v in rps)}; "
+                      f"p99 {' '.join(f'{v:.2f}x' for v in p99)}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ The same bounded loopback load goes to:
 
 The proxies are pinned to one core (``--proxy-cpu``: all of them, the multi-threaded vllm-router too) and
 the load generator and backends to the other (``--load-cpu``), so proxies compare per core. All of them run
-at once, and the non-streaming load (``wrk``, c=1 then c=32) goes to each in turn, ``--rounds`` times: on a
-machine shared with other work, figures of the same round compare, figures of different runs barely; the
-table is the median of the rounds, and the ratios to vllm-router are taken round by round. 20-chunk streams
+at once, and the non-streaming load (``wrk``, c=1 then c=32) goes to each in turn (every other round in
+reverse order), ``--rounds`` times: on a machine shared with other work, figures of the same round compare,
+figures of different runs barely; the table is the median of the rounds, and the ratios to vllm-router are
+taken round by round. 20-chunk streams
 are timed one at a time by a small pooled client (first content chunk and total). Then failover: tensora
 with a dead replica in front of a live one, its breaker never opening (every other request tries the dead
 one first), and with the default breaker (it opens).
@@ -252,10 +253,11 @@ def main() -> int:
                     targets["tensora baseline"] = (f"http://127.0.0.1:{port}", key)
                 if not a.no_peers:
                     targets.update(peers(a, tmp, key, backs, proxies))
-                for i in range(a.rounds):
+                names = list(targets)
+                for i in range(a.rounds):  # every other round in reverse: no proxy always follows the same one
                     print(f" round {i + 1}", flush=True)
-                    for name, (base, k) in targets.items():
-                        measure(name, base, k, a, results)
+                    for name in names if i % 2 == 0 else names[::-1]:
+                        measure(name, *targets[name], a, results)
                 for name, (base, k) in targets.items():
                     measure_streams(name, base, k, a, results)
             spool = list((tmp / "gateway" / "spool").glob("batch-*.jsonl"))

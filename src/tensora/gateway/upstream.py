@@ -52,6 +52,9 @@ class Reply(Protocol):
     def read_now(self) -> bytes | None:
         """The whole body when all of it is in already (no wait, so no timer to set); else None."""
 
+    def ready(self) -> bool:
+        """Is the next piece (or the end) in already, so that ``next_chunk`` returns without waiting?"""
+
     async def next_chunk(self) -> bytes | None: ...
 
     def release(self) -> None: ...
@@ -147,6 +150,9 @@ class Response:
                 raise UpstreamError("body_too_large", f"over {self.max_body} bytes")
             parts.append(chunk)
         return b"".join(parts)
+
+    def ready(self) -> bool:
+        return bool(self._queue)
 
     def read_now(self) -> bytes | None:
         q = self._queue

@@ -162,6 +162,7 @@ class Response:
             return None
         self._queue = deque()
         self._queued, self._done = 0, True
+        self.conn.resume()  # a large body paused reading (``_HIGH``): the connection goes back to its pool readable
         return q[0] if len(q) == 2 else b"".join(itertools.islice(q, len(q) - 1))
 
     def header(self, name: bytes) -> bytes | None:

@@ -11,14 +11,18 @@ The same bounded loopback load goes to:
   fallback group, a master key, no database, ``LITELLM_LOCAL_MODEL_COST_MAP=True``;
 * **vllm-router**: the Rust router (own venv, ``pip install vllm-router``), round robin.
 
-The proxy under test is pinned to one core (``--proxy-cpu``) and the load generator and backends
-to the other (``--load-cpu``), so proxies compare per core. Non-streaming load is ``wrk`` (c=1 and
-c=32); 20-chunk streams are timed one at a time by a small pooled client (first content chunk and
-total). Then failover: tensora with a dead replica in front of a live one, its breaker never
-opening (every other request tries the dead one first), and with the default breaker (it opens).
+The proxies are pinned to one core (``--proxy-cpu``: all of them, the multi-threaded vllm-router too) and
+the load generator and backends to the other (``--load-cpu``), so proxies compare per core. All of them run
+at once, and the non-streaming load (``wrk``, c=1 then c=32) goes to each in turn (every other round in
+reverse order), ``--rounds`` times: on a machine shared with other work, figures of the same round compare,
+figures of different runs barely; the table is the median of the rounds, and the ratios to vllm-router are
+taken round by round. 20-chunk streams
+are timed one at a time by a small pooled client (first content chunk and total). Then failover: tensora
+with a dead replica in front of a live one, its breaker never opening (every other request tries the dead
+one first), and with the default breaker (it opens).
 
-Run:  python bench/gateway.py                (10 s a measurement, peers installed on first use)
-      python bench/gateway.py --quick        (1 s, no peers: the smoke run in the test suite)
+Run:  python bench/gateway.py                (10 s a measurement, 3 rounds, peers installed on first use)
+      python bench/gateway.py --quick        (1 s, one round, no peers: the smoke run in the test suite)
       python bench/gateway.py --json out.json
 Peers' venvs live in ``.cache/bench`` (``--peers-dir``); ``--no-peers`` leaves them out. Exits 0
 (a benchmark, not a test) unless a run fails outright (non-2xx answers or socket errors).
@@ -139,19 +143,26 @@ def streams(base: str, path: str, key: str, n: int) -> dict[str, Any]:
 
 
 def measure(name: str, base: str, key: str, a: argparse.Namespace, out: dict[str, Any]) -> None:
-    """``base``: the server's root URL (its OpenAI API under /v1)."""
-    r: dict[str, Any] = {}
-    wrk(base, "/v1/chat/completions", key, 4, min(1.0, a.duration), a.load_cpu)  # warm up
-    r["c1"] = wrk(base, "/v1/chat/completions", key, 1, a.duration, a.load_cpu)
-    r["c32"] = wrk(base, "/v1/chat/completions", key, 32, a.duration, a.load_cpu)
-    r["stream20"] = streams(base + "/v1", "/chat/completions", key, a.streams)
+    """One round of the non-streaming load on one target; ``base``: the server's root URL (its API under /v1)."""
+    r = out.setdefault(name, {"rounds": []})
+    if not r["rounds"]:
+        wrk(base, "/v1/chat/completions", key, 4, min(1.0, a.duration), a.load_cpu)  # warm up
+    one = {"c1": wrk(base, "/v1/chat/completions", key, 1, a.duration, a.load_cpu),
+           "c32": wrk(base, "/v1/chat/completions", key, 32, a.duration, a.load_cpu)}
     for k in ("c1", "c32"):
-        if r[k]["errors"]:
-            raise RuntimeError(f"{name} {k}: {r[k]['errors']} errors")
-    out[name] = r
-    print(f"  {name:<22} c=1 {r['c1']['rps']:>8.0f} req/s p50 {r['c1']['p50_ms']:.3f} p99 {r['c1']['p99_ms']:.3f} ms"
-          f" | c=32 {r['c32']['rps']:>8.0f} req/s p50 {r['c32']['p50_ms']:.2f} p99 {r['c32']['p99_ms']:.2f} ms"
-          f" | stream first {r['stream20']['first_p50_ms']:.3f} total {r['stream20']['total_p50_ms']:.3f} ms",
+        if one[k]["errors"]:
+            raise RuntimeError(f"{name} {k}: {one[k]['errors']} errors")
+    r["rounds"].append(one)
+    for k in ("c1", "c32"):  # the medians of the rounds so far, figure by figure
+        r[k] = {f: median(x[k][f] for x in r["rounds"]) for f in one[k]}
+    print(f"  {name:<22} c=1 {one['c1']['rps']:>8.0f} req/s p50 {one['c1']['p50_ms']:.3f} p99 "
+          f"{one['c1']['p99_ms']:.3f} ms | c=32 {one['c32']['rps']:>8.0f} req/s p50 {one['c32']['p50_ms']:.2f} p99 "
+          f"{one['c32']['p99_ms']:.2f} ms", flush=True)
+
+
+def measure_streams(name: str, base: str, key: str, a: argparse.Namespace, out: dict[str, Any]) -> None:
+    s = out[name]["stream20"] = streams(base + "/v1", "/chat/completions", key, a.streams)
+    print(f"  {name:<22} 20-chunk stream: first {s['first_p50_ms']:.3f} total {s['total_p50_ms']:.3f} ms",
           flush=True)
 
 
@@ -190,6 +201,7 @@ def write_routes(tmp: Path, key: str, urls: list[str]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=3, help="each target's c=1 and c=32 runs, in turn with the others")
     ap.add_argument("--streams", type=int, default=300)
     ap.add_argument("--quick", action="store_true", help="1 s runs, 30 streams, no peers")
     ap.add_argument("--proxy-cpu", default="0")
@@ -197,9 +209,11 @@ def main() -> int:
     ap.add_argument("--peers-dir", type=Path, default=ROOT / ".cache" / "bench")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--baseline-src", type=Path, help="also the gateway of another source tree (its src/, e.g. "
+                    "of `git archive main`) as 'tensora baseline', in the same rounds: an A/B of a change")
     a = ap.parse_args()
     if a.quick:
-        a.duration, a.streams, a.no_peers = 1.0, 30, True
+        a.duration, a.streams, a.no_peers, a.rounds = 1.0, 30, True, 1
     if (os.cpu_count() or 1) < 2:
         a.proxy_cpu = a.load_cpu = None
     if shutil.which("wrk") is None:
@@ -218,16 +232,35 @@ def main() -> int:
                     [*taskset(a.load_cpu), py, FAKEBACKEND, "--port", str(p),
                      "--name", f"b{i}", "--chunks", "20"], tmp / f"backend{i}.log", f"{backs[i]}/v1/models"))
             sink = backs[2]  # takes the gateway's usage batches; has no route table
-            print(f"gateway benchmark: proxy on cpu {a.proxy_cpu}, load and backends on cpu {a.load_cpu}; "
-                  f"{a.duration:g} s a run", flush=True)
-            measure("direct", backs[0], key, a, results)
-
-            write_routes(tmp, key, [f"{b}/v1" for b in backs[:2]])
-            port = free_port()
-            with process([*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"], tmp / "gateway.log",
-                         f"http://127.0.0.1:{port}/healthz",
-                         env={"TENSORA_GATEWAY_SETTINGS": gateway_settings(tmp, sink, port)}):
-                measure("tensora", f"http://127.0.0.1:{port}", key, a, results)
+            print(f"gateway benchmark: proxies on cpu {a.proxy_cpu}, load and backends on cpu {a.load_cpu}; "
+                  f"{a.duration:g} s a run, {a.rounds} round(s)", flush=True)
+            with contextlib.ExitStack() as proxies:
+                targets = {"direct": (backs[0], key)}
+                write_routes(tmp, key, [f"{b}/v1" for b in backs[:2]])
+                port = free_port()
+                proxies.enter_context(process([*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"],
+                                              tmp / "gateway.log", f"http://127.0.0.1:{port}/healthz",
+                                              env={"TENSORA_GATEWAY_SETTINGS": gateway_settings(tmp, sink, port)}))
+                targets["tensora"] = (f"http://127.0.0.1:{port}", key)
+                if a.baseline_src is not None:
+                    bdir = tmp / "baseline"
+                    write_routes(bdir, key, [f"{b}/v1" for b in backs[:2]])
+                    port = free_port()
+                    proxies.enter_context(process(
+                        [*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"], bdir / "gateway.log",
+                        f"http://127.0.0.1:{port}/healthz", env={
+                            "TENSORA_GATEWAY_SETTINGS": gateway_settings(bdir, sink, port),
+                            "PYTHONPATH": str(a.baseline_src.resolve())}))
+                    targets["tensora baseline"] = (f"http://127.0.0.1:{port}", key)
+                if not a.no_peers:
+                    targets.update(peers(a, tmp, key, backs, proxies))
+                names = list(targets)
+                for i in range(a.rounds):  # every other round in reverse: no proxy always follows the same one
+                    print(f" round {i + 1}", flush=True)
+                    for name in names if i % 2 == 0 else names[::-1]:
+                        measure(name, *targets[name], a, results)
+                for name, (base, k) in targets.items():
+                    measure_streams(name, base, k, a, results)
             spool = list((tmp / "gateway" / "spool").glob("batch-*.jsonl"))
             results["tensora"]["usage_batches_left"] = len(spool)
 
@@ -247,9 +280,6 @@ def main() -> int:
                     results[label] = {"c1": r1}
                     print(f"  {label:<22} c=1 {r1['rps']:>8.0f} req/s p50 {r1['p50_ms']:.3f} "
                           f"p99 {r1['p99_ms']:.3f} ms", flush=True)
-
-            if not a.no_peers:
-                peers(a, tmp, key, backs, results)
     report(results)
     if a.json:
         a.json.write_text(json.dumps({"results": results, "args": {k: str(v) for k, v in vars(a).items()}},
@@ -257,7 +287,10 @@ def main() -> int:
     return 0
 
 
-def peers(a: argparse.Namespace, tmp: Path, key: str, backs: list[str], results: dict[str, Any]) -> None:
+def peers(a: argparse.Namespace, tmp: Path, key: str, backs: list[str],
+          stack: contextlib.ExitStack) -> dict[str, tuple[str, str]]:
+    """Start the peers that can be installed, in ``stack``; their root URLs and keys by name."""
+    out: dict[str, tuple[str, str]] = {}
     litellm = venv(a.peers_dir, "litellm", "litellm[proxy]", "litellm")
     if litellm is not None:
         master = "sk-bench-" + key[-12:]
@@ -271,17 +304,18 @@ def peers(a: argparse.Namespace, tmp: Path, key: str, backs: list[str], results:
                        "litellm_settings:\n  drop_params: true\n  set_verbose: false\n")
         port = free_port()
         env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true"}
-        with process([*taskset(a.proxy_cpu), str(litellm), "--config", str(cfg), "--host", "127.0.0.1",
-                      "--port", str(port), "--num_workers", "1"], tmp / "litellm.log",
-                     f"http://127.0.0.1:{port}/health/liveliness", env=env, deadline_s=180):
-            measure("litellm", f"http://127.0.0.1:{port}", master, a, results)
+        stack.enter_context(process([*taskset(a.proxy_cpu), str(litellm), "--config", str(cfg), "--host",
+                                     "127.0.0.1", "--port", str(port), "--num_workers", "1"], tmp / "litellm.log",
+                                    f"http://127.0.0.1:{port}/health/liveliness", env=env, deadline_s=180))
+        out["litellm"] = (f"http://127.0.0.1:{port}", master)
     router = venv(a.peers_dir, "router", "vllm-router", "vllm-router")
     if router is not None:
         port = free_port()
-        with process([*taskset(a.proxy_cpu), str(router), "--worker-urls", backs[0], backs[1], "--policy",
-                      "round_robin", "--host", "127.0.0.1", "--port", str(port)], tmp / "router.log",
-                     f"http://127.0.0.1:{port}/health", deadline_s=60):
-            measure("vllm-router", f"http://127.0.0.1:{port}", key, a, results)
+        stack.enter_context(process([*taskset(a.proxy_cpu), str(router), "--worker-urls", backs[0], backs[1],
+                                     "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port)],
+                                    tmp / "router.log", f"http://127.0.0.1:{port}/health", deadline_s=60))
+        out["vllm-router"] = (f"http://127.0.0.1:{port}", key)
+    return out
 
 
 def report(results: dict[str, Any]) -> None:
@@ -298,12 +332,16 @@ def report(results: dict[str, Any]) -> None:
         r["added_over_direct"] = added
         rows.append(f"{name} +{added['p50_ms']:.3f} ms")
     print(", ".join(rows))
-    t = results.get("tensora")
-    for peer in ("litellm", "vllm-router"):
-        if t is not None and peer in results:
-            ratio = t["c32"]["rps"] / results[peer]["c32"]["rps"]
-            t[f"c32_vs_{peer}"] = ratio
-            print(f"tensora / {peer} at c=32: {ratio:.2f}x")
+    for name in ("tensora", "tensora baseline"):
+        t = results.get(name)
+        for peer in ("litellm", "vllm-router"):
+            if t is not None and peer in results:  # round by round: the same minutes of a shared machine
+                pairs = list(zip(t["rounds"], results[peer]["rounds"], strict=True))
+                rps = [x["c32"]["rps"] / y["c32"]["rps"] for x, y in pairs]
+                p99 = [x["c32"]["p99_ms"] / y["c32"]["p99_ms"] for x, y in pairs]
+                t[f"c32_vs_{peer}"], t[f"c32_p99_vs_{peer}"] = median(rps), median(p99)
+                print(f"{name} / {peer} at c=32, by round: req/s {' '.join(f'{v:.2f}x' for v in rps)}; "
+                      f"p99 {' '.join(f'{v:.2f}x' for v in p99)}")
 
 
 if __name__ == "__main__":

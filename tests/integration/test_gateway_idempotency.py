@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensora import apikeys
+from tensora.gateway import idempotency
 from tensora.gateway.app import GatewaySettings, build
 from tensora.gateway.idempotency import Answer, DiskStore, Held, Idempotency, RedisStore, fingerprint
 from tensora.gateway.limits import MemoryLimiter, RedisLimiter
@@ -82,7 +83,8 @@ def gateway(b: Backends, d: Path, wall: FakeClock | None = None, shared: Any = N
     gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, MemoryLimiter(), spool.meter,
                  **({"wall": wall} if wall else {}))
     gw.on_shutdown.append(spool.close)
-    gw.idem = Idempotency(DiskStore(d / "idem", kw.pop("max_total_bytes", 1 << 20)), shared,
+    gw.idem = Idempotency(DiskStore(d / "idem", kw.pop("max_total_bytes", 1 << 20), kw.pop("max_owner_bytes", None)),
+                          shared,
                           **({"wall": wall} if wall else {}), **kw)
     return gw, spool
 
@@ -275,6 +277,18 @@ def test_the_store_total_is_bounded(backends: Backends, tmp_path: Path) -> None:
     assert stat.S_IMODE((tmp_path / "idem").stat().st_mode) == 0o700
 
 
+def test_an_owner_past_its_share_does_not_stop_another_owners_answers_being_kept(backends: Backends,
+                                                                                   tmp_path: Path) -> None:
+    gw, _ = gateway(backends, tmp_path, max_total_bytes=100_000, max_owner_bytes=2500)
+    with serving(gw) as url:
+        assert [post(url, chat(), key=MALLORY, ik=f"m{i}").status_code for i in range(8)] == [200] * 8
+        mallory = [REPLAYED in post(url, chat(), key=MALLORY, ik=f"m{i}").headers for i in range(8)]
+        alice = [post(url, chat(), ik=f"a{i}").status_code for i in range(3)]
+        replayed = [REPLAYED in post(url, chat(), ik=f"a{i}").headers for i in range(3)]
+    assert mallory[0] and not mallory[-1], mallory  # its first answers kept, those past its share not
+    assert alice == [200] * 3 and all(replayed), replayed
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.sampled_from(["claim-a", "claim-b", "done-a", "release-a", "release-b", "tick"]), max_size=12))
 def test_disk_store_one_holder_at_a_time(tmp_path_factory: pytest.TempPathFactory, steps: list[str]) -> None:
@@ -365,6 +379,40 @@ def test_both_stores_keep_the_same_rules(tmp_path: Path, kind: str) -> None:
             client = aioredis.from_url(url)
             try:
                 await scenario(RedisStore(client, max_total_bytes=1000))
+            finally:
+                await client.aclose()
+        asyncio.run(on_redis())
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_one_owner_cannot_fill_the_store_for_the_others(tmp_path: Path, kind: str) -> None:
+    """Nothing kept is evicted, so a store one owner filled would deny every other owner's keeps: each owner has a
+    bound of its own, below the total. Its expired answers free its share again (the disk's at its next sweep)."""
+    import redis.asyncio as aioredis
+
+    from tests.support.services import redis_server
+
+    async def scenario(store: Any) -> None:
+        now, answer = 1_000.0, b"x" * 600
+        for i, expected in enumerate([True, True, False]):  # two of ~650 bytes fit in 1500, a third does not
+            assert await store.claim(f"m{i}", "fp", f"t{i}", now, now + 10) is None
+            assert await store.complete(f"m{i}", f"t{i}", answer, now, now + 100, "mallory") is expected, i
+        for i in range(2):  # the total (10,000) has room: other owners keep theirs
+            assert await store.claim(f"a{i}", "fp", f"u{i}", now, now + 10) is None
+            assert await store.complete(f"a{i}", f"u{i}", answer, now, now + 100, f"owner-{i}")
+        assert await store.claim("m0", "other", "t9", now, now + 10) == Held("fp", answer)  # kept ones replay
+        now += 101 + idempotency.SWEEP_S  # mallory's answers expired: its share is free again
+        assert await store.claim("m3", "fp", "t3", now, now + 10) is None
+        assert await store.complete("m3", "t3", answer, now, now + 100, "mallory")
+
+    if kind == "disk":
+        asyncio.run(scenario(DiskStore(tmp_path, max_total_bytes=10_000, max_owner_bytes=1500)))
+        return
+    with redis_server() as url:
+        async def on_redis() -> None:
+            client = aioredis.from_url(url)
+            try:
+                await scenario(RedisStore(client, max_total_bytes=10_000, max_owner_bytes=1500))
             finally:
                 await client.aclose()
         asyncio.run(on_redis())

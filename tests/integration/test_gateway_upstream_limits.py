@@ -220,3 +220,31 @@ def test_a_client_that_never_reads_a_stream_holds_back_the_model_server(upstream
             got += s.recv(1 << 20)
     assert held_back < 20 << 20, held_back
     assert got.count(b'"content":"www') == 32 * 128
+
+
+def test_a_body_that_came_whole_is_taken_at_once_and_leaves_its_connection_readable() -> None:
+    """``read_now`` (the relay's way to a whole answer without a timer) takes a body that is all in. One that
+    went past ``_HIGH`` on its last read paused the connection: taken, it must not go back to the pool paused
+    (the next answer on it would never be read)."""
+    from tensora.gateway.upstream import _END, Response
+
+    class Conn:
+        def __init__(self) -> None:
+            self.loop = asyncio.new_event_loop()
+            self.paused = False
+
+        def pause(self) -> None:
+            self.paused = True
+
+        def resume(self) -> None:
+            self.paused = False
+
+    conn = Conn()
+    resp = Response(conn, 64 << 20)  # type: ignore[arg-type]
+    resp._push(b"a" * (_HIGH - 10))
+    assert resp.read_now() is None and resp.ready()  # not all in yet
+    resp._push(b"b" * 100)
+    resp._push(_END)
+    assert conn.paused
+    assert resp.read_now() == b"a" * (_HIGH - 10) + b"b" * 100 and not conn.paused and not resp.ready()
+    conn.loop.close()

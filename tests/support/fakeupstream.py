@@ -71,6 +71,12 @@ class FakeReply:
     async def read(self) -> bytes:
         return b"".join([c for c in self._chunks if c is not None])
 
+    def ready(self) -> bool:
+        return not self._chunks or self._chunks[0] is not None
+
+    def read_now(self) -> bytes | None:
+        return None if self._stalls else b"".join([c for c in self._chunks if c is not None])
+
     def release(self) -> None:
         self.released = True
 

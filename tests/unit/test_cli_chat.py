@@ -54,6 +54,14 @@ CASES = {
     "another replica of its own after one failed: a failover, no fallback": Case(
         answered("replica", "chat/rp_1:http_503,chat/rp_2:ok", fallback=False), Verdict.FAILOVER,
         "another backend answered: the endpoint's own replica rp_2, after chat/rp_1 failed (HTTP 503)"),
+    "its only replica failed, then answered when tried again: named once, not a failover": Case(
+        answered("replica", "chat/rp_g:http_503,chat/rp_g:ok", fallback=False), Verdict.RETRIED,
+        "served by the endpoint's own replica rp_g on l40s-48gb when tried again, after it failed (HTTP 503)",
+        ON_L40S),
+    "a replica tried twice, then another: the first named once": Case(
+        answered("cpu", "chat/rp_g:http_502,chat/rp_g:reset,chat/rp_c:ok", fallback=True), Verdict.FAILOVER,
+        "another backend answered: the endpoint's own replica rp_c (placed on a CPU class, a CPU fallback: no GPU "
+        "of its class was free), after chat/rp_g failed (HTTP 502, then connection reset)"),
     "the serverless pool after a timeout and a skipped replica": Case(
         answered("serverless", "chat/rp_1:timeout,chat/rp_2:breaker_open,llama-8b/rp_s:ok", fallback=True,
                  model="llama-8b"), Verdict.FAILOVER,

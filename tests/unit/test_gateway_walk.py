@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
+from tensora.gateway.breaker import Policy
 from tensora.gateway.call import Call, Options, Served
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable, table_from_json
@@ -155,3 +156,20 @@ def test_any_other_4xx_is_passed_through_as_it_came_and_never_retried() -> None:
     assert sent.status == 400 and sent.body == refused.body
     assert sent.header(b"x-tensora-attempts") == "my-llm/r1:http_400" and [p[0] for p in fake.posts] == [GPU]
     assert served is not None and served.status == 400
+
+
+def test_the_breakers_of_backends_gone_from_the_route_table_are_forgotten() -> None:
+    clock = Clock()
+    w, _ = walk({GPU: [status(503), status(503)]}, clock, breaker=Policy(consecutive=1))
+    run(w)
+    assert w.breakers["my-llm/r1"].open_until is not None and "my-llm/r1" in w.ejected
+    gone = table_from_json({"version": "2", "region": "eu", "keys": [], "endpoints": [
+        {"id": "wl_main", "name": "my-llm", "owner": "alice", "region": "eu", "model": "/m", "cpu_fallback": True,
+         "replicas": [{"id": "c1", "url": CPU, "cls": "cpu-4c-16g", "cpu": True, "upstream_model": "/m"}]}]})
+    endpoint = gone.resolve("alice", "my-llm")
+    assert endpoint is not None
+    sent = Sent()
+    call = Call(sent, "req_2", "/chat/completions", KEY, gone, endpoint, {"model": "my-llm"}, False, False, 10,
+                b"Bearer k", False)
+    asyncio.run(w.run(call))
+    assert sent.status == 200 and set(w.breakers) == {"my-llm/c1"} and w.ejected == {}

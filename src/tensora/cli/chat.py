@@ -49,13 +49,18 @@ class Attempt:
         return self.backend.partition("/")[2] or self.backend
 
     @property
+    def why(self) -> str:
+        if self.outcome == "breaker_open":
+            return "its circuit breaker is open"
+        return f"HTTP {self.outcome[5:]}" if self.outcome.startswith("http_") else OUTCOMES.get(self.outcome,
+                                                                                                 self.outcome)
+
+    @property
     def said(self) -> str:
         """``chat/rp_1 failed (connection refused)``, ``chat/rp_1 was skipped (...)``."""
         if self.outcome == "breaker_open":
-            return f"{self.backend} was skipped (its circuit breaker is open)"
-        why = f"HTTP {self.outcome[5:]}" if self.outcome.startswith("http_") else OUTCOMES.get(self.outcome,
-                                                                                                self.outcome)
-        return f"{self.backend} failed ({why})"
+            return f"{self.backend} was skipped ({self.why})"
+        return f"{self.backend} failed ({self.why})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +103,7 @@ class Placement:
 class Verdict(StrEnum):
     OWN = "own"  # its own replica answered first time, on the class it asked for (or one not known)
     PLACED_FALLBACK = "placed_fallback"  # its own replica answered first time, on a class it was placed on instead
+    RETRIED = "retried"  # the backend that answered failed first, and answered when tried again (nothing else tried)
     FAILOVER = "failover"  # a backend failed (or was skipped) and another answered
     OTHER = "other"  # none of its own replicas was there to try; another backend answered
     UNKNOWN = "unknown"  # the headers do not say which backend answered
@@ -139,8 +145,19 @@ def _backend(a: Answered, served: Attempt, placement: Placement | None) -> tuple
 
 
 def failures(attempts: tuple[Attempt, ...]) -> str:
-    """The attempts that did not answer, in words, in order: ``a failed (x), b was skipped (y)``."""
-    return ", ".join(x.said for x in attempts if x.outcome != OK)
+    """The attempts that did not answer, in words, in order: ``a failed (x), b was skipped (y)``; a backend tried
+    again at once (the gateway's one retry of a tier's only replica) is named once: ``a failed (x, then y)``."""
+    said: list[tuple[str, list[Attempt]]] = []
+    for x in attempts:
+        if x.outcome == OK:
+            continue
+        skips = "breaker_open" in (x.outcome, said[-1][1][-1].outcome) if said else True
+        if said and said[-1][0] == x.backend and not skips:
+            said[-1][1].append(x)
+        else:
+            said.append((x.backend, [x]))
+    return ", ".join(xs[0].said if len(xs) == 1 else f"{b} failed ({', then '.join(x.why for x in xs)})"
+                     for b, xs in said)
 
 
 def explain(a: Answered, placement: Placement | None = None) -> Explained:
@@ -151,6 +168,9 @@ def explain(a: Answered, placement: Placement | None = None) -> Explained:
         return Explained(Verdict.UNKNOWN, "the gateway did not say which backend answered")
     fell_back, which = _backend(a, served, placement)
     before = a.attempts[:-1]
+    if before and all(x.backend == served.backend for x in before):  # its retry of the same backend answered
+        return Explained(Verdict.RETRIED, f"served by {which} when tried again, after it failed "
+                                          f"({', then '.join(x.why for x in before)})")
     if before:
         return Explained(Verdict.FAILOVER, f"another backend answered: {which}, after {failures(before)}")
     own = a.served_by in ("replica", "cpu") and not served.backend.startswith("peer:")

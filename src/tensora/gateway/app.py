@@ -97,6 +97,9 @@ class GatewaySettings(BaseModel):
                                               "but not kept: its retry runs again")
     idempotency_max_total_bytes: int = Field(default=256 << 20, ge=0, description="all kept answers together "
                                              "(on disk, or in Redis with redis_url); past it, new ones are not kept")
+    idempotency_max_owner_bytes: int = Field(default=64 << 20, ge=0, description="the kept answers of one owner "
+                                             "(all its keys): past it, that owner's new ones are not kept, so that "
+                                             "one owner cannot fill the store for all")
     peers: list[PeerSetting] = Field(default_factory=list, description="other regions' gateways; the caller's "
                                      "key travels to them, so https (certificate checked) unless on loopback")
     # what one client may hold of the gateway's HTTP server (Envoy's defaults where it has one)
@@ -255,8 +258,10 @@ def build(settings: GatewaySettings) -> Gateway:
                                probe_s=settings.redis_probe_s)
     gw = Gateway(settings.options(), lambda: source.table, limiter, meter)
     gw.idem = Idempotency(
-        DiskStore(settings.dir / "idempotency", settings.idempotency_max_total_bytes),
-        RedisStore(limiter.redis, max_total_bytes=settings.idempotency_max_total_bytes)
+        DiskStore(settings.dir / "idempotency", settings.idempotency_max_total_bytes,
+                  settings.idempotency_max_owner_bytes),
+        RedisStore(limiter.redis, max_total_bytes=settings.idempotency_max_total_bytes,
+                   max_owner_bytes=settings.idempotency_max_owner_bytes)
         if isinstance(limiter, RedisLimiter) else None,
         keep_s=settings.idempotency_keep_s, in_flight_s=settings.deadline_s + 10,
         max_answer_bytes=settings.idempotency_max_answer_bytes, probe_s=settings.redis_probe_s)

@@ -8,8 +8,10 @@ stream's events byte for byte) with ``Idempotent-Replayed: true``, and is not me
 body is 422; a request still running is 409 with Retry-After. Only a whole 200 answer is kept
 (``keep_s``, 24 h): errors, 429s, a stream ended by an error release the claim and a retry runs afresh
 (a request cancelled midway too). An answer over ``max_answer_bytes`` is served but not kept (a whole one says so
-in ``X-Tensora-Idempotency: not-stored``), and so is one that would take the store past
-``max_total_bytes``: its retry runs again. An abandoned claim (a crash) lapses after ``in_flight_s``.
+in ``X-Tensora-Idempotency: not-stored``), and so is one that would take its owner past ``max_owner_bytes``
+or the store past ``max_total_bytes``: its retry runs again. The bound per owner is what keeps one owner from
+filling the store for all: nothing kept is ever evicted, so a full store would deny every other owner's keeps.
+An abandoned claim (a crash) lapses after ``in_flight_s``.
 
 Records live in Redis when the gateway has one, so that every gateway sees them, else on its disk
 (``DiskStore``). Redis failing is no reason for a 500: its calls time out as the limiter's do, and until
@@ -80,7 +82,8 @@ class Store(Protocol):
     while ``token`` still holds the record (a claim that lapsed and was taken over is not overwritten)."""
 
     async def claim(self, name: str, fingerprint: str, token: str, now: float, until: float) -> Held | None: ...
-    async def complete(self, name: str, token: str, answer: bytes, now: float, until: float) -> bool: ...
+    async def complete(self, name: str, token: str, answer: bytes, now: float, until: float,
+                       owner: str = "") -> bool: ...
     async def release(self, name: str, token: str) -> None: ...
 
 
@@ -89,13 +92,16 @@ class DiskStore:
 
     Every step holds an exclusive ``flock`` on the file, so two requests, or two gateway processes on one
     data dir, never both claim it; a file unlinked while a step waited for its lock is opened again. A file
-    torn by a crash counts as no record. ``max_total_bytes`` bounds the files together: past it, expired
-    records are swept (at most once a ``SWEEP_S``), and an answer that still does not fit is not kept."""
+    torn by a crash counts as no record. ``max_total_bytes`` bounds the files together, ``max_owner_bytes`` the
+    answers of one owner: past either, expired records are swept (at most once a ``SWEEP_S``), and an answer that
+    still does not fit is not kept."""
 
-    def __init__(self, dir: Path, max_total_bytes: int = 256 << 20) -> None:
+    def __init__(self, dir: Path, max_total_bytes: int = 256 << 20, max_owner_bytes: int | None = None) -> None:
         self.dir, self.max_total = Path(dir), max_total_bytes
+        self.max_owner = max_total_bytes if max_owner_bytes is None else max_owner_bytes
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
+        self.owners: dict[str, int] = {}  # bytes of the kept answers of each owner
         self.total = self.sweep(time.time())
         self._swept_at = float("-inf")
 
@@ -128,20 +134,29 @@ class DiskStore:
             self._write(fd, len(data), orjson.dumps({"fp": fingerprint, "exp": until, "tok": token}) + b"\n")
             return None
 
-    async def complete(self, name: str, token: str, answer: bytes, now: float, until: float) -> bool:
+    async def complete(self, name: str, token: str, answer: bytes, now: float, until: float,
+                       owner: str = "") -> bool:
         with self._locked(name) as fd:
             data = _read(fd)
             meta, _ = _parse(data, now)
             if meta is None or meta["tok"] != token:
                 return False
-            out = orjson.dumps({"fp": meta["fp"], "exp": until, "tok": token, "done": True}) + b"\n" + answer
-            if self.total - len(data) + len(out) > self.max_total:
+            out = orjson.dumps({"fp": meta["fp"], "exp": until, "tok": token, "done": True, "own": owner}) + \
+                b"\n" + answer
+            was = len(data) if meta.get("done") and meta.get("own", "") == owner else 0  # kept before: replaced
+
+            def over() -> bool:
+                return (self.total - len(data) + len(out) > self.max_total
+                        or self.owners.get(owner, 0) - was + len(out) > self.max_owner)
+
+            if over():
                 if now - self._swept_at >= SWEEP_S:  # a sweep reads every record: not at each answer
                     self._swept_at = now
                     self.total = self.sweep(now, but=name)
-                if self.total - len(data) + len(out) > self.max_total:
+                if over():
                     return False
             self._write(fd, len(data), out)
+            self.owners[owner] = self.owners.get(owner, 0) - was + len(out)
             return True
 
     async def release(self, name: str, token: str) -> None:
@@ -151,20 +166,36 @@ class DiskStore:
             if meta is None or meta["tok"] == token:
                 os.unlink(self.dir / name)
                 self.total -= len(data)
+                if meta is not None and meta.get("done"):
+                    self._forget(meta.get("own", ""), len(data))
+
+    def _forget(self, owner: str, size: int) -> None:
+        left = self.owners.get(owner, 0) - size
+        if left > 0:
+            self.owners[owner] = left
+        else:
+            self.owners.pop(owner, None)
 
     def sweep(self, now: float, but: str = "") -> int:
-        """Delete expired and torn records; the bytes of those left."""
+        """Delete expired and torn records; the bytes of those left (and of each owner's, in ``owners``). ``but``:
+        the record being completed, a claim (no owner's bytes yet)."""
         total = 0
+        owners: dict[str, int] = {}
         for path in self.dir.iterdir():
             if path.name == but:
                 total += path.stat().st_size
                 continue
             with self._locked(path.name) as fd:
                 data = _read(fd)
-                if _parse(data, now)[0] is None:
+                meta = _parse(data, now)[0]
+                if meta is None:
                     os.unlink(path)
-                else:
-                    total += len(data)
+                    continue
+                total += len(data)
+                if meta.get("done"):
+                    own = meta.get("own", "")
+                    owners[own] = owners.get(own, 0) + len(data)
+        self.owners = owners
         return total
 
 
@@ -198,22 +229,31 @@ redis.call('HSET', KEYS[1], 'exp', ARGV[2], 'fp', ARGV[3], 'tok', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return false
 """
-# KEYS: the record, the index (a sorted set of "bytes:record" by expiry), the total; ARGV: token, now, until,
-# answer, ttl ms, max total bytes. Returns 1 stored, 0 not ours any more (taken over, or lapsed), -1 over the
-# total.
+# KEYS: the record, the index (a sorted set of "bytes:owner tag:record:token" by expiry), the total, the owner's
+# total (the total's name, ":", the owner's tag); ARGV: token, now, until, answer, ttl ms, max total bytes, max
+# bytes of one owner. Returns 1 stored, 0 not ours any more (taken over, or lapsed), -1 over a bound. Index
+# entries from before the owner's tag ("bytes:record:token") count in the total only.
 _COMPLETE = """
 local h = redis.call('HMGET', KEYS[1], 'tok', 'exp')
 if h[1] ~= ARGV[1] or tonumber(h[2]) <= tonumber(ARGV[2]) then return 0 end
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2], 'LIMIT', 0, 1000)) do
-  redis.call('DECRBY', KEYS[3], tonumber(string.match(m, '^(%d+):')))
+  local size = tonumber(string.match(m, '^(%d+):'))
+  redis.call('DECRBY', KEYS[3], size)
+  local tag = string.match(m, '^%d+:(%x+):')
+  if tag and tonumber(redis.call('DECRBY', KEYS[3] .. ':' .. tag, size)) <= 0 then
+    redis.call('DEL', KEYS[3] .. ':' .. tag)
+  end
   redis.call('ZREM', KEYS[2], m)
 end
 local n = string.len(ARGV[4])
 if tonumber(redis.call('GET', KEYS[3]) or '0') + n > tonumber(ARGV[6]) then return -1 end
+if tonumber(redis.call('GET', KEYS[4]) or '0') + n > tonumber(ARGV[7]) then return -1 end
 redis.call('HSET', KEYS[1], 'exp', ARGV[3], 'ans', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
-redis.call('ZADD', KEYS[2], ARGV[3], n .. ':' .. KEYS[1] .. ':' .. ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[3], n .. ':' .. string.sub(KEYS[4], string.len(KEYS[3]) + 2) .. ':' .. KEYS[1]
+           .. ':' .. ARGV[1])
 redis.call('INCRBY', KEYS[3], n)
+redis.call('INCRBY', KEYS[4], n)
 return 1
 """
 _RELEASE = """
@@ -224,12 +264,15 @@ return 0
 
 class RedisStore:
     """Records as Redis hashes named ``PREFIX:NAME``, each step one script call (atomic); kept answers are
-    counted in ``PREFIX:bytes`` and indexed by expiry, so ``max_total_bytes`` holds across gateways. The
+    counted in ``PREFIX:bytes`` (and each owner's in ``PREFIX:bytes:TAG``) and indexed by expiry, so
+    ``max_total_bytes`` and ``max_owner_bytes`` hold across gateways. The
     prefix is one Redis Cluster hash tag, so that a script's keys share a slot. Takes the limiter's client
     (its timeouts and pool); every failure is raised to ``Idempotency``."""
 
-    def __init__(self, redis: Any, prefix: str = "{tensora:idem}", max_total_bytes: int = 256 << 20) -> None:
+    def __init__(self, redis: Any, prefix: str = "{tensora:idem}", max_total_bytes: int = 256 << 20,
+                 max_owner_bytes: int | None = None) -> None:
         self.redis, self.prefix, self.max_total = redis, prefix, max_total_bytes
+        self.max_owner = max_total_bytes if max_owner_bytes is None else max_owner_bytes
         self._claim = redis.register_script(_CLAIM)
         self._complete = redis.register_script(_COMPLETE)
         self._release = redis.register_script(_RELEASE)
@@ -244,10 +287,12 @@ class RedisStore:
             return None
         return Held(got[0].decode(), got[1])
 
-    async def complete(self, name: str, token: str, answer: bytes, now: float, until: float) -> bool:
-        keys = [self._name(name), f"{self.prefix}:index", f"{self.prefix}:bytes"]
+    async def complete(self, name: str, token: str, answer: bytes, now: float, until: float,
+                       owner: str = "") -> bool:
+        tag = hashlib.sha256(owner.encode()).hexdigest()[:16]  # hex: the index entry's owner field, unambiguous
+        keys = [self._name(name), f"{self.prefix}:index", f"{self.prefix}:bytes", f"{self.prefix}:bytes:{tag}"]
         got = await self._complete(keys=keys, args=[token, repr(now), repr(until), answer, _ttl_ms(now, until),
-                                                    self.max_total])
+                                                    self.max_total, self.max_owner])
         return bool(got == 1)
 
     async def release(self, name: str, token: str) -> None:
@@ -321,10 +366,10 @@ class Idempotency:
 
     async def run(self, send: Send, head: list[tuple[bytes, bytes]], key_id: str, path: str, raw_key: bytes,
                   body: Any, serve: Callable[[Send], Awaitable[Outcome | None]],
-                  count: Callable[[], Awaitable[bool]]) -> None:
+                  count: Callable[[], Awaitable[bool]], owner: str = "") -> None:
         """``head``: the headers every answer of this request carries (X-Request-Id...); ``serve(send)`` runs the
         request; ``count()`` takes a request from the caller's limits for an answer from the store (False: it
-        sent the 429)."""
+        sent the 429); ``owner``: whose bound the kept answer counts in."""
         key = raw_key.decode("latin-1")
         if not 0 < len(key) <= MAX_KEY_LEN or not key.isascii() or not key.isprintable():
             await _error(send, head, 400, f"Idempotency-Key must be 1-{MAX_KEY_LEN} printable ASCII characters",
@@ -354,7 +399,7 @@ class Idempotency:
         async def keep(answer: Answer) -> bool:
             now = self.wall()
             try:
-                return await store.complete(name, token, answer.encode(), now, now + self.keep_s)
+                return await store.complete(name, token, answer.encode(), now, now + self.keep_s, owner)
             except Exception as exc:  # only not kept; a claim left behind lapses in in_flight_s
                 if store is self.shared:
                     self._lost(exc)

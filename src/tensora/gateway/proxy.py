@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import re
 import secrets
 import time
@@ -200,7 +201,7 @@ class Gateway:
         else:  # replayed, refused, or served once and kept
             head = [(b"x-request-id", rid.encode()), (b"x-tensora-region", self.o.region.encode())]
             await idem.run(send, head, key.id, path, ik, ask.obj, lambda s: self._serve(replace(call, send=s)),
-                           lambda: self._count(send, rid, key, table))
+                           lambda: self._count(send, rid, key, table), key.owner)
 
     async def _count(self, send: Send, rid: str, key: KeyRoute, table: RouteTable) -> bool:
         """A replay (or a 409/422 of Idempotency-Key) is a request against the caller's limits, with no tokens:
@@ -239,7 +240,7 @@ class Gateway:
             product = ("cross-region" if b.peer else "serverless" if served.served_by == ServedBy.SERVERLESS
                        else "fallback-model" if served.served_by == ServedBy.FALLBACK_MODEL else "endpoint")
             self.meter.record({  # the id is ours and unguessable; the client's X-Request-Id is only stored beside
-                "id": secrets.token_hex(16), "client_request_id": rid, "at": self.wall(), "owner": key.owner,
+                "id": os.urandom(16).hex(), "client_request_id": rid, "at": self.wall(), "owner": key.owner,
                 "key_id": key.id, "endpoint": endpoint.name,
                 "endpoint_id": endpoint.id, "product": product, "answered_by": b.endpoint_id, "model": b.model,
                 "served_by": served.served_by, "region": served.region, "prompt_tokens": served.prompt_tokens,

@@ -55,8 +55,10 @@ class Relay:
 
     async def whole(self, call: Call, b: Backend, resp: Reply) -> Served:
         try:
-            async with asyncio.timeout(max(0.0, call.deadline - self.clock())):
-                data = await resp.read()
+            data = resp.read_now()  # a small answer is usually in with its head: no timer for it
+            if data is None:
+                async with asyncio.timeout(max(0.0, call.deadline - self.clock())):
+                    data = await resp.read()
         except TimeoutError:
             raise Failed("timeout") from None
         except UpstreamError as exc:
@@ -100,8 +102,11 @@ class Relay:
         idle_by = deadline
         while not done:
             try:
-                async with asyncio.timeout(max(0.0, (idle_by if sending else first_by) - self.clock())):
+                if resp.ready():  # in already (most events of a stream): no timer to set and cancel
                     chunk = await resp.next_chunk()
+                else:
+                    async with asyncio.timeout(max(0.0, (idle_by if sending else first_by) - self.clock())):
+                        chunk = await resp.next_chunk()
                 payloads = events.feed(chunk) if chunk is not None else events.tail()
             except (TimeoutError, UpstreamError) as exc:
                 kind = exc.kind if isinstance(exc, UpstreamError) else "timeout"

@@ -48,11 +48,21 @@ class Walk:
         if table.version != self._tiers_version:
             self._tiers_cache.clear()
             self._tiers_version = table.version
+            self._forget(table)
         key = (endpoint.id, hopped)
         found = self._tiers_cache.get(key)
         if found is None:
             found = self._tiers_cache[key] = chain.tiers(endpoint, table, self.o.peers, hopped=hopped)
         return found
+
+    def _forget(self, table: RouteTable) -> None:
+        """The breakers of backends gone from the route table go with them: else every replica that ever was
+        keeps its state for the gateway's life (and one that comes back under its name would find it)."""
+        known = {f"{e.name}/{r.id}" for e in table.endpoints for r in e.replicas}
+        known.update(f"peer:{p.region}" for p in self.o.peers)
+        for key in [k for k in self.breakers if k not in known]:
+            del self.breakers[key]
+            self.ejected.pop(key, None)
 
     def _breaker(self, key: str) -> Breaker:
         b = self.breakers.get(key)

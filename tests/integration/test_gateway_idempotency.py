@@ -77,10 +77,10 @@ class Spooled:
                 for line in f.read_bytes().splitlines()]
 
 
-def gateway(b: Backends, d: Path, wall: FakeClock | None = None, shared: Any = None, **kw: Any
-            ) -> tuple[Gateway, Spooled]:
+def gateway(b: Backends, d: Path, wall: FakeClock | None = None, shared: Any = None, *, ttft_s: float = 1.5,
+            deadline_s: float = 4, **kw: Any) -> tuple[Gateway, Spooled]:
     t, spool = table(b, kw.pop("owners", None)), Spooled(d / "spool")
-    gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, MemoryLimiter(), spool.meter,
+    gw = Gateway(Options(ttft_s=ttft_s, deadline_s=deadline_s), lambda: t, MemoryLimiter(), spool.meter,
                  **({"wall": wall} if wall else {}))
     gw.on_shutdown.append(spool.close)
     gw.idem = Idempotency(DiskStore(d / "idem", kw.pop("max_total_bytes", 1 << 20), kw.pop("max_owner_bytes", None)),
@@ -199,8 +199,10 @@ def test_a_bad_key_is_400_naming_the_header(backends: Backends, tmp_path: Path, 
 
 
 def test_in_flight_is_409_and_a_failure_is_not_kept(backends: Backends, tmp_path: Path) -> None:
-    gw, spool = gateway(backends, tmp_path)
-    backends.mode("r1", "stall_head")  # the first request waits for its head until ttft_s, then fails
+    # the first request waits for its head until ttft_s, then fails: long enough for the duplicate to arrive
+    # while it waits on a loaded machine (1.5 s was not, once, in CI)
+    gw, spool = gateway(backends, tmp_path, ttft_s=5, deadline_s=8)
+    backends.mode("r1", "stall_head")
     with serving(gw) as url:
         got: list[httpx.Response] = []
         t = threading.Thread(target=lambda: got.append(post(url, chat())))

@@ -313,6 +313,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     gateway = None
     if gw is not None:
         print(f"OpenAI-compatible gateway on http://{gw.host}:{gw.port}/v1  (the same keys)", flush=True)
+        if gw.metrics_listen:
+            print(f"gateway metrics on http://{gw.metrics_listen}/metrics  (Prometheus; this machine only)", flush=True)
         gateway = _start_gateway(gw)
     if services.controller is not None or settings.workers > 1:
         try:

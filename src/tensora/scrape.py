@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.registry import Collector
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
 
 log = logging.getLogger("tensora")
 
@@ -41,7 +41,7 @@ class Listener:
     """The metrics of one process, served at ``http://<metrics_listen>/metrics``."""
 
     def __init__(self, listen: str, *collectors: Collector, process: bool = True) -> None:
-        from prometheus_client import GCCollector, ProcessCollector
+        from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 
         self.host, self.port = parse_listen(listen)
         self.registry = CollectorRegistry(auto_describe=False)
@@ -54,6 +54,8 @@ class Listener:
 
     def start(self) -> bool:
         """Listen; a taken port is warned about, not fatal: the process serves without metrics."""
+        from prometheus_client import start_http_server
+
         try:
             self._server, _ = start_http_server(self.port, self.host, registry=self.registry)
         except OSError as exc:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensora.clock import Clock, SystemClock
+from tensora.control import metrics
 from tensora.drivers.base import Driver, ReplicaSpec, ReplicaState, ReplicaStatus
 from tensora.errors import Conflict, StoreUnavailable
 from tensora.placement.admission import (
@@ -73,6 +74,7 @@ class CycleReport:
     stopped: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     """Deleted workloads whose storage the driver gave back this cycle."""
+    decisions: Sequence[Any] = ()  # the admission's, for the metrics
 
 
 @dataclass
@@ -147,6 +149,7 @@ class Controller:
             except Exception:
                 log.exception("controller cycle failed; the next one redoes its work")
             ended = time.monotonic()
+            metrics.cycle(self.region, report, ended - began)
             self._wake.wait(min(self.tick_s, self.starting_tick_s) if report.starting else self.tick_s)
             # Woken early (a burst of creates): rest at least min_gap_s, and twice as long as the
             # last cycle took, before the next one. An idle controller still reacts at once; a
@@ -185,7 +188,7 @@ class Controller:
             capacity, queue, running, rows = self._snapshot(conn, nodes)
             quotas = self._quotas(conn)
         # 5. decide: the pure admission decision
-        decisions = decide(queue, capacity, running, now, self.policy, quotas)
+        decisions = report.decisions = decide(queue, capacity, running, now, self.policy, quotas)
         # 6. apply: record intents (fenced, one transaction, each conditional on the state the
         #    snapshot saw: a workload stopped meanwhile is left alone), then tell the driver
         effects = _Effects()
@@ -314,6 +317,7 @@ class Controller:
     def _replica_failed(self, conn: Any, w: dict[str, Any], r: dict[str, Any], seen: ReplicaStatus,
                         siblings: list[dict[str, Any]], now: float, detail: str | None = None) -> int:
         why = detail or seen.detail or "replica failed"
+        metrics.replica_failed(self.region, w["kind"], r["role"])
         self._replica_done(conn, r, "failed", now, why)
         if r["role"] == "candidate":
             repo.add_event(conn, w["id"], now, "move_failed",
@@ -347,6 +351,7 @@ class Controller:
                   f"draining the {was} replica ({self.drain_s:g} s for requests in flight)")
         repo.update_workload(conn, w["id"], {"placed_class": placed, "reason": reason, "updated_at": now})
         repo.add_event(conn, w["id"], now, "moved", reason)
+        metrics.moved_back(self.region)
         return 1
 
     def _transition(self, conn: Any, w: dict[str, Any], from_state: str, to_state: str, reason: str, now: float,

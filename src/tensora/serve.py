@@ -280,6 +280,12 @@ def _metrics_listener(settings: ServeSettings, services: Services, *, multiproce
         from tensora.control.metrics import ControllerCollector
 
         collectors.append(ControllerCollector())
+        from tensora.drivers.local import LocalDriver
+
+        if isinstance(services.controller.driver, LocalDriver):
+            from tensora.drivers.localmetrics import LocalCollector
+
+            collectors.append(LocalCollector(services.controller.driver))
     listener = Listener(settings.metrics_listen, *collectors)
     return listener if listener.start() else None
 

@@ -179,10 +179,10 @@ class Gateway:
         start = clock()
         head: list[Any] = [0, None]  # status, when the head went out
 
-        async def sent(msg: dict[str, Any]) -> None:
+        def sent(msg: dict[str, Any]) -> Awaitable[None]:  # no coroutine of its own: send's is awaited
             if msg["type"] == "http.response.start":
                 head[0], head[1] = msg["status"], clock()
-            await send(msg)
+            return send(msg)
 
         call = await self._infer_(scope, receive, sent, rid, path)
         served = call.served if call is not None else None

@@ -81,3 +81,10 @@ def test_endpoint_label_is_capped() -> None:
         m.served(name, "replica", "replica", 200, False, 0.0, 0.01, 0.02, [])
     assert {k[0] for k in m.requests} == {"a/x", "b/y", OTHER}
     assert m.requests[(OTHER, "replica", "replica", 200)] == 2
+
+
+def test_a_peers_served_by_is_bounded() -> None:
+    m = GatewayMetrics()
+    m.served("a/x", "peer", "replica", 200, False, 0.0, 0.01, 0.02, [])
+    m.served("a/x", "peer", "anything a peer says", 200, False, 0.0, 0.01, 0.02, [])
+    assert set(m.requests) == {("a/x", "peer", "replica", 200), ("a/x", "peer", OTHER, 200)}

@@ -36,6 +36,7 @@ _TRIGGERS = {"connect_timeout": "connect", "connect_refused": "connect", "connec
              "tls_error": "connect", "timeout": "ttft", "http_429": "429", "rate_limited": "429",
              "breaker_open": "breaker_open", "context_length_exceeded": "context_length",
              "context_too_small": "context_length", "reset": "reset", "deadline": "deadline"}
+SERVED_BY = frozenset(("replica", "cpu", "serverless", "fallback-model", NONE))  # a peer's header says it: bounded
 TRIGGERS = ("connect", "5xx", "ttft", "429", "breaker_open", "context_length", "reset", "deadline", OTHER)
 
 
@@ -126,7 +127,7 @@ class GatewayMetrics:
 
     def served(self, endpoint: str, tier: str, served_by: str, status: int, stream: bool, start: float,
                first: float | None, end: float, attempts: list[str]) -> None:
-        key = (self.endpoint(endpoint), tier, served_by, status)
+        key = (self.endpoint(endpoint), tier, served_by if served_by in SERVED_BY else OTHER, status)
         self.requests[key] = self.requests.get(key, 0) + 1
         s = "true" if stream else "false"
         if first is not None and status == 200:

@@ -171,6 +171,7 @@ class Gateway:
     # -- steps 2-5 ----------------------------------------------------------------------------
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send, rid: str, path: str) -> None:
+        """Steps 2-5; with metrics on, the answer's status and when its head went out are noted on the way."""
         m = self.metrics
         if m is None:
             await self._infer_(scope, receive, send, rid, path)

@@ -40,7 +40,7 @@ def check_listen(value: str | None) -> str | None:
 class Listener:
     """The metrics of one process, served at ``http://<metrics_listen>/metrics``."""
 
-    def __init__(self, listen: str, *collectors: Collector, process: bool = True) -> None:
+    def __init__(self, listen: str, *collectors: Collector, process: bool = True, remove: str | None = None) -> None:
         from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 
         self.host, self.port = parse_listen(listen)
@@ -51,6 +51,7 @@ class Listener:
             ProcessCollector(registry=self.registry)
             GCCollector(registry=self.registry)
         self._server: Any = None
+        self.remove = remove  # a dir of the counts behind it, removed with it
 
     def start(self) -> bool:
         """Listen; a taken port is warned about, not fatal: the process serves without metrics."""
@@ -69,3 +70,7 @@ class Listener:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        if self.remove is not None:
+            import shutil
+
+            shutil.rmtree(self.remove, ignore_errors=True)

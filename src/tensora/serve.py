@@ -255,23 +255,22 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
 
 def _metrics_listener(settings: ServeSettings, services: Services, *, multiprocess: bool) -> Any:
     """``metrics_listen``: the API's metrics and the controller's, started; None when off. ``multiprocess``: the
-    API runs in worker processes started after this (uvicorn's supervisor), each writing its counts to
-    ``DATA_DIR/metrics`` (prometheus-client's multiprocess mode, emptied here), summed at each scrape."""
+    API runs in worker processes started after this (uvicorn's supervisor), each writing its counts to a private
+    temporary dir (prometheus-client's multiprocess mode; not the data dir, which a request must not change),
+    summed at each scrape and removed with the listener."""
     if not settings.metrics_listen:
         return None
     from tensora.scrape import Listener
 
     collectors: list[Any] = []
+    path = None
     if multiprocess:
-        import shutil
+        import tempfile
 
         from prometheus_client.multiprocess import MultiProcessCollector
 
-        path = settings.data_dir / "metrics"
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True, mode=0o700)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)  # the workers inherit it, before they import it
-        collectors.append(MultiProcessCollector(None, path=str(path)))  # type: ignore[no-untyped-call]
+        path = tempfile.mkdtemp(prefix="tensora-metrics-")  # 0700
+        collectors.append(MultiProcessCollector(None, path=path))  # type: ignore[no-untyped-call]
     else:
         from tensora.api.metrics import REGISTRY
 
@@ -286,8 +285,13 @@ def _metrics_listener(settings: ServeSettings, services: Services, *, multiproce
             from tensora.drivers.localmetrics import LocalCollector
 
             collectors.append(LocalCollector(services.controller.driver))
-    listener = Listener(settings.metrics_listen, *collectors)
-    return listener if listener.start() else None
+    listener = Listener(settings.metrics_listen, *collectors, remove=path)
+    if listener.start():
+        if path is not None:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # the workers inherit it, before they import it
+        return listener
+    listener.close()
+    return None
 
 
 def gateway_settings_for(server: ServeSettings, flags: dict[str, Any] | None = None,

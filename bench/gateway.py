@@ -24,6 +24,7 @@ one first), and with the default breaker (it opens).
 Run:  python bench/gateway.py                (10 s a measurement, 3 rounds, peers installed on first use)
       python bench/gateway.py --quick        (1 s, one round, no peers: the smoke run in the test suite)
       python bench/gateway.py --json out.json
+      python bench/gateway.py --metrics --no-peers   (and tensora with metrics off/on, alternately, --rounds 3)
 Peers' venvs live in ``.cache/bench`` (``--peers-dir``); ``--no-peers`` leaves them out. Exits 0
 (a benchmark, not a test) unless a run fails outright (non-2xx answers or socket errors).
 """
@@ -180,10 +181,14 @@ def venv(peers: Path, name: str, package: str, exe: str) -> Path | None:
     return bin_
 
 
-def gateway_settings(tmp: Path, sink: str, port: int, *, consecutive: int = 5) -> str:
+def gateway_settings(tmp: Path, sink: str, port: int, *, consecutive: int = 5, metrics: bool | None = True) -> str:
+    """``metrics``: on (the default, as shipped), off, or None: the setting left out (a --baseline-src tree from
+    before metrics would refuse it)."""
     return json.dumps({"data_dir": str(tmp), "control_url": sink, "port": port, "region": "bench",
                        "requests_per_minute": 10**9, "tokens_per_minute": 10**12, "poll_s": 5,
-                       "breaker_consecutive": consecutive, "log_level": "error"})
+                       "breaker_consecutive": consecutive, "log_level": "error",
+                       **({} if metrics is None else
+                          {"metrics_listen": f"127.0.0.1:{free_port()}" if metrics else None})})
 
 
 def write_routes(tmp: Path, key: str, urls: list[str]) -> None:
@@ -211,6 +216,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline-src", type=Path, help="also the gateway of another source tree (its src/, e.g. "
                     "of `git archive main`) as 'tensora baseline', in the same rounds: an A/B of a change")
+    ap.add_argument("--metrics", action="store_true", help="also tensora with its metrics off and on, alternately "
+                    "(--rounds each), in the same run: what counting them costs")
     a = ap.parse_args()
     if a.quick:
         a.duration, a.streams, a.no_peers, a.rounds = 1.0, 30, True, 1
@@ -249,7 +256,7 @@ def main() -> int:
                     proxies.enter_context(process(
                         [*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"], bdir / "gateway.log",
                         f"http://127.0.0.1:{port}/healthz", env={
-                            "TENSORA_GATEWAY_SETTINGS": gateway_settings(bdir, sink, port),
+                            "TENSORA_GATEWAY_SETTINGS": gateway_settings(bdir, sink, port, metrics=None),
                             "PYTHONPATH": str(a.baseline_src.resolve())}))
                     targets["tensora baseline"] = (f"http://127.0.0.1:{port}", key)
                 if not a.no_peers:
@@ -263,6 +270,8 @@ def main() -> int:
                     measure_streams(name, base, k, a, results)
             spool = list((tmp / "gateway" / "spool").glob("batch-*.jsonl"))
             results["tensora"]["usage_batches_left"] = len(spool)
+            if a.metrics:
+                metrics_on_off(a, tmp, key, sink, results)
 
             # failover: a dead replica (nothing listens) in front of a live one
             dead = f"http://127.0.0.1:{free_port()}/v1"
@@ -285,6 +294,37 @@ def main() -> int:
         a.json.write_text(json.dumps({"results": results, "args": {k: str(v) for k, v in vars(a).items()}},
                                      indent=2))
     return 0
+
+
+def metrics_on_off(a: argparse.Namespace, tmp: Path, key: str, sink: str, results: dict[str, Any]) -> None:
+    """tensora with metrics off, then on, ``--rounds`` times over: the machine's load drifts alike for both."""
+    py = sys.executable
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for i in range(a.rounds):
+        for on in (False, True):
+            name = f"tensora metrics {'on' if on else 'off'} {i + 1}"
+            port = free_port()
+            with process([*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"], tmp / "gateway.log",
+                         f"http://127.0.0.1:{port}/healthz",
+                         env={"TENSORA_GATEWAY_SETTINGS": gateway_settings(tmp, sink, port, metrics=on)}):
+                measure(name, f"http://127.0.0.1:{port}", key, a, results)
+                measure_streams(name, f"http://127.0.0.1:{port}", key, a, results)
+            runs[on].append(results.pop(name))
+    summary = {}
+    for on in (False, True):
+        summary["on" if on else "off"] = {
+            "c1_p50_ms": median(r["c1"]["p50_ms"] for r in runs[on]),
+            "c32_rps": median(r["c32"]["rps"] for r in runs[on]),
+            "stream_first_p50_ms": median(r["stream20"]["first_p50_ms"] for r in runs[on])}
+    off, on_ = summary["off"], summary["on"]
+    summary["c1_p50_added_ms"] = on_["c1_p50_ms"] - off["c1_p50_ms"]
+    summary["c1_p50_change"] = on_["c1_p50_ms"] / off["c1_p50_ms"] - 1
+    summary["c32_rps_change"] = on_["c32_rps"] / off["c32_rps"] - 1
+    summary["rounds"] = {"off": runs[False], "on": runs[True]}
+    results["metrics on/off"] = summary
+    print(f"  metrics on vs off (median of {a.rounds}): c=1 p50 {off['c1_p50_ms']:.3f} -> {on_['c1_p50_ms']:.3f} ms "
+          f"({summary['c1_p50_change']:+.1%}), c=32 {off['c32_rps']:.0f} -> {on_['c32_rps']:.0f} req/s "
+          f"({summary['c32_rps_change']:+.1%})", flush=True)
 
 
 def peers(a: argparse.Namespace, tmp: Path, key: str, backs: list[str],

@@ -229,6 +229,7 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
 
     from tensora.control.wake import WakeListener, socket_path
 
+    metrics = _metrics_listener(settings, services, multiprocess=True)
     listener = None
     if services.controller is not None:
         listener = WakeListener(socket_path(settings.data_dir, settings.region), services.controller.wake).start()
@@ -247,8 +248,51 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
             services.controller.stop()
         if listener is not None:
             listener.close()
+        if metrics is not None:
+            metrics.close()
 
 
+
+
+def _metrics_listener(settings: ServeSettings, services: Services, *, multiprocess: bool) -> Any:
+    """``metrics_listen``: the API's metrics and the controller's, started; None when off. ``multiprocess``: the
+    API runs in worker processes started after this (uvicorn's supervisor), each writing its counts to a private
+    temporary dir (prometheus-client's multiprocess mode; not the data dir, which a request must not change),
+    summed at each scrape and removed with the listener."""
+    if not settings.metrics_listen:
+        return None
+    from tensora.scrape import Listener
+
+    collectors: list[Any] = []
+    path = None
+    if multiprocess:
+        import tempfile
+
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        path = tempfile.mkdtemp(prefix="tensora-metrics-")  # 0700
+        collectors.append(MultiProcessCollector(None, path=path))  # type: ignore[no-untyped-call]
+    else:
+        from tensora.api.metrics import REGISTRY
+
+        collectors.append(REGISTRY)
+    if services.controller is not None:
+        from tensora.control.metrics import ControllerCollector
+
+        collectors.append(ControllerCollector())
+        from tensora.drivers.local import LocalDriver
+
+        if isinstance(services.controller.driver, LocalDriver):
+            from tensora.drivers.localmetrics import LocalCollector
+
+            collectors.append(LocalCollector(services.controller.driver))
+    listener = Listener(settings.metrics_listen, *collectors, remove=path)
+    if listener.start():
+        if path is not None:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # the workers inherit it, before they import it
+        return listener
+    listener.close()
+    return None
 
 
 def gateway_settings_for(server: ServeSettings, flags: dict[str, Any] | None = None,
@@ -303,6 +347,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     print(f"dashboard on http://{settings.host}:{settings.port}/  (sign in with an API key)", flush=True)
     print(f"region {settings.region}, driver {settings.driver}, store {where}", flush=True)
     print(f"admin key in {key_file}", flush=True)
+    if settings.metrics_listen:
+        print(f"metrics on http://{settings.metrics_listen}/metrics", flush=True)
     if profile == "up" and services.controller is not None:
         node = services.controller.driver.nodes()[0]
         print(f"this machine as node {node.name}: {offered(node)}", flush=True)
@@ -314,6 +360,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     gateway = None
     if gw is not None:
         print(f"OpenAI-compatible gateway on http://{gw.host}:{gw.port}/v1  (the same keys)", flush=True)
+        if gw.metrics_listen:
+            print(f"gateway metrics on http://{gw.metrics_listen}/metrics", flush=True)
         gateway = _start_gateway(gw)
     if services.controller is not None or settings.workers > 1:
         try:
@@ -331,6 +379,7 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     # that shutdown was clean, so end with exit code 0 rather than die by the signal (143).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_clean)
+    _metrics_listener(settings, services, multiprocess=False)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False, timeout_graceful_shutdown=10)
 

@@ -48,6 +48,8 @@ class Up:
     gateway_port: int
     out: Path
     err: Path
+    metrics_port: int = 0  # the API's and controller's /metrics
+    gateway_metrics_port: int = 0
 
     @property
     def api(self) -> str:
@@ -93,13 +95,16 @@ def _launch(tmp_path: Path, data: Path, port: int, gateway_port: int, config: st
     n = len(list(tmp_path.glob("up-*.out")))
     (tmp_path / "up.yaml").write_text(config)
     out, err = tmp_path / f"up-{n}.out", tmp_path / f"up-{n}.err"
+    metrics, gateway_metrics = free_port(), free_port()  # not the defaults: tests run side by side
+    env = _env({"TENSORA_METRICS_LISTEN": f"127.0.0.1:{metrics}",
+                "TENSORA_GATEWAY_METRICS_LISTEN": f"127.0.0.1:{gateway_metrics}"})
     with out.open("wb") as o, err.open("wb") as e:
         popen = subprocess.Popen([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(data),
                                   "--port", str(port), "--gateway-port", str(gateway_port),
                                   "--config", str(tmp_path / "up.yaml")],
-                                 stdout=o, stderr=e, stdin=subprocess.DEVNULL, env=_env(), cwd=tmp_path,
+                                 stdout=o, stderr=e, stdin=subprocess.DEVNULL, env=env, cwd=tmp_path,
                                  start_new_session=True)
-    return Up(popen, data, port, gateway_port, out, err)
+    return Up(popen, data, port, gateway_port, out, err, metrics, gateway_metrics)
 
 
 @contextlib.contextmanager
@@ -139,6 +144,12 @@ def test_the_banner_names_node_dashboard_and_gateway_and_a_clean_start_warns_of_
         assert f"dashboard on http://127.0.0.1:{up.port}/  (sign in with an API key)" in lines
         assert NODE_LINE in lines
         assert f"OpenAI-compatible gateway on http://127.0.0.1:{up.gateway_port}/v1  (the same keys)" in lines
+        # where the metrics are, and they answer there (Prometheus' text format)
+        assert f"metrics on http://127.0.0.1:{up.metrics_port}/metrics" in lines
+        assert f"gateway metrics on http://127.0.0.1:{up.gateway_metrics_port}/metrics" in lines
+        for port, family in ((up.metrics_port, "tensora_controller_leader"),
+                             (up.gateway_metrics_port, "tensora_gateway_breakers")):
+            assert family in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         page = httpx.get(f"http://127.0.0.1:{up.port}/", follow_redirects=True, timeout=10)
         assert page.status_code == 200 and "key" in page.text.lower()  # the dashboard, asking to sign in
         # the gateway polled its routes while the API beside it was still starting: no warning for that

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tensora import __version__, dashboard
-from tensora.api import catalog, errors, files, gatewayroutes, health, keys, owners, usage, workloads
+from tensora.api import catalog, errors, files, gatewayroutes, health, keys, metrics, owners, usage, workloads
 from tensora.api.limits import Guard
 from tensora.api.services import Services
 
@@ -58,6 +58,6 @@ def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: 
     app.include_router(gatewayroutes.router)
     app.include_router(files.router)
     dashboard.install(app)
-    guard = Guard(app, max_in_flight=max_in_flight, max_body_bytes=max_body_bytes)
+    guard = Guard(metrics.Measure(app), max_in_flight=max_in_flight, max_body_bytes=max_body_bytes)
     guard.fastapi = app  # type: ignore[attr-defined]
     return guard

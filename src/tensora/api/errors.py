@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from tensora.api import metrics
 from tensora.errors import ConfigError, Conflict, StoreUnavailable
 
 log = logging.getLogger("tensora.api")
@@ -90,6 +91,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StoreUnavailable)
     async def _store(_: Request, exc: StoreUnavailable) -> JSONResponse:
         log.warning("store unavailable: %s", exc)
+        metrics.unavailable("database")
         return response(ApiError(503, "the database is unavailable; retry later", retry_after=exc.retry_after_s))
 
     @app.exception_handler(Conflict)

@@ -22,6 +22,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from starlette.convertors import PathConvertor, register_url_convertor
 
+from tensora.api import metrics
 from tensora.api.auth import Principal
 from tensora.api.deps import ERRORS, Svc, caller, iso
 from tensora.api.errors import ApiError
@@ -66,6 +67,7 @@ _BODY = {"requestBody": {"required": False, "description": "the file's bytes, st
 
 def _storage(svc: Services) -> Storage:
     if svc.storage is None:
+        metrics.unavailable("storage")
         raise ApiError(503, "this server keeps no owner files (storage is not configured)",
                        headers={"X-Should-Retry": "false"})  # a setting, not a passing state
     return svc.storage
@@ -116,6 +118,7 @@ async def put_file(path: str, request: Request, svc: Svc, p: Writer) -> JSONResp
         row, replaced = await run_in_threadpool(_commit, svc, storage, p.owner, name, upload)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            metrics.unavailable("disk_full")
             raise ApiError(503, "the server's disk is full; retry later", retry_after=60) from None
         raise
     finally:

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from fastapi.responses import JSONResponse, Response
 
+from tensora.api import metrics
 from tensora.api.errors import QUOTA_EXCEEDED, ApiError
 from tensora.clock import Clock
 from tensora.errors import Conflict
@@ -108,12 +109,15 @@ class Idempotency:
         if existing is None:  # released between our insert and read: try once more
             return self._claim(claim)
         if existing["fingerprint"] != claim.fingerprint:
+            metrics.idempotency("mismatch")
             raise ApiError(422, "this Idempotency-Key was used with a different request body",
                            field="Idempotency-Key")
         if existing["state"] != "done":
             # The first request usually ends within milliseconds: ask for a short wait.
+            metrics.idempotency("conflict")
             raise ApiError(409, "a request with this Idempotency-Key is still in progress", retry_after=1,
                            headers={"x-should-retry": "true", "retry-after-ms": "100"})
+        metrics.idempotency("replayed")
         return Response(existing["body"], status_code=existing["status"], media_type="application/json",
                         headers={"Idempotent-Replayed": "true"})
 

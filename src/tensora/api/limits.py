@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from tensora.api import metrics
 from tensora.api.errors import error_body
 
 Scope = dict[str, Any]
@@ -41,9 +42,11 @@ class Guard:
         path = scope.get("path", "")
         if path not in _EXEMPT:
             if self.draining:
+                metrics.unavailable("draining")
                 await _reply(send, 503, "service_unavailable", "the server is shutting down; retry", extra, 2)
                 return
             if self.in_flight >= self.max_in_flight:
+                metrics.unavailable("overloaded")
                 await _reply(send, 503, "service_unavailable", "too many requests in flight; retry", extra, 1)
                 return
         length = headers.get(b"content-length")

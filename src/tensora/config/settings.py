@@ -16,6 +16,7 @@ from tensora.drivers.hardware import NodeOverrides
 from tensora.errors import ConfigError
 from tensora.names import DOMAIN_PATTERN, NAME_PATTERN
 from tensora.placement.quotas import Limits, OwnerSettings, Quotas
+from tensora.scrape import check_listen
 from tensora.units import parse_memory
 
 ADMIN_KEY_FILE = "admin-key"
@@ -76,6 +77,9 @@ class ServeSettings(BaseModel):
     log_level: str = "warning"
     gateway: dict[str, Any] = Field(default_factory=dict, description="the gateway's settings (tensora gateway "
                                     "and tensora up read them here), e.g. {port: 8701, redis_url: ...}")
+    metrics_listen: str | None = Field(default="127.0.0.1:8710", description="host:port of the control API's and "
+                                       "controller's /metrics (Prometheus' text format), apart from the API's port; "
+                                       "null: no metrics. The gateway has its own (gateway.metrics_listen)")
     gateway_port: int | None = Field(default=None, ge=0, le=65535, description="tensora up: the gateway's port "
                                      "(default 8701); the gateway runs beside the API in its own process")
     storage_quota: str | None = Field(default=None, pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
@@ -107,6 +111,11 @@ class ServeSettings(BaseModel):
         if self.storage_quota is not None and "storage_bytes" in self.quotas.model_fields_set:
             raise ValueError("storage_quota is the older name of quotas.storage_bytes: set one of the two")
         return self
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _listen(cls, v: str | None) -> str | None:
+        return check_listen(v)
 
     @field_validator("shared_models")
     @classmethod

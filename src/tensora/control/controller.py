@@ -35,16 +35,13 @@ from dataclasses import dataclass, field, replace
 from sqlalchemy import Connection
 
 from tensora.clock import Clock, SystemClock
-from tensora.control import housekeeping, snapshot
+from tensora.control import housekeeping, metrics, snapshot
 from tensora.control.apply import apply
 from tensora.control.ledger import StoreLedger
 from tensora.control.reconcile import DRAIN_S, reconcile
 from tensora.drivers.base import Driver, ReplicaSpec
 from tensora.errors import Conflict, StoreUnavailable
-from tensora.placement.admission import (
-    Policy,
-    decide,
-)
+from tensora.placement.admission import Decision, Policy, decide
 from tensora.placement.capacity import GpuReserve, Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import WorkloadState
@@ -95,6 +92,8 @@ class CycleReport:
     stopped: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     """Deleted workloads whose storage the driver gave back this cycle."""
+    decisions: Sequence[Decision] = ()
+    """The admission's, for the metrics."""
 
 
 @dataclass
@@ -168,6 +167,7 @@ class Controller:
             except Exception:
                 log.exception("controller cycle failed; the next one redoes its work")
             ended = time.monotonic()
+            metrics.cycle(self.region, report, ended - began)
             self._wake.wait(min(self.tick_s, self.starting_tick_s) if report.starting else self.tick_s)
             # woken early: rest at least min_gap_s, and BUSY_REST times as long as the last cycle took
             rest = max(self.min_gap_s, BUSY_REST * (ended - began)) - (time.monotonic() - ended)
@@ -198,6 +198,10 @@ class Controller:
                 held = {r.workload_id for r in replicas}
                 workloads = repo.workloads_by_id_or_state(conn, held, self.region, _ASKED_TO_STOP)
                 done = reconcile(StoreLedger(conn), workloads, replicas, observed, now, self.drain_s)
+                for kind, role in done.failures:
+                    metrics.replica_failed(self.region, kind, role)
+                for _ in range(done.moved_back):
+                    metrics.moved_back(self.region)
                 effects.start = self._specs(conn, done.start) if done.start else []
                 effects.stop = done.stop
         except LostLease:
@@ -214,7 +218,7 @@ class Controller:
             quotas = snapshot.owner_quotas(self.owner_defaults.quotas, repo.owner_quotas(conn),
                                            repo.held_replicas(conn), self.catalog)
         # 5. decide: the pure admission decision
-        decisions = decide(snap.queue, snap.capacity, snap.running, now, self.policy, quotas)
+        decisions = report.decisions = decide(snap.queue, snap.capacity, snap.running, now, self.policy, quotas)
         # 6. apply: record intents (fenced, one transaction, each conditional on the state the
         #    snapshot saw: a workload stopped meanwhile is left alone), then tell the driver;
         # 7. housekeeping, in the same transaction

@@ -48,6 +48,10 @@ class Reconciled:
     stop: list[str] = field(default_factory=list)
     drains_end: list[float] = field(default_factory=list)
     """When replicas draining now are due to stop (``tensora plan`` revisits those moments)."""
+    failures: list[tuple[WorkloadKind, ReplicaRole]] = field(default_factory=list)
+    """Replicas that failed this step (the controller's metrics count them)."""
+    moved_back: int = 0
+    """Moves back finished this step."""
 
 
 def reconcile(ledger: Ledger, workloads: Iterable[WorkloadRow], replicas: Sequence[ReplicaRow],
@@ -131,6 +135,7 @@ class _Reconcile:
 
     def failed(self, w: WorkloadRow, r: ReplicaRow, why: str) -> int:
         self.done(r, ReplicaState.FAILED, why)
+        self.out.failures.append((w.kind, r.role))
         at = Where(r.cls, r.node)
         if r.role is ReplicaRole.CANDIDATE:
             self.event(w, MoveFailed(r.cls, why, w.placed_class))
@@ -158,6 +163,7 @@ class _Reconcile:
         placed = r.cls if r.slot == 0 else w.placed_class
         self.ledger.update_workload(w.id, {"placed_class": placed, "reason": render(moved), "updated_at": now})
         self.event(w, moved)
+        self.out.moved_back += 1
         return 1
 
     def transition(self, w: WorkloadRow, to: WorkloadState, happened: Happened,

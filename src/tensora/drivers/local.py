@@ -173,6 +173,7 @@ class LocalDriver:
         self.shared_models = {name: Path(path) for name, path in (shared_models or {}).items()}
         self.runtimes = runtimes_dir or runtimes.runtimes_dir(data_dir)
         self.root = _private_dir(data_dir / "replicas")
+        self.oom_kills = 0  # processes of sandboxes killed for their memory limit, seen by this process (metrics)
         self.replica_secret = replicakeys.ensure_secret(data_dir)
         self.work = data_dir / "workdirs"
         self.node = node
@@ -541,6 +542,8 @@ class LocalDriver:
             self._delete_sandbox(meta)
             return f"the process is gone (its sandbox too); see {log_file}"
         reason = self.runc.exit_reason(meta["id"])  # before the delete, which takes the cgroup with it
+        if reason:  # killed for its memory: the kills not yet seen while it ran
+            self.oom_kills += max(0, (self.runc.oom_kills(meta["id"]) or 0) - meta.get("oom_kills", 0))
         self._delete_sandbox(meta)
         return f"{reason} of {meta['cls']}" if reason else f"the process is gone; see {log_file}"
 
@@ -549,6 +552,7 @@ class LocalDriver:
         restarts): said in the replica's detail while it runs on."""
         kills = self.runc.oom_kills(meta["id"]) or 0
         if kills > meta.get("oom_kills", 0):
+            self.oom_kills += kills - meta.get("oom_kills", 0)
             reason = self.runc.exit_reason(meta["id"]) or "out of memory"
             meta.update(oom_kills=kills, detail=f"{reason} of {meta['cls']}: {kills} process(es) killed, "
                                                 "the replica runs on")

@@ -33,6 +33,7 @@ from tensora.gateway.routedoc import RouteDocument
 from tensora.gateway.routes import RouteTable, table_from_json
 from tensora.gateway.server import Limits
 from tensora.gateway.upstream import peer_url_problem
+from tensora.scrape import Listener, check_listen
 
 log = logging.getLogger("tensora.gateway")
 
@@ -56,6 +57,10 @@ class GatewaySettings(BaseModel):
                                   "default DATA_DIR/admin-key")
     host: str = "127.0.0.1"
     port: int = Field(default=8701, ge=0, le=65535)
+    metrics_listen: str | None = Field(default="127.0.0.1:8711", description="host:port of this gateway's "
+                                       "/metrics (Prometheus' text format), apart from its port; null: no metrics")
+    metrics_max_labels: int = Field(default=100, ge=1, description="values of the endpoint and owner labels "
+                                    "kept (the first seen); the rest are counted as 'other'")
     region: str = "local"
     poll_s: float = Field(default=1.0, gt=0)
     startup_grace_s: float = Field(default=15.0, ge=0, description="no warning that the control API is "
@@ -121,6 +126,11 @@ class GatewaySettings(BaseModel):
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024, description="one event of a model server's stream: "
                                     "the stream ends with an error event beyond")
     log_level: str = "warning"
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _listen(cls, v: str | None) -> str | None:
+        return check_listen(v)
 
     @field_validator("peers")
     @classmethod
@@ -269,6 +279,12 @@ def build(settings: GatewaySettings) -> Gateway:
     stopping: list[bool] = []
 
     prober = Prober(gw, settings.probe_interval_s, settings.connect_timeout_s)
+    listener = None
+    if settings.metrics_listen:
+        from tensora.gateway.metrics import GatewayCollector, GatewayMetrics
+
+        gw.metrics = GatewayMetrics(settings.metrics_max_labels)
+        listener = Listener(settings.metrics_listen, GatewayCollector(gw, gw.metrics, gw.clock))
 
     def supervised(name: str, run: Callable[[], Coroutine[Any, Any, None]], restart_s: float) -> None:
         """The usage sender and the prober log and go on after errors of their own; should one end anyway,
@@ -290,6 +306,8 @@ def build(settings: GatewaySettings) -> Gateway:
 
     async def startup() -> None:
         client["c"] = httpx.AsyncClient(timeout=10.0)
+        if listener is not None:
+            listener.start()
         tasks.append(asyncio.create_task(source.run()))
         supervised("usage sender", meter.run, settings.usage_flush_s)
         supervised("prober", prober.run, settings.probe_interval_s)
@@ -305,11 +323,14 @@ def build(settings: GatewaySettings) -> Gateway:
             await asyncio.wait_for(meter.flush(), 5)
         meter.close()
         await client["c"].aclose()
+        if listener is not None:
+            listener.close()
 
     gw.on_startup.append(startup)
     gw.on_shutdown.append(shutdown)
     gw.source = source  # type: ignore[attr-defined]
     gw.prober = prober  # type: ignore[attr-defined]
+    gw.listener = listener  # type: ignore[attr-defined]
     return gw
 
 
@@ -319,6 +340,8 @@ def run(settings: GatewaySettings, quiet: bool = False) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     gw = build(settings)
     if not quiet:
-            print(f"tensora gateway on http://{settings.host}:{settings.port}/v1  (region {settings.region}, "
+        print(f"tensora gateway on http://{settings.host}:{settings.port}/v1  (region {settings.region}, "
               f"routes from {settings.control_url})", flush=True)
+        if settings.metrics_listen:
+            print(f"gateway metrics on http://{settings.metrics_listen}/metrics", flush=True)
     server.run(gw, settings.host, settings.port, limits=settings.limits())

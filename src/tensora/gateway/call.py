@@ -69,6 +69,7 @@ class Call:
     least: int = 0  # a lower bound on the context tokens it needs (``body.Body.least``)
     deadline: float = 0.0
     attempts: list[str] = field(default_factory=list)
+    served: Served | None = None  # what answered, once the walk is over (the metrics' labels)
 
 
 @dataclass(slots=True)

@@ -47,6 +47,7 @@ class Meter:
         self.dropped = 0
         self.bad = 0
         self.errors = 0  # unexpected errors of the sender, each logged; it went on after each
+        self.failures = 0  # batches the control API did not take (down, refused, 5xx): kept for later
         self._seq = int(time.time() * 1000)
         self._flushing = asyncio.Lock()
 
@@ -138,6 +139,7 @@ class Meter:
                         log.warning("usage batch %s not sent (%s); kept for later", f.name, type(exc).__name__)
                         ok = False
                     if not ok:
+                        self.failures += 1
                         return
                 self.sent += len(records)
                 await asyncio.to_thread(f.unlink)

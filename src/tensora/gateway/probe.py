@@ -38,6 +38,7 @@ class Prober:
         self.gw, self.interval_s, self.timeout_s, self.jitter = gw, interval_s, timeout_s, jitter
         self._version: str | None = None
         self.rounds = 0
+        self.ok = self.failed = 0  # probes by outcome (the metrics)
 
     def _targets(self) -> list[Backend]:
         """The ejected backends still ejected, and still in the route table (a replica that is gone is
@@ -73,6 +74,8 @@ class Prober:
         if targets:
             results = await asyncio.gather(*(self._probe(client, b) for b in targets))
             now = self.gw.clock()
+            good = sum(results)
+            self.ok, self.failed = self.ok + good, self.failed + len(results) - good
             for b, ok in zip(targets, results, strict=True):
                 br = self.gw.breakers.get(b.key)
                 if br is not None:

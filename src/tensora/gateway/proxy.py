@@ -36,6 +36,7 @@ from tensora.gateway.call import HOP, Call, Failed, Options, Receive, Scope, Sen
 from tensora.gateway.chain import Backend, ServedBy
 from tensora.gateway.limits import Admission, Caller, Limiter, Quota, Refused
 from tensora.gateway.metering import Meter
+from tensora.gateway.metrics import NONE, GatewayMetrics
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable
 from tensora.gateway.upstream import Client
@@ -61,6 +62,7 @@ class Gateway:
         self._callers_version: str | None = None
         self._keys: dict[bytes, str] = {}  # secret -> digest, for keys seen before (bounded)
         self.idem: idempotency.Idempotency | None = None  # Idempotency-Key honoured when set
+        self.metrics: GatewayMetrics | None = None  # counted when set (``metrics_listen``)
         self.on_startup: list[Callable[[], Awaitable[None]]] = []
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 
@@ -170,15 +172,39 @@ class Gateway:
     # -- steps 2-5 ----------------------------------------------------------------------------
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send, rid: str, path: str) -> None:
+        """Steps 2-5; with metrics on, the answer's status and when its head went out are noted on the way."""
+        m = self.metrics
+        if m is None:
+            await self._infer_(scope, receive, send, rid, path)
+            return
+        clock = self.clock
+        start = clock()
+        head: list[Any] = [0, None]  # status, when the head went out
+
+        def sent(msg: dict[str, Any]) -> Awaitable[None]:  # no coroutine of its own: send's is awaited
+            if msg["type"] == "http.response.start":
+                head[0], head[1] = msg["status"], clock()
+            return send(msg)
+
+        call = await self._infer_(scope, receive, sent, rid, path)
+        served = call.served if call is not None else None
+        b = served.backend if served is not None else None
+        m.served(f"{call.endpoint.owner}/{call.endpoint.name}" if call is not None else NONE,
+                 NONE if b is None else "peer" if b.peer else b.served_by.value,
+                 served.served_by if served is not None else NONE, head[0],
+                 call is not None and call.stream, start, head[1], clock(), call.attempts if call else [])
+
+    async def _infer_(self, scope: Scope, receive: Receive, send: Send, rid: str, path: str) -> Call | None:
+        """Steps 2-5; the call once made (what the metrics label it by), else None."""
         table = self.table()
         key = await self._caller(scope, send, rid, table)
         if key is None:
-            return
+            return None
         raw = await _read_body(receive, self.o.max_body_bytes)
         if raw is None:
             await self._error(send, rid, 413, f"the body is over {self.o.max_body_bytes} bytes",
                               "invalid_request_error")
-            return
+            return None
         try:
             parsed: Any = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -186,22 +212,28 @@ class Gateway:
         ask = parse(parsed, self.o.default_max_tokens)
         if isinstance(ask, Invalid):
             await self._error(send, rid, 400, ask.message, "invalid_request_error", ask.code, ask.param)
-            return
+            return None
         endpoint = table.resolve(key.owner, ask.model)
         if endpoint is None:
             await self._error(send, rid, 404, f"The model '{ask.model}' does not exist or you do not have access "
                               "to it.", "invalid_request_error", "model_not_found", "model")
-            return
+            return None
         call = Call(send, rid, path, key, table, endpoint, ask.obj, ask.stream, ask.include_usage, ask.reserve,
                     _header(scope, b"authorization") or b"", _header(scope, HOP) is not None, least=ask.least)
         idem = self.idem
         ik = _header(scope, idempotency.HEADER) if idem is not None else None
         if idem is None or ik is None:
-            await self._serve(call)
+            call.served = await self._serve(call)
         else:  # replayed, refused, or served once and kept
             head = [(b"x-request-id", rid.encode()), (b"x-tensora-region", self.o.region.encode())]
-            await idem.run(send, head, key.id, path, ik, ask.obj, lambda s: self._serve(replace(call, send=s)),
-                           lambda: self._count(send, rid, key, table), key.owner)
+
+            async def serve(s: Send) -> Served | None:
+                call.served = await self._serve(replace(call, send=s))
+                return call.served
+
+            await idem.run(send, head, key.id, path, ik, ask.obj, serve, lambda: self._count(send, rid, key, table),
+                           key.owner)
+        return call
 
     async def _count(self, send: Send, rid: str, key: KeyRoute, table: RouteTable) -> bool:
         """A replay (or a 409/422 of Idempotency-Key) is a request against the caller's limits, with no tokens:
@@ -218,6 +250,8 @@ class Gateway:
         reserve = call.reserve
         tpm = caller.key_quota.tpm if caller.key_quota is not None else caller.quota.tpm
         if reserve > tpm:
+            if self.metrics is not None:
+                self.metrics.refused(key.owner, "too_large")
             await self._error(send, rid, 429, f"this request reserves {reserve} tokens (prompt + max_tokens x n), "
                               f"more than the {tpm} per minute {_whose(caller, tpm)}: lower max_tokens", "tokens",
                               "rate_limit_exceeded", "max_tokens")
@@ -263,6 +297,8 @@ class Gateway:
 
     async def _refuse(self, send: Send, rid: str, adm: Admission) -> None:
         """A 429 naming the window that refused, or a 503 when the limits cannot be checked (fail closed)."""
+        if self.metrics is not None:
+            self.metrics.refused(adm.caller.owner if adm.caller is not None else NONE, str(adm.reason))
         if adm.reason is Refused.UNAVAILABLE:
             retry = str(self.o.retry_after_s).encode()
             await self._error(send, rid, 503, "rate limits cannot be checked now (their store is unreachable); "

@@ -143,7 +143,8 @@ def base_prefix(env: Path) -> Path | None:
 
 def clean_env(env: dict[str, str]) -> dict[str, str]:
     """The environment for a runtime's own Python: nothing of this one's (its path, its venv) leaks in."""
-    return {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}
+    return {k: v for k, v in env.items()
+            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", "PROMETHEUS_MULTIPROC_DIR")}
 
 
 def lock_file(name: str) -> Path:

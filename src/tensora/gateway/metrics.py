@@ -1,0 +1,211 @@
+"""The gateway's metrics: counted in plain dicts on the request path, turned into Prometheus families at scrape time.
+
+prometheus-client's ``labels(...).inc()`` takes a lock and looks its child up on every call; here a request costs
+a few dict increments and one bisect per histogram (the event loop is the only writer, so no lock), and
+``Collector`` builds the families when ``/metrics`` is read (from the listener's thread: it copies each dict
+first). Breaker states and the spool are read at scrape time, never counted per request.
+
+Labels are bounded: ``endpoint`` (``owner/name``) and ``owner`` keep the first ``max_labels`` values seen and count
+the rest as ``other`` (first seen, not top N: a value that moved from ``other`` to its own series would make
+``other``'s counter go down); ``tier``, ``served_by``, ``status``, ``trigger`` and ``reason`` are small fixed sets;
+no request ids, no free-form input.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from tensora.gateway.proxy import Gateway
+
+log = logging.getLogger("tensora.gateway")
+
+OTHER = "other"
+NONE = "none"  # tier / served_by of an answer no backend gave (401, 429, 503...)
+# seconds: time to the first token spans 10 ms (a warm small model) to the ttft deadline (30 s by default)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# X-Tensora-Attempts' markers (walk.py) -> the trigger of a failover
+_TRIGGERS = {"connect_timeout": "connect", "connect_refused": "connect", "connect_error": "connect",
+             "tls_error": "connect", "timeout": "ttft", "http_429": "429", "rate_limited": "429",
+             "breaker_open": "breaker_open", "context_length_exceeded": "context_length",
+             "context_too_small": "context_length", "reset": "reset", "deadline": "deadline"}
+SERVED_BY = frozenset(("replica", "cpu", "serverless", "fallback-model", NONE))  # a peer's header says it: bounded
+TRIGGERS = ("connect", "5xx", "ttft", "429", "breaker_open", "context_length", "reset", "deadline", OTHER)
+
+
+def trigger(marker: str) -> str | None:
+    """The failover trigger of one X-Tensora-Attempts marker (``<backend>:<kind>``); None when it is not a
+    failover (``ok``, or a client error passed through as it came)."""
+    kind = marker.rpartition(":")[2]
+    found = _TRIGGERS.get(kind)
+    if found is not None:
+        return found
+    if kind.startswith("http_5"):
+        return "5xx"
+    if kind == "ok" or kind.startswith("http_4"):
+        return None
+    return OTHER
+
+
+class Capped:
+    """A label's first ``cap`` values, then ``other``."""
+
+    __slots__ = ("cap", "seen")
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.seen = cap, set[str]()
+
+    def __call__(self, value: str) -> str:
+        if value in self.seen:
+            return value
+        if len(self.seen) < self.cap:
+            self.seen.add(value)
+            return value
+        return OTHER
+
+
+class Histogram:
+    """Observations by label values: a count per bucket (not cumulative) and a sum."""
+
+    __slots__ = ("bounds", "counts", "sums")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts: dict[tuple[str, ...], list[int]] = {}
+        self.sums: dict[tuple[str, ...], float] = {}
+
+    def observe(self, labels: tuple[str, ...], v: float) -> None:
+        c = self.counts.get(labels)
+        if c is None:
+            c = self.counts[labels] = [0] * (len(self.bounds) + 1)
+            self.sums[labels] = 0.0
+        c[bisect.bisect_left(self.bounds, v)] += 1
+        self.sums[labels] += v
+
+    def family(self, name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
+        f = HistogramMetricFamily(name, doc, labels=labels)
+        sums = dict(self.sums)
+        for key, counts in list(self.counts.items()):
+            counts = list(counts)
+            acc, buckets = 0, []
+            for le, n in zip((*map(_le, self.bounds), "+Inf"), counts, strict=True):
+                acc += n
+                buckets.append((le, acc))
+            f.add_metric(list(key), buckets, sums.get(key, 0.0))
+        return f
+
+
+def _le(v: float) -> str:
+    return repr(float(v))
+
+
+def _counter(name: str, doc: str, labels: list[str], values: dict[Any, int]) -> CounterMetricFamily:
+    f = CounterMetricFamily(name, doc, labels=labels)
+    for key, n in list(values.items()):
+        f.add_metric([str(k) for k in (key if isinstance(key, tuple) else (key,))], n)
+    return f
+
+
+class GatewayMetrics:
+    """What the gateway counts per request; ``Collector`` exposes it with what it reads at scrape time."""
+
+    def __init__(self, max_labels: int = 100) -> None:
+        self.max_labels = max_labels
+        self.endpoint, self.owner = Capped(max_labels), Capped(max_labels)
+        self.requests: dict[tuple[str, str, str, int], int] = {}  # endpoint, tier, served_by, status
+        self.failovers: dict[str, int] = dict.fromkeys(TRIGGERS, 0)
+        self.rejected: dict[tuple[str, str], int] = {}  # owner, reason
+        self.ttft = Histogram(TTFT_BUCKETS)  # tier, stream
+        self.latency = Histogram(LATENCY_BUCKETS)  # tier, stream, status class
+
+    def served(self, endpoint: str, tier: str, served_by: str, status: int, stream: bool, start: float,
+               first: float | None, end: float, attempts: list[str]) -> None:
+        key = (self.endpoint(endpoint), tier, served_by if served_by in SERVED_BY else OTHER, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        s = "true" if stream else "false"
+        if first is not None and status == 200:
+            self.ttft.observe((tier, s), first - start)
+        self.latency.observe((tier, s, f"{status // 100}xx"), end - start)
+        if attempts:
+            f = self.failovers
+            for m in attempts:
+                t = trigger(m)
+                if t is not None:
+                    f[t] += 1
+
+    def refused(self, owner: str, reason: str) -> None:
+        key = (self.owner(owner), reason)
+        self.rejected[key] = self.rejected.get(key, 0) + 1
+
+
+class GatewayCollector(Collector):
+    """The families of one gateway: its counts, and its breakers, spool and prober as they are now."""
+
+    def __init__(self, gw: Gateway, m: GatewayMetrics, clock: Callable[[], float]) -> None:
+        self.gw, self.m, self.clock = gw, m, clock
+
+    def collect(self) -> Iterator[Metric]:
+        m, gw = self.m, self.gw
+        yield _counter("tensora_gateway_requests", "Inference requests answered, by endpoint (owner/name, capped), "
+                       "the chain's tier that answered, what served it and the HTTP status",
+                       ["endpoint", "tier", "served_by", "status"], m.requests)
+        yield m.ttft.family("tensora_gateway_ttft_seconds", "Time from a request's arrival to its answer's "
+                            "head (a stream's first content event), 200s only", ["tier", "stream"])
+        yield m.latency.family("tensora_gateway_request_duration_seconds", "Time from a request's arrival to "
+                               "its answer's last byte", ["tier", "stream", "code"])
+        yield _counter("tensora_gateway_failovers", "Attempts that did not answer and moved the request on (or "
+                       "ended it), by trigger (X-Tensora-Attempts' markers)", ["trigger"], m.failovers)
+        yield _counter("tensora_gateway_rate_limited", "Requests refused by the gateway's rate limits, by owner "
+                       "(capped) and reason (requests, tokens, too_large, unavailable)", ["owner", "reason"],
+                       m.rejected)
+        yield from self._breakers()
+        yield from self._meter()
+        prober = getattr(gw, "prober", None)
+        if prober is not None:
+            yield _counter("tensora_gateway_probes", "Active probes of ejected backends, by outcome",
+                           ["outcome"], {"ok": prober.ok, "failed": prober.failed})
+
+    def _breakers(self) -> Iterable[Metric]:
+        now = self.clock()
+        states = {"closed": 0, "open": 0, "half_open": 0}
+        ejected = GaugeMetricFamily("tensora_gateway_backend_ejected", "1 for each backend whose breaker is open "
+                                    "or half-open, by backend (endpoint/replica or peer:region) and state",
+                                    labels=["backend", "state"])
+        for key, b in list(self.gw.breakers.items()):
+            state = b.state(now).value
+            states[state] += 1
+            if state != "closed":
+                ejected.add_metric([key, state], 1)
+        yield ejected
+        g = GaugeMetricFamily("tensora_gateway_breakers", "Backends' breakers by state (read at scrape time)",
+                              labels=["state"])
+        for state, n in states.items():
+            g.add_metric([state], n)
+        yield g
+
+    def _meter(self) -> Iterable[Metric]:
+        meter = self.gw.meter
+        if meter is None:
+            return
+        try:
+            sizes = [f.stat().st_size for f in meter.batches()]
+        except OSError:  # a batch sent (deleted) while it was listed
+            sizes = []
+        yield GaugeMetricFamily("tensora_gateway_spool_batches", "Usage batches on disk not yet taken by the "
+                                "control API", value=len(sizes))
+        yield GaugeMetricFamily("tensora_gateway_spool_bytes", "Bytes of those batches", value=sum(sizes))
+        yield CounterMetricFamily("tensora_gateway_usage_records_sent", "Usage records the control API took",
+                                  value=meter.sent)
+        yield CounterMetricFamily("tensora_gateway_usage_send_failures", "Usage batches the control API did not "
+                                  "take (down, refused, 5xx): kept and sent again", value=meter.failures)
+        yield CounterMetricFamily("tensora_gateway_usage_records_dropped", "Usage records dropped: the spool was "
+                                  "over usage_spool_max_bytes", value=meter.dropped)
+        yield CounterMetricFamily("tensora_gateway_usage_records_bad", "Unreadable spool lines moved to spool/bad",
+                                  value=meter.bad)

@@ -25,6 +25,7 @@ from tensora.api.schemas import UsageBatch, UsageBatchOut
 from tensora.api.services import Services
 from tensora.gateway.routedoc import EndpointDoc, KeyDoc, OwnerDoc, ReplicaDoc, RouteDocument
 from tensora.placement.fallback import uses_cpu
+from tensora.placement.kinds import ReplicaRole, ReplicaState
 from tensora.placement.quotas import effective
 from tensora.storage import SHARED
 from tensora.store import repo
@@ -99,7 +100,7 @@ def routes_table(conn: Any, svc: Services) -> RouteDocument:
     replicas = repo.replicas_of(conn, [w["id"] for w in endpoints])
     by_w: dict[str, list[dict[str, Any]]] = {}
     for r in replicas:
-        if r["state"] == "running" and r["role"] == "primary" and r["url"]:
+        if r["state"] == ReplicaState.RUNNING and r["role"] == ReplicaRole.PRIMARY and r["url"]:
             by_w.setdefault(r["workload_id"], []).append(r)
 
     def is_cpu(cls: str) -> bool:

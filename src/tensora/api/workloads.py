@@ -12,10 +12,11 @@ from tensora.api.auth import Principal
 from tensora.api.deps import ERRORS, IdemKey, Reader, Svc, Writer, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import check_quota
-from tensora.api.schemas import EventList, RestartBody, WorkloadList, WorkloadOut
+from tensora.api.schemas import EventList, RestartBody, WorkloadList, WorkloadOut, pattern
 from tensora.api.services import Services
 from tensora.control import workloads
 from tensora.control.spec import WorkloadSpec
+from tensora.placement.kinds import WorkloadKind, WorkloadState
 from tensora.store import repo
 
 router = APIRouter()
@@ -75,9 +76,8 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
             description="Your workloads (every owner's for admin keys), oldest first: ids sort in the order they "
                         "were made. ``next`` is the cursor for ``after`` while more remain.")
 def list_workloads(svc: Svc, p: Reader,
-                   kind: Annotated[str | None, Query(pattern="^(notebook|vm|endpoint)$")] = None,
-                   state: Annotated[str | None, Query(
-                       pattern="^(queued|starting|running|stopping|stopped|failed)$")] = None,
+                   kind: Annotated[str | None, Query(pattern=pattern(WorkloadKind))] = None,
+                   state: Annotated[str | None, Query(pattern=pattern(WorkloadState))] = None,
                    limit: Annotated[int, Query(ge=1, le=500)] = 100,
                    after: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
     with svc.db.read() as conn:

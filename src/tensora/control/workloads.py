@@ -16,7 +16,7 @@ from tensora.errors import ModelFileError, SpecError
 from tensora.models.validator import read_context, read_model
 from tensora.placement.catalog import Catalog
 from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
-from tensora.placement.kinds import WorkloadKind
+from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadKind, WorkloadState
 from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo
 
@@ -116,7 +116,7 @@ def create(conn: Any, checked: Checked, now: float) -> dict[str, Any]:
         "id": repo.new_id("wl_"), "owner": owner, "kind": spec.kind.value, "name": spec.name,
         "region": spec.region, "gpu_class": spec.gpu_class, "requested_class": spec.gpu_class,
         "placed_class": None, "fallback": list(spec.fallback), "fallback_after_s": spec.fallback_after_s,
-        "placement": "policy", "state": "queued", "reason": f"queued for {spec.gpu_class}",
+        "placement": "policy", "state": WorkloadState.QUEUED, "reason": f"queued for {spec.gpu_class}",
         "fallback_eligible_at": None, "restart_available": False, "restart_reason": "",
         "replicas": spec.replicas, "model": spec.model, "model_params": spec.model_params,
         "model_bytes": spec.model_bytes,
@@ -128,7 +128,7 @@ def create(conn: Any, checked: Checked, now: float) -> dict[str, Any]:
     repo.insert_workload(conn, row)
     policy = f"; fallback to {', '.join(spec.fallback)} after {spec.fallback_after_s:g}s" if spec.fallback else ""
     repo.add_event(conn, row["id"], now, "transition", f"created: queued for {spec.gpu_class}{policy}",
-                   None, "queued")
+                   None, WorkloadState.QUEUED)
     return row
 
 
@@ -136,16 +136,16 @@ def stop(conn: Any, w: dict[str, Any], now: float, by: StoppedBy = StoppedBy.OWN
          deleting: bool = False) -> dict[str, Any]:
     """Ask the workload's replicas to stop. Its reason reads ``stopped by its owner`` (while
     ``stopping`` too: the state says how far it got) until a restart queues it again."""
-    if w["state"] in ("stopped", "failed", "stopping"):
+    if w["state"] in (WorkloadState.STOPPED, WorkloadState.FAILED, WorkloadState.STOPPING):
         return w
     active = repo.replicas_of(conn, [w["id"]])
-    target = "stopping" if active else "stopped"
+    target = WorkloadState.STOPPING if active else WorkloadState.STOPPED
     reason = f"{'deleted' if deleting else 'stopped'} by {by}"
     values = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
     if not repo.update_workload(conn, w["id"], values, expect_state=w["state"]):
         raise InvalidState("the workload changed meanwhile; try again")
     for r in active:
-        repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
+        repo.update_replica(conn, r["id"], {"state": ReplicaState.STOPPING, "updated_at": now})
     asked = "deleted" if deleting else "stop requested"
     repo.add_event(conn, w["id"], now, "transition", f"{target}: {asked} by {by}", w["state"], target)
     return {**w, **values}
@@ -154,17 +154,18 @@ def stop(conn: Any, w: dict[str, Any], now: float, by: StoppedBy = StoppedBy.OWN
 def restart(conn: Any, w: dict[str, Any], now: float, placement: str) -> dict[str, Any]:
     """Stop what runs and queue again. ``placement="requested"``: only the requested class
     this time (the ADR's "restart on GPU"); ``"policy"``: the class, then the fallback list."""
-    if w["state"] in ("stopping",):
+    if w["state"] == WorkloadState.STOPPING:
         raise InvalidState("the workload is stopping; restart it once it has stopped")
     for r in repo.replicas_of(conn, [w["id"]]):
-        repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
-    values = {"state": "queued", "placement": placement, "placed_class": None, "queued_since": now,
+        repo.update_replica(conn, r["id"], {"state": ReplicaState.STOPPING, "updated_at": now})
+    values = {"state": WorkloadState.QUEUED, "placement": placement, "placed_class": None, "queued_since": now,
               "updated_at": now, "restart_available": False, "restart_reason": "",
               "reason": f"queued for {w['gpu_class']}", "fallback_eligible_at": None}
     if not repo.update_workload(conn, w["id"], values, expect_state=w["state"]):
         raise InvalidState("the workload changed meanwhile; try again")
     on = f"on {w['gpu_class']} only" if placement == "requested" else "with its placement policy"
-    repo.add_event(conn, w["id"], now, "transition", f"queued: restart requested {on}", w["state"], "queued")
+    repo.add_event(conn, w["id"], now, "transition", f"queued: restart requested {on}", w["state"],
+                   WorkloadState.QUEUED)
     return {**w, **values}
 
 
@@ -179,7 +180,7 @@ def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catal
     A ``cpu_fallback`` message says what CPU means for the kind (:data:`ON_CPU`)."""
     out = []
     placed = w["placed_class"]
-    if placed and placed != w["gpu_class"] and w["state"] in ("starting", "running"):
+    if placed and placed != w["gpu_class"] and w["state"] in (WorkloadState.STARTING, WorkloadState.RUNNING):
         # cpu_fallback: a GPU class asked for, a CPU class placed; else a class fallback
         on_cpu = is_gpu(w["gpu_class"], catalog) and placed in catalog and catalog[placed].is_cpu
         message = f"placed on {placed} instead of {w['gpu_class']}"
@@ -187,7 +188,7 @@ def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catal
             message += f": {ON_CPU[WorkloadKind(w['kind'])]}"
         out.append({"type": "degraded", "reason": "cpu_fallback" if on_cpu else "class_fallback",
                     "message": message})
-    movers = [r for r in replicas if r["role"] == "candidate" and r["state"] in repo.ACTIVE_REPLICA]
+    movers = [r for r in replicas if r["role"] == ReplicaRole.CANDIDATE and r["state"] in repo.ACTIVE_REPLICA]
     if movers:
         out.append({"type": "moving", "reason": "move_back",
                     "message": f"starting a replica on {movers[0]['cls']}; traffic shifts when it is ready"})
@@ -216,7 +217,7 @@ def view(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) ->
              "role": r["role"]} for r in active],
             fallback_models=spec.get("fallback_models", []), allow_cross_region=spec.get("allow_cross_region", False))
     else:
-        primary = next((r for r in active if r["role"] == "primary"), None)
+        primary = next((r for r in active if r["role"] == ReplicaRole.PRIMARY), None)
         out["access"] = {"url": primary["url"] if primary else None, "node": primary["node"] if primary else None}
         if w["kind"] == WorkloadKind.VM:
             out["image"] = spec.get("image")

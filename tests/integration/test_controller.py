@@ -19,7 +19,7 @@ from tensora.placement.capacity import Node
 from tensora.store import repo
 from tensora.store.db import Database
 from tensora.store.rows import WORKLOAD_COLUMNS, ReplicaRow, WorkloadRecord
-from tests.support.doubles import Crash, CrashingDriver
+from tests.support.doubles import Crash, CrashingDriver, FlakyRelease
 from tests.support.stack import GI, T0, fleet
 
 CATALOG = default_catalog()
@@ -306,20 +306,6 @@ def test_stop_and_delete_release_capacity_and_close_usage(db: Database) -> None:
     seg = [s for s in segments(db) if s["workload_id"] == a]
     assert [(s["started_at"] - T0, s["ended_at"] - T0) for s in seg] == [(0.0, 120.0)]
     assert all(s.state.value == "stopped" for s in driver.observe() if s.workload_id == a)
-
-
-class FlakyRelease(SimulatedDriver):
-    """The simulated fleet, but the first release fails (the storage API was down)."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.calls: list[str] = []
-
-    def release(self, workload_id: str) -> None:
-        self.calls.append(workload_id)
-        if len(self.calls) == 1:
-            raise RuntimeError("the storage API is down")
-        super().release(workload_id)
 
 
 def test_a_deleted_workloads_storage_is_given_back_once_its_replicas_are_gone(db: Database) -> None:

@@ -18,8 +18,8 @@ from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
 from tensora.store import repo
 from tensora.store.db import Database
-from tensora.store.rows import WORKLOAD_COLUMNS
-from tests.support.doubles import Crash, CrashingDriver
+from tensora.store.rows import WORKLOAD_COLUMNS, ReplicaRow, WorkloadRecord
+from tests.support.doubles import Crash, CrashingDriver, FlakyRelease
 from tests.support.stack import GI, T0, fleet
 
 CATALOG = default_catalog()
@@ -43,10 +43,10 @@ def make(db: Database, clock: FakeClock, driver: Any = None, holder: str = "a", 
 def submit(db: Database, clock: FakeClock, owner: str = "alice", **body: Any) -> str:
     with db.write() as conn:
         checked = workloads.validate(parse_spec(body), CATALOG, owner, None)  # sized by model_params: no storage
-        return str(workloads.create(conn, checked, clock.now())["id"])
+        return str(workloads.create(conn, checked, clock.now()).id)
 
 
-def get(db: Database, wid: str) -> dict[str, Any]:
+def get(db: Database, wid: str) -> WorkloadRecord:
     with db.read() as conn:
         w = repo.get_workload(conn, wid, include_deleted=True)
         assert w is not None
@@ -58,7 +58,7 @@ def events(db: Database, wid: str) -> list[str]:
         return [e.reason for e in repo.list_events(conn, wid)]
 
 
-def replicas(db: Database, wid: str, active_only: bool = True) -> list[dict[str, Any]]:
+def replicas(db: Database, wid: str, active_only: bool = True) -> list[ReplicaRow]:
     with db.read() as conn:
         return repo.replicas_of(conn, [wid], active_only=active_only)
 
@@ -82,21 +82,21 @@ def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) ->
                 fallback=["a100-80gb", "cpu"], fallback_after="10m", model_params="7B")
     c.run_once()
     w = get(db, ep)
-    assert w["state"] == "queued"
-    assert w["reason"] == ("waiting for l40s-48gb (0 GPU free, 1 needed); fallback to a100-80gb, cpu from 08:10:00")
+    assert w.state == "queued"
+    assert w.reason == ("waiting for l40s-48gb (0 GPU free, 1 needed); fallback to a100-80gb, cpu from 08:10:00")
 
     clock.advance(599)
     c.run_once()
-    assert get(db, ep)["state"] == "queued"
+    assert get(db, ep).state == "queued"
 
     clock.advance(1)
     report = c.run_once()
     assert report.placed == 1
     w = get(db, ep)
-    assert (w["state"], w["placed_class"], w["requested_class"]) == ("starting", "cpu-16c-64g", "l40s-48gb")
+    assert (w.state, w.placed_class, w.requested_class) == ("starting", "cpu-16c-64g", "l40s-48gb")
     placed_reason = ("placed on cpu-16c-64g: l40s-48gb unavailable for 10m; "
                      "also tried a100-80gb (0 GPU free, 1 needed)")
-    assert w["reason"] == placed_reason
+    assert w.reason == placed_reason
 
     clock.advance(30)
     c.run_once()
@@ -112,7 +112,7 @@ def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) ->
     c.run_once()
     v = view(db, ep)
     assert v["state"] == "running" and [x["type"] for x in v["conditions"]] == ["degraded", "moving"]
-    assert sorted((r["cls"], r["role"]) for r in replicas(db, ep)) == [("cpu-16c-64g", "primary"),
+    assert sorted((r.cls, r.role) for r in replicas(db, ep)) == [("cpu-16c-64g", "primary"),
                                                                      ("l40s-48gb", "candidate")]
     clock.advance(30)
     c.run_once()
@@ -143,7 +143,7 @@ def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) ->
     mine = [(s["placed_class"], s["started_at"] - T0, None if s["ended_at"] is None else s["ended_at"] - T0)
             for s in segments(db) if s["workload_id"] == ep]
     assert mine == [("cpu-16c-64g", 600.0, 665.0), ("l40s-48gb", 630.0, None)]
-    assert get(db, a100_user)["state"] == "running"
+    assert get(db, a100_user).state == "running"
 
 
 def test_freed_gpu_goes_to_its_requester_before_a_move_back(db: Database) -> None:
@@ -155,16 +155,16 @@ def test_freed_gpu_goes_to_its_requester_before_a_move_back(db: Database) -> Non
                 fallback_after=0, model_params="1B")
     c.run_once()
     c.run_once()
-    assert get(db, ep)["placed_class"] == "cpu-16c-64g"
+    assert get(db, ep).placed_class == "cpu-16c-64g"
     waiter = submit(db, clock, owner="bob", kind="notebook", name="wants-l40s", gpu_class="l40s-48gb")
     c.run_once()
     with db.write() as conn:
         workloads.stop(conn, get(db, holder), clock.now())
     c.run_once()
     c.run_once()
-    assert get(db, waiter)["placed_class"] == "l40s-48gb"
-    assert get(db, ep)["placed_class"] == "cpu-16c-64g"
-    assert [r["role"] for r in replicas(db, ep)] == ["primary"]
+    assert get(db, waiter).placed_class == "l40s-48gb"
+    assert get(db, ep).placed_class == "cpu-16c-64g"
+    assert [r.role for r in replicas(db, ep)] == ["primary"]
 
 
 def test_notebook_on_cpu_is_offered_restart_on_gpu_and_never_moves_by_itself(db: Database) -> None:
@@ -176,14 +176,14 @@ def test_notebook_on_cpu_is_offered_restart_on_gpu_and_never_moves_by_itself(db:
     c.run_once()
     c.run_once()
     cpu_replica = replicas(db, nb)[0]
-    assert (get(db, nb)["state"], cpu_replica["cls"]) == ("running", "cpu-16c-64g")
+    assert (get(db, nb).state, cpu_replica.cls) == ("running", "cpu-16c-64g")
     with db.write() as conn:
         workloads.stop(conn, get(db, holder), clock.now())
     c.run_once()
     c.run_once()
     w = get(db, nb)
-    assert w["restart_available"] and w["placed_class"] == "cpu-16c-64g"
-    assert [r["id"] for r in replicas(db, nb)] == [cpu_replica["id"]]
+    assert w.restart_available and w.placed_class == "cpu-16c-64g"
+    assert [r.id for r in replicas(db, nb)] == [cpu_replica.id]
     assert events(db, nb)[-1] == "l40s-48gb has capacity again: restart on it to leave cpu-16c-64g"
 
     with db.write() as conn:
@@ -191,8 +191,8 @@ def test_notebook_on_cpu_is_offered_restart_on_gpu_and_never_moves_by_itself(db:
     c.run_once()
     c.run_once()
     w = get(db, nb)
-    assert (w["state"], w["placed_class"], w["restart_available"]) == ("running", "l40s-48gb", False)
-    assert [r["cls"] for r in replicas(db, nb)] == ["l40s-48gb"]
+    assert (w.state, w.placed_class, w.restart_available) == ("running", "l40s-48gb", False)
+    assert [r.cls for r in replicas(db, nb)] == ["l40s-48gb"]
     assert [s["placed_class"] for s in segments(db) if s["workload_id"] == nb] == ["cpu-16c-64g", "l40s-48gb"]
 
 
@@ -230,10 +230,10 @@ def test_the_placement_sentence_states_the_policy_not_the_loops_latency(db: Data
         submit(db, clock, owner="carol", kind="notebook", name=f"holds-{i}", gpu_class=cls)
     c.run_once()
     nb = submit(db, clock, kind="notebook", name="nb", gpu_class="l40s-48gb", **case.body)
-    clock.advance(get(db, nb)["fallback_after_s"] + case.late_s)
+    clock.advance(get(db, nb).fallback_after_s + case.late_s)
     c.run_once()
     w = get(db, nb)
-    assert (w["state"], w["reason"]) == ("starting", case.want)
+    assert (w.state, w.reason) == ("starting", case.want)
     assert events(db, nb)[-1] == case.want  # the event says the same sentence
 
 
@@ -246,22 +246,22 @@ def test_a_stopped_workload_says_it_stopped_and_a_restart_brings_the_placement_b
     c.run_once()
     c.run_once()
     placed = "placed on cpu-16c-64g: l40s-48gb unavailable (fallback after 0s)"
-    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("running", placed)
+    assert (get(db, nb).state, get(db, nb).reason) == ("running", placed)
 
     with db.write() as conn:
         workloads.stop(conn, get(db, nb), clock.now())
-    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("stopping", "stopped by its owner")
+    assert (get(db, nb).state, get(db, nb).reason) == ("stopping", "stopped by its owner")
     c.run_once()
     c.run_once()
-    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("stopped", "stopped by its owner")
+    assert (get(db, nb).state, get(db, nb).reason) == ("stopped", "stopped by its owner")
     assert view(db, nb)["conditions"] == []  # not degraded while stopped
 
     clock.advance(60)
     with db.write() as conn:
         workloads.restart(conn, get(db, nb), clock.now(), "policy")
-    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("queued", "queued for l40s-48gb")
+    assert (get(db, nb).state, get(db, nb).reason) == ("queued", "queued for l40s-48gb")
     c.run_once()
-    assert (get(db, nb)["state"], get(db, nb)["reason"]) == ("starting", placed)
+    assert (get(db, nb).state, get(db, nb).reason) == ("starting", placed)
     assert [e for e in events(db, nb) if e.startswith(("stopping", "stopped", "queued:", "placed"))] == [
         placed, "stopping: stop requested by its owner", "stopped: all replicas stopped",
         "queued: restart requested with its placement policy", placed]
@@ -274,16 +274,16 @@ def test_failed_replica_fails_a_notebook_and_requeues_an_endpoint(db: Database) 
     ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
     c.run_once()
     c.run_once()
-    driver.fail(replicas(db, nb)[0]["id"], "OOM killed")
-    driver.fail(replicas(db, ep)[0]["id"], "XID 79")
+    driver.fail(replicas(db, nb)[0].id, "OOM killed")
+    driver.fail(replicas(db, ep)[0].id, "XID 79")
     c.run_once()
-    assert get(db, nb)["state"] == "failed"
+    assert get(db, nb).state == "failed"
     assert events(db, nb)[-1] == "failed: replica on cpu-2c-8g at cpu-1: OOM killed"
     # the endpoint went back to the queue and, with capacity free, was placed again in the same cycle
     assert events(db, ep)[-2:] == ["queued: its only replica (cpu-2c-8g at cpu-1) failed: XID 79",
                                      "placed on cpu-2c-8g"]
     c.run_once()
-    assert get(db, ep)["state"] == "running"
+    assert get(db, ep).state == "running"
     assert len(replicas(db, ep, active_only=False)) == 2
 
 
@@ -293,33 +293,19 @@ def test_stop_and_delete_release_capacity_and_close_usage(db: Database) -> None:
     a = submit(db, clock, kind="notebook", name="a", gpu_class="a100-80gb")
     b = submit(db, clock, kind="notebook", name="b", gpu_class="a100-80gb")
     c.run_once()
-    if get(db, a)["state"] == "queued":  # same owner, same moment: the id breaks the tie
+    if get(db, a).state == "queued":  # same owner, same moment: the id breaks the tie
         a, b = b, a
-    assert get(db, b)["state"] == "queued"
+    assert get(db, b).state == "queued"
     clock.advance(120)
     with db.write() as conn:
         workloads.delete(conn, get(db, a), clock.now())
     c.run_once()  # asks the driver to stop a's replica
     c.run_once()  # sees it stopped: a is stopped, the A100 is free, b is placed
-    assert get(db, a)["state"] == "stopped" and get(db, a)["deleted_at"] is not None
-    assert (get(db, b)["state"], get(db, b)["placed_class"]) == ("starting", "a100-80gb")
+    assert get(db, a).state == "stopped" and get(db, a).deleted_at is not None
+    assert (get(db, b).state, get(db, b).placed_class) == ("starting", "a100-80gb")
     seg = [s for s in segments(db) if s["workload_id"] == a]
     assert [(s["started_at"] - T0, s["ended_at"] - T0) for s in seg] == [(0.0, 120.0)]
     assert all(s.state.value == "stopped" for s in driver.observe() if s.workload_id == a)
-
-
-class FlakyRelease(SimulatedDriver):
-    """The simulated fleet, but the first release fails (the storage API was down)."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.calls: list[str] = []
-
-    def release(self, workload_id: str) -> None:
-        self.calls.append(workload_id)
-        if len(self.calls) == 1:
-            raise RuntimeError("the storage API is down")
-        super().release(workload_id)
 
 
 def test_a_deleted_workloads_storage_is_given_back_once_its_replicas_are_gone(db: Database) -> None:
@@ -335,12 +321,12 @@ def test_a_deleted_workloads_storage_is_given_back_once_its_replicas_are_gone(db
         workloads.delete(conn, get(db, gone), clock.now())
     assert c.run_once().released == [] and sim.calls == []  # its replica is still stopping
     assert c.run_once().released == [] and sim.calls == [gone]  # gone now: given back, but that failed
-    assert get(db, gone)["released_at"] is None
+    assert get(db, gone).released_at is None
     assert c.run_once().released == [gone]  # redone
     c.run_once()
     c.run_once()
     assert sim.calls == [gone, gone] and sim.released == [gone]  # once done, never asked again
-    assert get(db, gone)["released_at"] is not None and get(db, kept)["released_at"] is None
+    assert get(db, gone).released_at is not None and get(db, kept).released_at is None
 
 
 def test_only_the_lease_holder_acts_and_a_standby_takes_over_after_expiry(db: Database) -> None:
@@ -351,7 +337,7 @@ def test_only_the_lease_holder_acts_and_a_standby_takes_over_after_expiry(db: Da
     assert a.run_once().leader
     first = submit(db, clock, kind="notebook", name="one", gpu_class="cpu-1c-4g")
     assert not b.run_once().leader
-    assert get(db, first)["state"] == "queued"  # b wrote nothing
+    assert get(db, first).state == "queued"  # b wrote nothing
     assert a.run_once().placed == 1
     # a dies without releasing the lease; b waits until it expires
     second = submit(db, clock, kind="notebook", name="two", gpu_class="cpu-1c-4g")
@@ -359,13 +345,13 @@ def test_only_the_lease_holder_acts_and_a_standby_takes_over_after_expiry(db: Da
     assert not b.run_once().leader
     clock.advance(2)
     assert b.run_once().placed == 1
-    assert get(db, second)["state"] == "starting"
+    assert get(db, second).state == "starting"
     # a comes back: it is not the leader any more, and even a stale belief in it cannot write (the fence)
     assert not a.run_once().leader
     third = submit(db, clock, kind="notebook", name="three", gpu_class="cpu-1c-4g")
     a._lead = lambda now: True  # type: ignore[method-assign]
     assert not a.run_once().leader
-    assert get(db, third)["state"] == "queued"
+    assert get(db, third).state == "queued"
     assert b.run_once().placed == 1
 
 
@@ -397,7 +383,7 @@ def test_a_crash_mid_cycle_loses_nothing_and_places_nothing_twice(db: Database, 
     b.run_once()
     b.run_once()
     for wid in ids:
-        assert get(db, wid)["state"] == "running"
+        assert get(db, wid).state == "running"
         assert len(replicas(db, wid, active_only=False)) == 1
         assert len([s for s in sim.observe() if s.workload_id == wid]) == 1
     assert sum(1 for w in ids for e in events(db, w) if e.startswith("placed on")) == 3
@@ -442,10 +428,10 @@ def test_a_new_workload_is_placed_at_once_not_at_the_next_tick(db: Database) -> 
             time.sleep(0.01)
         wid = submit(db, clock, kind="notebook", name="now", gpu_class="cpu-1c-4g")
         c.wake()
-        while get(db, wid)["state"] == "queued":
+        while get(db, wid).state == "queued":
             assert time.monotonic() < deadline, "not placed until the next tick (an hour away)"
             time.sleep(0.01)
-        assert get(db, wid)["placed_class"] == "cpu-1c-4g"
+        assert get(db, wid).placed_class == "cpu-1c-4g"
     finally:
         c.stop()
     with db.read() as conn:
@@ -459,7 +445,7 @@ def _endpoint(db: Database, clock: FakeClock, name: str, owner: str, model_path:
     spec = parse_spec({"kind": "endpoint", "name": name, "gpu_class": "l40s-48gb", "model_params": "1B",
                        "spec": {"ttft_deadline_s": 5}})
     with db.write() as conn:
-        return str(workloads.create(conn, workloads.Checked(spec, owner, model_path), clock.now())["id"])
+        return str(workloads.create(conn, workloads.Checked(spec, owner, model_path), clock.now()).id)
 
 
 def test_a_cycle_reads_the_spec_only_of_what_it_starts(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -509,25 +495,25 @@ def test_owners_running_quotas_come_from_the_store_and_starting_replicas_count(d
     _quotas(db, "alice", {"running_gpus": 1})
     first = submit(db, clock, kind="notebook", name="a1", gpu_class="l40s-48gb")
     c.run_once()
-    assert get(db, first)["state"] == "starting"
+    assert get(db, first).state == "starting"
     second = submit(db, clock, owner="alice", kind="notebook", name="a2", gpu_class="l40s-48gb")
     bobs = [submit(db, clock, owner="bob", kind="notebook", name=f"b{i}", gpu_class="l40s-48gb") for i in range(3)]
     clock.advance(2)
     c.run_once()  # alice's first is still starting: it holds her one GPU all the same
     w = get(db, second)
-    assert w["state"] == "queued"
-    assert w["reason"] == "waiting for l40s-48gb (owner quota: 1 of 1 GPU in use); no fallback accepted"
+    assert w.state == "queued"
+    assert w.reason == "waiting for l40s-48gb (owner quota: 1 of 1 GPU in use); no fallback accepted"
     # bob has the server's default (2 GPUs): two of his start, the third waits; alice never held him up
-    assert [get(db, b)["state"] for b in bobs] == ["starting", "starting", "queued"]
-    assert get(db, bobs[2])["reason"].startswith("waiting for l40s-48gb (owner quota: 2 of 2 GPUs in use)")
+    assert [get(db, b).state for b in bobs] == ["starting", "starting", "queued"]
+    assert get(db, bobs[2]).reason.startswith("waiting for l40s-48gb (owner quota: 2 of 2 GPUs in use)")
     c.stop(release=False)
     with db.write() as conn:  # alice stops her first: her quota frees once its replica is gone, not before
         workloads.stop(conn, get(db, first), clock.now())
     clock.advance(2)
     c.run_once()
-    assert (replicas(db, first)[0]["state"], get(db, second)["state"]) == ("stopping", "queued")
+    assert (replicas(db, first)[0].state, get(db, second).state) == ("stopping", "queued")
     c.run_once()
-    assert (replicas(db, first), get(db, second)["state"]) == ([], "starting")
+    assert (replicas(db, first), get(db, second).state) == ([], "starting")
 
 
 def test_a_bad_quotas_row_costs_its_owner_the_override_not_every_owner_the_cycle(db: Database) -> None:
@@ -538,5 +524,5 @@ def test_a_bad_quotas_row_costs_its_owner_the_override_not_every_owner_the_cycle
     theirs = submit(db, clock, owner="mallory", kind="notebook", name="m", gpu_class="l40s-48gb")
     mine = submit(db, clock, owner="alice", kind="notebook", name="a", gpu_class="a100-80gb")
     assert c.run_once().leader
-    assert get(db, theirs)["state"] == "starting"  # the defaults (2 GPUs) apply to mallory
-    assert get(db, mine)["reason"] == "waiting for a100-80gb (owner quota: no GPUs allowed); no fallback accepted"
+    assert get(db, theirs).state == "starting"  # the defaults (2 GPUs) apply to mallory
+    assert get(db, mine).reason == "waiting for a100-80gb (owner quota: no GPUs allowed); no fallback accepted"

@@ -6,9 +6,7 @@ limits are shared again once Redis answers."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 import threading
 import time
 from collections import Counter
@@ -23,6 +21,7 @@ from tensora.gateway.app import GatewaySettings, build
 from tensora.gateway.limits import Caller, FailMode, MemoryLimiter, Quota, RedisLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
+from tests.support.doubles import HandClock, Silent
 from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import free_port, redis_process
 
@@ -41,19 +40,6 @@ def table(b: Backends) -> RouteTable:
     eps = [{"id": f"wl_{o}", "name": "my-llm", "owner": o, "replicas": [replica("r1", b.url("r1"))]}
            for o in ("alice", "carol")]
     return make_table(eps, KEYS, owners=OWNERS)
-
-
-class Wall:
-    """The gateways' wall clock: a minute of its own for each step of a test."""
-
-    def __init__(self) -> None:
-        self.t = MINUTE
-
-    def __call__(self) -> float:
-        return self.t
-
-    def next_minute(self) -> None:
-        self.t += 60
 
 
 class Load:
@@ -126,7 +112,7 @@ def test_redis_killed_under_load_and_back(backends: Backends, mode: FailMode,
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     proc = redis_process(port)
-    wall = Wall()
+    wall = HandClock(MINUTE)
     t = table(backends)
     # a killed Redis refuses at once, whatever the timeout; 0.5 s rather than 50 ms so that a healthy Redis on a
     # loaded test machine is never taken for a lost one (the 50 ms default is the silent Redis's test below)
@@ -163,34 +149,6 @@ def test_redis_killed_under_load_and_back(backends: Backends, mode: FailMode,
     no_tracebacks(caplog)
 
 
-class Silent:
-    """A TCP server that accepts connections, reads what comes and never answers: a hung Redis."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = self.sock.accept()
-                self.conns.append(conn)
-                threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _drain(conn: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while conn.recv(65536):
-                pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-
-
 @pytest.fixture
 def silent() -> Iterator[Silent]:
     s = Silent()
@@ -223,7 +181,7 @@ def test_over_http_a_silent_redis_is_no_hang_and_no_500(backends: Backends, sile
     caplog.set_level(logging.WARNING, logger="tensora.gateway")
     t = table(backends)
     gw = Gateway(Options(ttft_s=2, deadline_s=5), lambda: t, RedisLimiter(f"redis://127.0.0.1:{silent.port}/0"),
-                 None, wall=Wall())
+                 None, wall=HandClock(MINUTE))
     with serving(gw) as url:
         t0 = time.monotonic()
         codes = carol(url, 8)

@@ -23,7 +23,6 @@ from tensora.gateway.routedoc import RouteDocument
 from tensora.gateway.routes import table_from_json
 from tensora.placement.quotas import Limits, OwnerSettings
 from tensora.store import repo
-from tensora.store.rows import ReplicaRow
 from tests.support import services
 from tests.support.stack import Stack, stack
 
@@ -99,16 +98,15 @@ def _start(r: Routes) -> None:
 def _serve(r: Routes) -> None:
     """The endpoint's replica gets its URL: a write that sets no timestamp at all."""
     (w,) = r.write(lambda c: repo.serving_endpoints(c, "local"))
-    for x in r.write(lambda c: repo.replicas_of(c, [w["id"]])):
-        r.write(lambda c, x=x: repo.update_replica(c, x["id"], {"url": "http://127.0.0.1:9/v1", "state": "running"}))
+    for x in r.write(lambda c: repo.replicas_of(c, [w.id])):
+        r.write(lambda c, x=x: repo.update_replica(c, x.id, {"url": "http://127.0.0.1:9/v1", "state": "running"}))
 
 
 def _second_replica(r: Routes) -> None:
     (w,) = r.write(lambda c: repo.serving_endpoints(c, "local"))
-    (x,) = r.write(lambda c: repo.replicas_of(c, [w["id"]]))
+    (x,) = r.write(lambda c: repo.replicas_of(c, [w.id]))
     now = r.st.clock.now()
-    second = ReplicaRow.of_mapping({**x, "id": "rp_second", "slot": 1, "url": "http://127.0.0.1:8/v1",
-                                    "created_at": now, "updated_at": now})
+    second = x._replace(id="rp_second", slot=1, url="http://127.0.0.1:8/v1", created_at=now, updated_at=now)
     r.write(lambda c: repo.insert_replica(c, second))
 
 
@@ -135,7 +133,7 @@ def _limits(rpm: int) -> Callable[[Routes], None]:
 
 def _stop(r: Routes) -> None:
     (w,) = r.write(lambda c: repo.serving_endpoints(c, "local"))
-    r.write(lambda c: repo.update_workload(c, w["id"], {"state": "stopping"}))
+    r.write(lambda c: repo.update_workload(c, w.id, {"state": "stopping"}))
 
 
 def _alice(doc: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from tensora.api.idempotency import IN_FLIGHT_S, KEEP_S, MAX_KEY_LEN, fingerprin
 from tensora.control import workloads
 from tensora.control.spec import parse_spec
 from tensora.store import repo
+from tensora.store.rows import WorkloadRecord
 from tests.support.services import LiveServer, serving
 from tests.support.stack import Stack, stack
 
@@ -36,7 +37,7 @@ class Live:
     def client(self, key: str) -> httpx.Client:
         return httpx.Client(base_url=self.server.url, headers=self.stack.headers(key), timeout=10)
 
-    def workloads(self, owner: str | None = None) -> list[dict[str, Any]]:
+    def workloads(self, owner: str | None = None) -> list[WorkloadRecord]:
         with self.stack.services.db.read() as conn:
             return list(repo.list_workloads(conn, owner, None, None, 1000, None))
 
@@ -132,7 +133,7 @@ def test_concurrent_duplicates_create_one_workload(live: Live, monkeypatch: pyte
     assert len(fresh) == 1, f"{len(fresh)} responses ran the request instead of replaying it"
     rows = live.workloads("alice")
     assert len(rows) == 1
-    assert rows[0]["id"] == fresh[0].json()["id"]
+    assert rows[0].id == fresh[0].json()["id"]
     if not live.stack.services.db.is_sqlite:
         # PostgreSQL reads the in-flight record while the first request works: callers waited on 409s.
         # (SQLite's write lock queues them behind the first request instead: they see it done.)
@@ -165,8 +166,8 @@ def test_key_is_scoped_by_path_and_calling_key(live: Live) -> None:
     assert a.json()["owner"] == "alice" and b.json()["owner"] == "bob"
     assert a.json()["id"] != b.json()["id"]
     assert k.json()["key"].startswith("tsk_")
-    assert [w["id"] for w in live.workloads("alice")] == [a.json()["id"]]
-    assert [w["id"] for w in live.workloads("bob")] == [b.json()["id"]]
+    assert [w.id for w in live.workloads("alice")] == [a.json()["id"]]
+    assert [w.id for w in live.workloads("bob")] == [b.json()["id"]]
 
 
 def test_replay_returns_the_first_response_after_the_workload_changed(live: Live) -> None:

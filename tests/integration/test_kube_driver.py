@@ -23,6 +23,7 @@ from tensora.drivers.kubernetes.driver import KubernetesDriver, connect
 from tensora.drivers.kubernetes.render import KATA, home_claim_name, object_name
 from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.storage import owner_dir
+from tensora.store.rows import WorkloadRecord
 from tests.support import services
 from tests.support.kube_double import ENFORCE, NAMESPACES, ApiServerDouble
 
@@ -221,16 +222,16 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
         svc.controller.run_once()
         pods = {p["metadata"]["labels"]["tensora.io/workload"]: p for (c, _, n), p in double.objects.items()
                 if c == PODS and n.startswith("tensora-")}
-        assert set(pods) == {w["id"], toms["id"]}
-        pod, pod_name = pods[w["id"]], pods[w["id"]]["metadata"]["name"]
+        assert set(pods) == {w.id, toms.id}
+        pod, pod_name = pods[w.id], pods[w.id]["metadata"]["name"]
         assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert pod["spec"]["runtimeClassName"] == KATA  # alice: no admin trusted her, so she is not
-        assert "runtimeClassName" not in pods[toms["id"]]["spec"]  # an admin trusted tom
+        assert "runtimeClassName" not in pods[toms.id]["spec"]  # an admin trusted tom
         double.set_status(PODS, NS, pod_name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
         svc.controller.run_once()
         with svc.db.read() as conn:
-            got = repo.get_workload(conn, w["id"])
-        assert got is not None and got["state"] == "running" and got["placed_class"] == "l40s-48gb"
+            got = repo.get_workload(conn, w.id)
+        assert got is not None and got.state == "running" and got.placed_class == "l40s-48gb"
     finally:
         svc.controller.driver.close()  # type: ignore[attr-defined]
         svc.db.dispose()
@@ -415,9 +416,9 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
         return sorted(double.objects[(ISVC, NS, n)]["spec"]["predictor"]["model"]["runtime"]
                       for n in double.names(ISVC))
 
-    def state() -> dict[str, Any]:
+    def state() -> WorkloadRecord:
         with svc.db.read() as conn:
-            w = repo.get_workload(conn, ep["id"])
+            w = repo.get_workload(conn, ep.id)
         assert w is not None
         return w
 
@@ -431,20 +432,20 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
         assert runtimes() == ["tensora-vllm-cpu"]
         ready_all()
         svc.controller.run_once()
-        assert state()["state"] == "running" and state()["placed_class"].startswith("cpu-")
+        assert state().state == "running" and state().placed_class.startswith("cpu-")
 
         del double.objects[(PODS, "ml", "gpu-hog")]  # the GPUs free up
         seen_states = []
         for _ in range(8):
             svc.controller.run_once()
             ready_all()
-            seen_states.append(state()["state"])
-            if runtimes() == ["tensora-vllm"] and state()["placed_class"] == "l40s-48gb":
+            seen_states.append(state().state)
+            if runtimes() == ["tensora-vllm"] and state().placed_class == "l40s-48gb":
                 break
         assert runtimes() == ["tensora-vllm"], runtimes()
-        assert state()["placed_class"] == "l40s-48gb" and set(seen_states) == {"running"}
+        assert state().placed_class == "l40s-48gb" and set(seen_states) == {"running"}
         with svc.db.read() as conn:
-            reasons = [e.reason for e in repo.list_events(conn, ep["id"])]
+            reasons = [e.reason for e in repo.list_events(conn, ep.id)]
         assert any("l40s-48gb" in r and ("move" in r or "promot" in r) for r in reasons), reasons
     finally:
         svc.controller.driver.close()  # type: ignore[attr-defined]

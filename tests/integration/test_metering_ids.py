@@ -68,7 +68,7 @@ def plane(db_url: str, tmp_path: Path, backends: Backends) -> Iterator[Plane]:
         st.controller.run_once()
         with st.services.db.write() as conn:
             for r in repo.replicas_of(conn, ids):
-                repo.update_replica(conn, r["id"], {"url": backends.url("r1")})
+                repo.update_replica(conn, r.id, {"url": backends.url("r1")})
         try:
             yield Plane(st, live.url, keys)
         finally:
@@ -166,11 +166,11 @@ def test_a_batch_resent_after_a_crash_is_counted_once(plane: Plane, tmp_path: Pa
 def table_for(plane: Plane) -> Any:
     with plane.st.services.db.read() as conn:
         eps = repo.serving_endpoints(conn, "local")
-        reps = repo.replicas_of(conn, [e["id"] for e in eps])
+        reps = repo.replicas_of(conn, [e.id for e in eps])
     keys = {plane.keys["alice"]: ("alice", ["inference"])}
-    return make_table([{"id": e["id"], "name": e["name"], "owner": e["owner"],
-                        "replicas": [replica(r["id"], r["url"]) for r in reps if r["workload_id"] == e["id"]]}
-                       for e in eps if e["owner"] == "alice"], keys)
+    return make_table([{"id": e.id, "name": e.name, "owner": e.owner,
+                        "replicas": [replica(r.id, r.url) for r in reps if r.workload_id == e.id]}
+                       for e in eps if e.owner == "alice"], keys)
 
 
 # -- the property: in process, the gateway app and the fake backend ----------------------------------------

@@ -60,7 +60,7 @@ class World:
         with self.stack.services.db.read() as conn:
             w = repo.get_workload(conn, wid, None)
         assert w is not None
-        spec: dict[str, Any] = w["spec"]
+        spec: dict[str, Any] = dict(w.spec)
         return spec
 
 

@@ -41,6 +41,7 @@ from tensora.sdk.errors import APIError, for_status
 from tensora.sdk.retry import Retry, Stop, decide, retryable, server_wait
 from tensora.store import repo
 from tests.support import services
+from tests.support.doubles import Sleeps
 from tests.support.flaky import DROP, LOST, FlakyProxy, flaky, stall, status
 from tests.support.stack import T0, Stack, stack
 
@@ -177,22 +178,6 @@ def sqlite_api(tmp_path: Path) -> Iterator[Api]:
             yield Api(s, live.url)
         finally:
             s.services.db.dispose()
-
-
-class Sleeps:
-    """The fake sleep: records each wait; optionally moves a fake clock by it."""
-
-    def __init__(self, clock: FakeClock | None = None) -> None:
-        self.waits: list[float] = []
-        self.clock = clock
-
-    def __call__(self, seconds: float) -> None:
-        self.waits.append(seconds)
-        if self.clock is not None:
-            self.clock.advance(seconds)
-
-    async def async_(self, seconds: float) -> None:
-        self(seconds)
 
 
 def client(url: str, key: str, sleeps: Sleeps, **kw: Any) -> Client:

@@ -1,11 +1,16 @@
 """Test doubles of Tensora's protocols, type-checked against them: mypy covers tests/support, and each double is
-assigned to its protocol below, so one that lacks a method (or has it with another signature) fails ``mypy``."""
+assigned to its protocol below, so one that lacks a method (or has it with another signature) fails ``mypy``.
+Doubles of what Tensora talks to over the network (a hung Redis) are here too, for one place to find them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import contextlib
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
+from tensora.clock import FakeClock
 from tensora.drivers.base import Driver, ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
@@ -40,5 +45,80 @@ class CrashingDriver:
         self.inner.release(workload_id)
 
 
+class FlakyRelease(SimulatedDriver):
+    """The simulated fleet, but the first release fails (the storage API was down)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.calls: list[str] = []
+
+    def release(self, workload_id: str) -> None:
+        self.calls.append(workload_id)
+        if len(self.calls) == 1:
+            raise RuntimeError("the storage API is down")
+        super().release(workload_id)
+
+
+class HandClock:
+    """A clock a test moves by hand (``t``), called where Tensora calls ``time.time`` or ``time.monotonic``."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def next_minute(self) -> None:
+        self.t += 60
+
+
+class Sleeps:
+    """The SDK's fake sleep: records each wait; optionally moves a fake clock by it."""
+
+    def __init__(self, clock: FakeClock | None = None) -> None:
+        self.waits: list[float] = []
+        self.clock = clock
+
+    def __call__(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        if self.clock is not None:
+            self.clock.advance(seconds)
+
+    async def async_(self, seconds: float) -> None:
+        self(seconds)
+
+
+class Silent:
+    """A TCP server that accepts connections, reads what comes and never answers: a hung Redis."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                self.conns.append(conn)
+                threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _drain(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while conn.recv(65536):
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
 if TYPE_CHECKING:
     _driver: type[Driver] = CrashingDriver
+    _flaky: type[Driver] = FlakyRelease
+    _clock: Callable[[], float] = HandClock()  # the gateway's clock and wall, the walk's clock
+    _sleep: Callable[[float], None] = Sleeps()  # Client(sleep=...)
+    _async_sleep: Callable[[float], Awaitable[None]] = Sleeps().async_  # AsyncClient(sleep=...)

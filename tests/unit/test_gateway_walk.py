@@ -14,18 +14,11 @@ from tensora.gateway.call import Call, Options, Served
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable, table_from_json
 from tensora.gateway.walk import Walk
+from tests.support.doubles import HandClock
 from tests.support.fakeupstream import FakeUpstream, Step, ok, sse, status
 
 GPU, CPU, BIG = "http://10.0.0.1:1/r1/v1", "http://10.0.0.1:1/c1/v1", "http://10.0.0.1:1/g1/v1"
 KEY = KeyRoute("key_1", "alice", ("inference",), None, None)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Sent:
@@ -62,7 +55,7 @@ def table(fallback: bool = False) -> RouteTable:
          "replicas": [rep("g1", BIG)]}]})
 
 
-def walk(script: dict[str, list[Step]], clock: Clock, **options: Any) -> tuple[Walk, FakeUpstream]:
+def walk(script: dict[str, list[Step]], clock: HandClock, **options: Any) -> tuple[Walk, FakeUpstream]:
     o = Options(region="eu", ttft_s=0.2, stream_idle_s=0.2, retry_delay_s=0.01, retry_room_s=0.0, **options)
     fake = FakeUpstream(script)
     return Walk(o, clock, fake, Relay(o, clock)), fake
@@ -79,7 +72,7 @@ def run(w: Walk, *, stream: bool = False, fallback: bool = False) -> tuple[Serve
 
 
 def test_a_5xx_from_a_tiers_only_replica_is_tried_once_more_there() -> None:
-    clock = Clock()
+    clock = HandClock(1000.0)
     w, fake = walk({GPU: [status(503), ok("again")]}, clock)
     served, sent = run(w)
     assert sent.status == 200 and orjson.loads(sent.body)["choices"][0]["message"]["content"] == "again"
@@ -90,7 +83,7 @@ def test_a_5xx_from_a_tiers_only_replica_is_tried_once_more_there() -> None:
 
 
 def test_a_backend_that_sends_no_head_in_time_is_left_for_the_next_tier() -> None:
-    clock = Clock()
+    clock = HandClock(1000.0)
     w, fake = walk({GPU: [Step(stall=True)]}, clock)
     served, sent = run(w)
     assert sent.status == 200 and sent.header(b"x-tensora-attempts") == "my-llm/r1:timeout,my-llm/c1:ok"
@@ -100,7 +93,7 @@ def test_a_backend_that_sends_no_head_in_time_is_left_for_the_next_tier() -> Non
 
 
 def test_a_stream_that_stalls_after_its_first_token_ends_with_the_error_event() -> None:
-    clock = Clock()
+    clock = HandClock(1000.0)
     first = {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}
     w, fake = walk({GPU: [sse(first, None)]}, clock)
     served, sent = run(w, stream=True)
@@ -113,7 +106,7 @@ def test_a_stream_that_stalls_after_its_first_token_ends_with_the_error_event() 
 
 
 def test_a_429_with_retry_after_skips_that_backend_until_then() -> None:
-    clock = Clock()
+    clock = HandClock(1000.0)
     w, fake = walk({GPU: [status(429, retry_after="2")]}, clock)
     _, sent = run(w)
     assert sent.header(b"x-tensora-attempts") == "my-llm/r1:http_429,my-llm/c1:ok"
@@ -128,7 +121,7 @@ def test_a_429_with_retry_after_skips_that_backend_until_then() -> None:
 
 
 def test_when_every_backend_is_rate_limited_the_503_carries_the_soonest_retry_after() -> None:
-    clock = Clock()
+    clock = HandClock(1000.0)
     w, _ = walk({GPU: [status(429, retry_after="2")], CPU: [status(429, retry_after_ms="500")]}, clock)
     served, sent = run(w)
     assert served is None and sent.status == 503
@@ -137,7 +130,7 @@ def test_when_every_backend_is_rate_limited_the_503_carries_the_soonest_retry_af
 
 
 def test_a_prompt_over_the_models_context_goes_to_the_fallback_model_only() -> None:
-    clock = Clock()
+    clock = HandClock(1000.0)
     too_long = Step(400, orjson.dumps({"error": {"message": "This model's maximum context length is 4096 tokens",
                                                  "type": "BadRequestError", "code": 400}}))
     w, fake = walk({GPU: [too_long]}, clock)
@@ -149,7 +142,7 @@ def test_a_prompt_over_the_models_context_goes_to_the_fallback_model_only() -> N
 
 
 def test_any_other_4xx_is_passed_through_as_it_came_and_never_retried() -> None:
-    clock = Clock()
+    clock = HandClock(1000.0)
     refused = status(400)
     w, fake = walk({GPU: [refused]}, clock)
     served, sent = run(w, fallback=True)
@@ -159,7 +152,7 @@ def test_any_other_4xx_is_passed_through_as_it_came_and_never_retried() -> None:
 
 
 def test_the_breakers_of_backends_gone_from_the_route_table_are_forgotten() -> None:
-    clock = Clock()
+    clock = HandClock(1000.0)
     w, _ = walk({GPU: [status(503), status(503)]}, clock, breaker=Policy(consecutive=1))
     run(w)
     assert w.breakers["my-llm/r1"].open_until is not None and "my-llm/r1" in w.ejected

@@ -25,9 +25,11 @@ from tensora.api.schemas import UsageBatch, UsageBatchOut
 from tensora.api.services import Services
 from tensora.gateway.routedoc import EndpointDoc, KeyDoc, OwnerDoc, ReplicaDoc, RouteDocument
 from tensora.placement.fallback import uses_cpu
+from tensora.placement.kinds import ReplicaRole, ReplicaState
 from tensora.placement.quotas import effective
 from tensora.storage import SHARED
 from tensora.store import repo
+from tensora.store.rows import ReplicaRow, WorkloadRecord
 
 router = APIRouter()
 
@@ -96,32 +98,31 @@ def routes_table(conn: Any, svc: Services) -> RouteDocument:
     """The gateway's route table, built whole: endpoints serving in this region with their routable
     replicas, live keys, and the effective limits of every owner with a live key."""
     endpoints = repo.serving_endpoints(conn, svc.region)
-    replicas = repo.replicas_of(conn, [w["id"] for w in endpoints])
-    by_w: dict[str, list[dict[str, Any]]] = {}
+    replicas = repo.replicas_of(conn, [w.id for w in endpoints])
+    by_w: dict[str, list[tuple[ReplicaRow, str]]] = {}  # a routable replica and its url
     for r in replicas:
-        if r["state"] == "running" and r["role"] == "primary" and r["url"]:
-            by_w.setdefault(r["workload_id"], []).append(r)
+        if r.state == ReplicaState.RUNNING and r.role == ReplicaRole.PRIMARY and r.url:
+            by_w.setdefault(r.workload_id, []).append((r, r.url))
 
     def is_cpu(cls: str) -> bool:
         return cls in svc.catalog and svc.catalog[cls].is_cpu
 
     out: list[EndpointDoc] = []
     for w in endpoints:
-        fallback = w["fallback"] or []
-        spec = w["spec"] or {}
+        spec = w.spec or {}
         kind_spec = spec.get("kind_spec") or {}
         # what the model server answers to: the host path it was started with (a row made before names: its model)
-        upstream = spec.get("model_path") or w["model"]
+        upstream = spec.get("model_path") or w.model
         out.append(EndpointDoc({
-            "id": w["id"], "name": w["name"], "owner": w["owner"], "region": w["region"], "model": _pool_key(w),
-            "requested_cpu": is_cpu(w["requested_class"]),
-            "cpu_fallback": uses_cpu(fallback, svc.catalog),
+            "id": w.id, "name": w.name, "owner": w.owner, "region": w.region, "model": _pool_key(w),
+            "requested_cpu": is_cpu(w.requested_class),
+            "cpu_fallback": uses_cpu(w.fallback, svc.catalog),
             "fallback_models": spec.get("fallback_models") or [],
             "allow_cross_region": bool(spec.get("allow_cross_region")),
             "serverless": bool(kind_spec.get("serverless")), "ttft_s": kind_spec.get("ttft_deadline_s"),
             "stream_idle_s": kind_spec.get("stream_idle_s"), "context": spec.get("context"),
-            "replicas": [_replica(svc, r, is_cpu(r["cls"]), r["served_model"] or upstream)
-                         for r in sorted(by_w.get(w["id"], []), key=_slot)]}))
+            "replicas": [_replica(svc, r, url, is_cpu(r.cls), r.served_model or upstream)
+                         for r, url in sorted(by_w.get(w.id, []), key=_slot)]}))
     keys = [KeyDoc(id=k["id"], digest=k["digest"], owner=k["owner"], scopes=k["scopes"], rpm=k["rpm"], tpm=k["tpm"])
             for k in repo.gateway_keys(conn)]
     overrides = repo.owner_limits(conn)
@@ -135,22 +136,22 @@ def routes_table(conn: Any, svc: Services) -> RouteDocument:
     return RouteDocument(version=version, region=svc.region, endpoints=out, keys=keys, owners=owners)
 
 
-def _pool_key(w: dict[str, Any]) -> str | None:
+def _pool_key(w: WorkloadRecord) -> str | None:
     """What the gateway matches an endpoint to the serverless pool by: the host path of a shared model
     (``shared/<root>/...``), the same file whoever names it. An owner's own files match nothing: two
     owners' ``tiny`` are different models."""
-    path = (w["spec"] or {}).get("model_path")
-    return path if path and (w["model"] or "").startswith(f"{SHARED}/") else None
+    path = (w.spec or {}).get("model_path")
+    return path if path and (w.model or "").startswith(f"{SHARED}/") else None
 
 
-def _replica(svc: Services, r: dict[str, Any], cpu: bool, upstream_model: str) -> ReplicaDoc:
+def _replica(svc: Services, r: ReplicaRow, url: str, cpu: bool, upstream_model: str | None) -> ReplicaDoc:
     """A routable replica; with its API key for the gateway to send upstream, on the local driver. The store does
     not know a replica's runtime, so every replica's is there: a server that takes no key ignores the header."""
-    doc = ReplicaDoc(id=r["id"], url=r["url"], cls=r["cls"], cpu=cpu, upstream_model=upstream_model)
+    doc = ReplicaDoc(id=r.id, url=url, cls=r.cls, cpu=cpu, upstream_model=upstream_model)
     if svc.replica_secret:
-        doc["api_key"] = replicakeys.derive(svc.replica_secret, r["id"])
+        doc["api_key"] = replicakeys.derive(svc.replica_secret, r.id)
     return doc
 
 
-def _slot(r: dict[str, Any]) -> tuple[int, str]:
-    return r["slot"], r["id"]
+def _slot(routable: tuple[ReplicaRow, str]) -> tuple[int, str]:
+    return routable[0].slot, routable[0].id

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from tensora.apikeys import SCOPES
+from tensora.placement.kinds import ReplicaRole, WorkloadKind, WorkloadState
 from tensora.placement.quotas import Limits, Quotas
+
+
+def pattern(enum: type[StrEnum]) -> str:
+    """A query parameter's pattern that admits an enum's values (``^(queued|starting|...)$``)."""
+    return f"^({'|'.join(enum)})$"
+
+
+if TYPE_CHECKING:
+    Kind: TypeAlias = str
+    State: TypeAlias = str
+    Role: TypeAlias = str
+else:  # a Literal of the values, so the OpenAPI document lists them inline (an enum type would be a component)
+    Kind, State, Role = (Literal[tuple(m.value for m in e)] for e in (WorkloadKind, WorkloadState, ReplicaRole))
 
 
 class ErrorDetail(BaseModel):
@@ -32,7 +47,7 @@ class ReplicaOut(BaseModel):
     node: str
     state: str
     url: str | None
-    role: Literal["primary", "candidate", "draining"]
+    role: Role
 
 
 class WorkloadOut(BaseModel):
@@ -40,10 +55,10 @@ class WorkloadOut(BaseModel):
 
     id: str
     name: str
-    kind: Literal["notebook", "vm", "endpoint"]
+    kind: Kind
     owner: str
     region: str
-    state: Literal["queued", "starting", "running", "stopping", "stopped", "failed"]
+    state: State
     gpu_class: str
     requested_class: str
     placed_class: str | None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Annotated, Any
 
@@ -12,28 +13,30 @@ from tensora.api.auth import Principal
 from tensora.api.deps import ERRORS, IdemKey, Reader, Svc, Writer, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import check_quota
-from tensora.api.schemas import EventList, RestartBody, WorkloadList, WorkloadOut
+from tensora.api.schemas import EventList, RestartBody, WorkloadList, WorkloadOut, pattern
 from tensora.api.services import Services
 from tensora.control import workloads
 from tensora.control.spec import WorkloadSpec
+from tensora.placement.kinds import WorkloadKind, WorkloadState
 from tensora.store import repo
+from tensora.store.rows import ReplicaRow, WorkloadRecord
 
 router = APIRouter()
 
 
-def _out(w: dict[str, Any], replicas: list[dict[str, Any]], svc: Services) -> dict[str, Any]:
+def _out(w: WorkloadRecord, replicas: Sequence[ReplicaRow], svc: Services) -> dict[str, Any]:
     v = workloads.view(w, replicas, svc.catalog)
     for k in ("created_at", "updated_at", "queued_since", "fallback_eligible_at"):
         v[k] = iso(v[k])
     return v
 
 
-def _stopper(p: Principal, w: dict[str, Any]) -> workloads.StoppedBy:
+def _stopper(p: Principal, w: WorkloadRecord) -> workloads.StoppedBy:
     """Who the reason of a stopped workload names: its owner, or an admin acting on it."""
-    return workloads.StoppedBy.OWNER if w["owner"] == p.owner else workloads.StoppedBy.ADMIN
+    return workloads.StoppedBy.OWNER if w.owner == p.owner else workloads.StoppedBy.ADMIN
 
 
-def _own(conn: Any, p: Principal, workload_id: str) -> dict[str, Any]:
+def _own(conn: Any, p: Principal, workload_id: str) -> WorkloadRecord:
     w = repo.get_workload(conn, workload_id, p.owner_filter())
     if w is None:
         raise ApiError(404, f"no workload {workload_id!r}")
@@ -75,27 +78,26 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
             description="Your workloads (every owner's for admin keys), oldest first: ids sort in the order they "
                         "were made. ``next`` is the cursor for ``after`` while more remain.")
 def list_workloads(svc: Svc, p: Reader,
-                   kind: Annotated[str | None, Query(pattern="^(notebook|vm|endpoint)$")] = None,
-                   state: Annotated[str | None, Query(
-                       pattern="^(queued|starting|running|stopping|stopped|failed)$")] = None,
+                   kind: Annotated[str | None, Query(pattern=pattern(WorkloadKind))] = None,
+                   state: Annotated[str | None, Query(pattern=pattern(WorkloadState))] = None,
                    limit: Annotated[int, Query(ge=1, le=500)] = 100,
                    after: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
     with svc.db.read() as conn:
         rows = repo.list_workloads(conn, p.owner_filter(), kind, state, limit + 1, after)
         page = rows[:limit]
-        replicas = repo.replicas_of(conn, [w["id"] for w in page])
-    by: dict[str, list[dict[str, Any]]] = {}
+        replicas = repo.replicas_of(conn, [w.id for w in page])
+    by: dict[str, list[ReplicaRow]] = {}
     for r in replicas:
-        by.setdefault(r["workload_id"], []).append(r)
-    return {"data": [_out(w, by.get(w["id"], []), svc) for w in page],
-            "next": page[-1]["id"] if len(rows) > limit else None}
+        by.setdefault(r.workload_id, []).append(r)
+    return {"data": [_out(w, by.get(w.id, []), svc) for w in page],
+            "next": page[-1].id if len(rows) > limit else None}
 
 
 @router.get("/v1/workloads/{workload_id}", response_model=WorkloadOut, responses=ERRORS, tags=["workloads"])
 def get_workload(workload_id: str, svc: Svc, p: Reader) -> dict[str, Any]:
     with svc.db.read() as conn:
         w = _own(conn, p, workload_id)
-        return _out(w, repo.replicas_of(conn, [w["id"]]), svc)
+        return _out(w, repo.replicas_of(conn, [w.id]), svc)
 
 
 @router.get("/v1/workloads/{workload_id}/events", response_model=EventList, responses=ERRORS, tags=["workloads"])
@@ -117,7 +119,7 @@ def stop_workload(workload_id: str, svc: Svc, p: Writer, idem: IdemKey = None,
             w = workloads.stop(conn, w, svc.clock.now(), _stopper(p, w))
         except workloads.InvalidState as exc:
             raise ApiError(409, str(exc), retry_after=1) from None
-        return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
+        return 200, _out(w, repo.replicas_of(conn, [w.id]), svc)
 
     return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
 
@@ -136,7 +138,7 @@ def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[Rest
             w = workloads.restart(conn, w, svc.clock.now(), placement)
         except workloads.InvalidState as exc:
             raise ApiError(409, str(exc), retry_after=2) from None
-        return 200, _out(w, repo.replicas_of(conn, [w["id"]]), svc)
+        return 200, _out(w, repo.replicas_of(conn, [w.id]), svc)
 
     return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/restart", idem,
                                {"placement": placement}, action, svc.wake)

@@ -41,6 +41,7 @@ from tensora.control.ledger import StoreLedger
 from tensora.control.reconcile import DRAIN_S, reconcile
 from tensora.drivers.base import Driver, ReplicaSpec
 from tensora.errors import Conflict, StoreUnavailable
+from tensora.names import controller_lease
 from tensora.placement.admission import Decision, Policy, decide
 from tensora.placement.capacity import GpuReserve, Node
 from tensora.placement.catalog import Catalog
@@ -118,7 +119,7 @@ class Controller:
         self.clock = clock or SystemClock()
         self.policy = policy or Policy(timer_slack_s=max(Policy().timer_slack_s, TIMER_SLACK_TICKS * tick_s))
         self.holder = holder or f"controller-{uuid.uuid4().hex[:12]}"
-        self.lease_name = f"controller/{region}"
+        self.lease_name = controller_lease(region)
         self.lease_ttl_s, self.tick_s, self.min_gap_s = lease_ttl_s, tick_s, min_gap_s
         self.drain_s = drain_s  # a replica replaced by a move back serves its in-flight requests this long
         self.starting_tick_s = STARTING_TICK_S

@@ -6,6 +6,7 @@ the rest. Nothing here talks to a driver.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -16,9 +17,10 @@ from tensora.errors import ModelFileError, SpecError
 from tensora.models.validator import read_context, read_model
 from tensora.placement.catalog import Catalog
 from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
-from tensora.placement.kinds import WorkloadKind
+from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadKind, WorkloadState
 from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo
+from tensora.store.rows import ReplicaRow, WorkloadRecord
 
 
 class StoppedBy(StrEnum):
@@ -109,115 +111,115 @@ def _shown(where: Path, found: Path, name: str) -> str:
     return name
 
 
-def create(conn: Any, checked: Checked, now: float) -> dict[str, Any]:
+def create(conn: Any, checked: Checked, now: float) -> WorkloadRecord:
     """Insert a queued workload of ``checked.owner`` and its first event; returns the row."""
     spec, owner = checked.spec, checked.owner
-    row: dict[str, Any] = {
-        "id": repo.new_id("wl_"), "owner": owner, "kind": spec.kind.value, "name": spec.name,
-        "region": spec.region, "gpu_class": spec.gpu_class, "requested_class": spec.gpu_class,
-        "placed_class": None, "fallback": list(spec.fallback), "fallback_after_s": spec.fallback_after_s,
-        "placement": "policy", "state": "queued", "reason": f"queued for {spec.gpu_class}",
-        "fallback_eligible_at": None, "restart_available": False, "restart_reason": "",
-        "replicas": spec.replicas, "model": spec.model, "model_params": spec.model_params,
-        "model_bytes": spec.model_bytes,
-        "spec": {"kind_spec": spec.spec, "image": spec.image, "fallback_models": spec.fallback_models,
-                 "allow_cross_region": spec.allow_cross_region, "model_path": checked.model_path,
-                 "image_path": checked.image_path, "context": checked.context},
-        "created_at": now, "updated_at": now, "queued_since": now, "deleted_at": None,
-    }
-    repo.insert_workload(conn, row)
+    row = WorkloadRecord(
+        id=repo.new_id("wl_"), owner=owner, kind=spec.kind, region=spec.region, gpu_class=spec.gpu_class,
+        requested_class=spec.gpu_class, placed_class=None, fallback=tuple(spec.fallback),
+        fallback_after_s=spec.fallback_after_s, placement="policy", state=WorkloadState.QUEUED,
+        reason=f"queued for {spec.gpu_class}", fallback_eligible_at=None, restart_available=False,
+        replicas=spec.replicas, model_params=spec.model_params, model_bytes=spec.model_bytes, created_at=now,
+        updated_at=now, queued_since=now, deleted_at=None, released_at=None, name=spec.name, model=spec.model,
+        restart_reason="",
+        spec={"kind_spec": spec.spec, "image": spec.image, "fallback_models": spec.fallback_models,
+              "allow_cross_region": spec.allow_cross_region, "model_path": checked.model_path,
+              "image_path": checked.image_path, "context": checked.context},
+    )
+    repo.insert_workload(conn, {**row._asdict(), "fallback": list(row.fallback)})
     policy = f"; fallback to {', '.join(spec.fallback)} after {spec.fallback_after_s:g}s" if spec.fallback else ""
-    repo.add_event(conn, row["id"], now, "transition", f"created: queued for {spec.gpu_class}{policy}",
-                   None, "queued")
+    repo.add_event(conn, row.id, now, "transition", f"created: queued for {spec.gpu_class}{policy}",
+                   None, WorkloadState.QUEUED)
     return row
 
 
-def stop(conn: Any, w: dict[str, Any], now: float, by: StoppedBy = StoppedBy.OWNER, *,
-         deleting: bool = False) -> dict[str, Any]:
+def stop(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER, *,
+         deleting: bool = False) -> WorkloadRecord:
     """Ask the workload's replicas to stop. Its reason reads ``stopped by its owner`` (while
     ``stopping`` too: the state says how far it got) until a restart queues it again."""
-    if w["state"] in ("stopped", "failed", "stopping"):
+    if w.state in (WorkloadState.STOPPED, WorkloadState.FAILED, WorkloadState.STOPPING):
         return w
-    active = repo.replicas_of(conn, [w["id"]])
-    target = "stopping" if active else "stopped"
+    active = repo.replicas_of(conn, [w.id])
+    target = WorkloadState.STOPPING if active else WorkloadState.STOPPED
     reason = f"{'deleted' if deleting else 'stopped'} by {by}"
-    values = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
-    if not repo.update_workload(conn, w["id"], values, expect_state=w["state"]):
+    values: dict[str, Any] = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
+    if not repo.update_workload(conn, w.id, values, expect_state=w.state):
         raise InvalidState("the workload changed meanwhile; try again")
     for r in active:
-        repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
+        repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
     asked = "deleted" if deleting else "stop requested"
-    repo.add_event(conn, w["id"], now, "transition", f"{target}: {asked} by {by}", w["state"], target)
-    return {**w, **values}
+    repo.add_event(conn, w.id, now, "transition", f"{target}: {asked} by {by}", w.state, target)
+    return w._replace(**values)
 
 
-def restart(conn: Any, w: dict[str, Any], now: float, placement: str) -> dict[str, Any]:
+def restart(conn: Any, w: WorkloadRecord, now: float, placement: str) -> WorkloadRecord:
     """Stop what runs and queue again. ``placement="requested"``: only the requested class
     this time (the ADR's "restart on GPU"); ``"policy"``: the class, then the fallback list."""
-    if w["state"] in ("stopping",):
+    if w.state == WorkloadState.STOPPING:
         raise InvalidState("the workload is stopping; restart it once it has stopped")
-    for r in repo.replicas_of(conn, [w["id"]]):
-        repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
-    values = {"state": "queued", "placement": placement, "placed_class": None, "queued_since": now,
-              "updated_at": now, "restart_available": False, "restart_reason": "",
-              "reason": f"queued for {w['gpu_class']}", "fallback_eligible_at": None}
-    if not repo.update_workload(conn, w["id"], values, expect_state=w["state"]):
+    for r in repo.replicas_of(conn, [w.id]):
+        repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
+    values: dict[str, Any] = {
+        "state": WorkloadState.QUEUED, "placement": placement, "placed_class": None, "queued_since": now,
+        "updated_at": now, "restart_available": False, "restart_reason": "", "reason": f"queued for {w.gpu_class}",
+        "fallback_eligible_at": None}
+    if not repo.update_workload(conn, w.id, values, expect_state=w.state):
         raise InvalidState("the workload changed meanwhile; try again")
-    on = f"on {w['gpu_class']} only" if placement == "requested" else "with its placement policy"
-    repo.add_event(conn, w["id"], now, "transition", f"queued: restart requested {on}", w["state"], "queued")
-    return {**w, **values}
+    on = f"on {w.gpu_class} only" if placement == "requested" else "with its placement policy"
+    repo.add_event(conn, w.id, now, "transition", f"queued: restart requested {on}", w.state, WorkloadState.QUEUED)
+    return w._replace(**values)
 
 
-def delete(conn: Any, w: dict[str, Any], now: float, by: StoppedBy = StoppedBy.OWNER) -> None:
+def delete(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER) -> None:
     w = stop(conn, w, now, by, deleting=True)
-    repo.update_workload(conn, w["id"], {"deleted_at": now, "updated_at": now})
+    repo.update_workload(conn, w.id, {"deleted_at": now, "updated_at": now})
 
 
-def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) -> list[dict[str, Any]]:
+def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> list[dict[str, Any]]:
     """Visible conditions: ``degraded`` (cpu_fallback / class_fallback) and ``moving``.
 
     A ``cpu_fallback`` message says what CPU means for the kind (:data:`ON_CPU`)."""
     out = []
-    placed = w["placed_class"]
-    if placed and placed != w["gpu_class"] and w["state"] in ("starting", "running"):
+    placed = w.placed_class
+    if placed and placed != w.gpu_class and w.state in (WorkloadState.STARTING, WorkloadState.RUNNING):
         # cpu_fallback: a GPU class asked for, a CPU class placed; else a class fallback
-        on_cpu = is_gpu(w["gpu_class"], catalog) and placed in catalog and catalog[placed].is_cpu
-        message = f"placed on {placed} instead of {w['gpu_class']}"
+        on_cpu = is_gpu(w.gpu_class, catalog) and placed in catalog and catalog[placed].is_cpu
+        message = f"placed on {placed} instead of {w.gpu_class}"
         if on_cpu:
-            message += f": {ON_CPU[WorkloadKind(w['kind'])]}"
+            message += f": {ON_CPU[w.kind]}"
         out.append({"type": "degraded", "reason": "cpu_fallback" if on_cpu else "class_fallback",
                     "message": message})
-    movers = [r for r in replicas if r["role"] == "candidate" and r["state"] in repo.ACTIVE_REPLICA]
+    movers = [r for r in replicas if r.role == ReplicaRole.CANDIDATE and r.state in repo.ACTIVE_REPLICA]
     if movers:
         out.append({"type": "moving", "reason": "move_back",
-                    "message": f"starting a replica on {movers[0]['cls']}; traffic shifts when it is ready"})
+                    "message": f"starting a replica on {movers[0].cls}; traffic shifts when it is ready"})
     return out
 
 
-def view(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) -> dict[str, Any]:
+def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> dict[str, Any]:
     """The API shape of a workload."""
-    spec = w["spec"] or {}
+    spec = w.spec or {}
     out: dict[str, Any] = {
-        "id": w["id"], "name": w["name"], "kind": w["kind"], "owner": w["owner"], "region": w["region"],
-        "state": w["state"], "gpu_class": w["gpu_class"], "requested_class": w["requested_class"],
-        "placed_class": w["placed_class"], "fallback": w["fallback"], "fallback_after_s": w["fallback_after_s"],
-        "placement": w["placement"], "conditions": conditions(w, replicas, catalog), "reason": w["reason"],
-        "fallback_eligible_at": w["fallback_eligible_at"], "restart_available": bool(w["restart_available"]),
-        "restart_reason": w["restart_reason"] or None, "created_at": w["created_at"],
-        "updated_at": w["updated_at"], "queued_since": w["queued_since"], "spec": spec.get("kind_spec") or {},
+        "id": w.id, "name": w.name, "kind": w.kind, "owner": w.owner, "region": w.region, "state": w.state,
+        "gpu_class": w.gpu_class, "requested_class": w.requested_class, "placed_class": w.placed_class,
+        "fallback": list(w.fallback), "fallback_after_s": w.fallback_after_s, "placement": w.placement,
+        "conditions": conditions(w, replicas, catalog), "reason": w.reason,
+        "fallback_eligible_at": w.fallback_eligible_at, "restart_available": bool(w.restart_available),
+        "restart_reason": w.restart_reason or None, "created_at": w.created_at, "updated_at": w.updated_at,
+        "queued_since": w.queued_since, "spec": spec.get("kind_spec") or {},
     }
-    warning = cpu_warning(WorkloadKind(w["kind"]), w["gpu_class"], w["fallback"], catalog)
+    warning = cpu_warning(w.kind, w.gpu_class, w.fallback, catalog)
     if warning:
         out["warning"] = warning
-    active = [r for r in replicas if r["state"] in repo.ACTIVE_REPLICA]
-    if w["kind"] == WorkloadKind.ENDPOINT:
-        out.update(model=w["model"], model_params=w["model_params"], replicas=[
-            {"id": r["id"], "class": r["cls"], "node": r["node"], "state": r["state"], "url": r["url"],
-             "role": r["role"]} for r in active],
+    active = [r for r in replicas if r.state in repo.ACTIVE_REPLICA]
+    if w.kind == WorkloadKind.ENDPOINT:
+        out.update(model=w.model, model_params=w.model_params, replicas=[
+            {"id": r.id, "class": r.cls, "node": r.node, "state": r.state, "url": r.url, "role": r.role}
+            for r in active],
             fallback_models=spec.get("fallback_models", []), allow_cross_region=spec.get("allow_cross_region", False))
     else:
-        primary = next((r for r in active if r["role"] == "primary"), None)
-        out["access"] = {"url": primary["url"] if primary else None, "node": primary["node"] if primary else None}
-        if w["kind"] == WorkloadKind.VM:
+        primary = next((r for r in active if r.role == ReplicaRole.PRIMARY), None)
+        out["access"] = {"url": primary.url if primary else None, "node": primary.node if primary else None}
+        if w.kind == WorkloadKind.VM:
             out["image"] = spec.get("image")
     return out

@@ -25,6 +25,7 @@ from fastapi.templating import Jinja2Templates
 from tensora.api.schemas import TokenUsageOut, UsageOut
 from tensora.dashboard.charts import colors, duration, usage_svg
 from tensora.placement.fallback import CPU_WARNING
+from tensora.placement.kinds import WorkloadKind
 from tensora.sdk import APIError, AsyncClient, AuthenticationError, Workload
 from tensora.sdk.client import DEFAULT_GATEWAY_URL
 
@@ -260,7 +261,7 @@ def _field(api_field: str | None) -> str:
 
 
 @router.get("/new", response_class=HTMLResponse)
-async def new_page(request: Request, kind: str = "notebook") -> HTMLResponse:
+async def new_page(request: Request, kind: str = WorkloadKind.NOTEBOOK) -> HTMLResponse:
     return render(request, "new.html", classes=await _classes(request), form={"kind": kind}, errors={},
                   slots=FALLBACK_SLOTS, cpu_warning=CPU_WARNING)
 
@@ -271,11 +272,11 @@ async def create(request: Request) -> Response:
     kind = form.get("kind", "")
     chain = [v for i in range(FALLBACK_SLOTS) if (v := form.get(f"fallback_{i}", "").strip())]
     more: dict[str, Any] = {}
-    if kind == "endpoint":
+    if kind == WorkloadKind.ENDPOINT:
         more["model"] = form.get("model", "").strip() or None
         if form.get("replicas", "").strip():
             more["replicas"] = form["replicas"].strip()
-    if kind == "vm" and form.get("image", "").strip():
+    if kind == WorkloadKind.VM and form.get("image", "").strip():
         more["image"] = form["image"].strip()
     after = form.get("fallback_after", "").strip() or None
     async with _client(request) as c:

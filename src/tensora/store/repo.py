@@ -38,10 +38,12 @@ from tensora.store.rows import (
     NODE_COLUMNS,
     REPLICA_COLUMNS,
     WORKLOAD_COLUMNS,
+    WORKLOAD_RECORD_COLUMNS,
     EventRow,
     HeldReplica,
     NodeRow,
     ReplicaRow,
+    WorkloadRecord,
     WorkloadRow,
 )
 
@@ -114,15 +116,18 @@ def insert_workload(conn: Connection, row: dict[str, Any]) -> None:
 
 
 def get_workload(conn: Connection, workload_id: str, owner: str | None = None,
-                 include_deleted: bool = False) -> dict[str, Any] | None:
+                 include_deleted: bool = False) -> WorkloadRecord | None:
     """The workload, or None if absent, deleted, or (with ``owner``) someone else's."""
     q = _GET_W[(include_deleted, owner is not None)]
-    row = conn.execute(q, {"b_id": workload_id, "b_owner": owner}).mappings().first()
-    return dict(row) if row else None
+    row = conn.execute(q, {"b_id": workload_id, "b_owner": owner}).first()
+    return WorkloadRecord.of(row) if row else None
+
+
+_W_RECORD = [W.c[k] for k in WORKLOAD_RECORD_COLUMNS]
 
 
 def _get_w(include_deleted: bool, by_owner: bool) -> Any:
-    q = select(W).where(W.c.id == bindparam("b_id"))
+    q = select(*_W_RECORD).where(W.c.id == bindparam("b_id"))
     if not include_deleted:
         q = q.where(W.c.deleted_at.is_(None))
     if by_owner:
@@ -134,8 +139,8 @@ _GET_W = {(d, o): _get_w(d, o) for d in (False, True) for o in (False, True)}
 
 
 def list_workloads(conn: Connection, owner: str | None, kind: str | None = None, state: str | None = None,
-                   limit: int = 100, after: str | None = None) -> list[dict[str, Any]]:
-    q = select(W).where(W.c.deleted_at.is_(None))
+                   limit: int = 100, after: str | None = None) -> list[WorkloadRecord]:
+    q = select(*_W_RECORD).where(W.c.deleted_at.is_(None))
     if owner is not None:
         q = q.where(W.c.owner == owner)
     if kind:
@@ -144,7 +149,7 @@ def list_workloads(conn: Connection, owner: str | None, kind: str | None = None,
         q = q.where(W.c.state == state)
     if after:
         q = q.where(W.c.id > after)
-    return [dict(r) for r in conn.execute(q.order_by(W.c.id).limit(limit)).mappings()]
+    return [WorkloadRecord.of(r) for r in conn.execute(q.order_by(W.c.id).limit(limit))]
 
 
 def update_workload(conn: Connection, workload_id: str, values: dict[str, Any],
@@ -212,19 +217,20 @@ def insert_replica(conn: Connection, row: ReplicaRow) -> None:
     conn.execute(_INSERT_R, row._asdict())
 
 
-def replicas_of(conn: Connection, workload_ids: Sequence[str], active_only: bool = True) -> list[dict[str, Any]]:
+def replicas_of(conn: Connection, workload_ids: Sequence[str], active_only: bool = True) -> list[ReplicaRow]:
     if not workload_ids:
         return []
     q = _REPLICAS_OF_ACTIVE if active_only else _REPLICAS_OF
-    return [dict(r) for r in conn.execute(q, {"ids": list(workload_ids)}).mappings()]
+    return [ReplicaRow.of(r) for r in conn.execute(q, {"ids": list(workload_ids)})]
 
 
-_REPLICAS_OF = select(R).where(R.c.workload_id.in_(bindparam("ids", expanding=True))).order_by(R.c.created_at, R.c.id)
+_R_ROW = [R.c[k] for k in REPLICA_COLUMNS]
+_REPLICAS_OF = (select(*_R_ROW).where(R.c.workload_id.in_(bindparam("ids", expanding=True)))
+                .order_by(R.c.created_at, R.c.id))
 _REPLICAS_OF_ACTIVE = _REPLICAS_OF.where(R.c.state.in_(ACTIVE_REPLICA))
 
 
-_ACTIVE_IN = select(*(R.c[k] for k in REPLICA_COLUMNS)).where(R.c.region == bindparam("b_region"),
-                                                                 R.c.state.in_(ACTIVE_REPLICA))
+_ACTIVE_IN = select(*_R_ROW).where(R.c.region == bindparam("b_region"), R.c.state.in_(ACTIVE_REPLICA))
 
 
 def active_replicas(conn: Connection, region: str) -> list[ReplicaRow]:
@@ -460,9 +466,9 @@ def owner_limits(conn: Connection) -> dict[str, dict[str, Any]]:
     return {o: lim for o, lim in conn.execute(q) if lim}
 
 
-def serving_endpoints(conn: Connection, region: str) -> list[dict[str, Any]]:
-    q = select(W).where(W.c.region == region, *_SERVING).order_by(W.c.id)
-    return [dict(r) for r in conn.execute(q).mappings()]
+def serving_endpoints(conn: Connection, region: str) -> list[WorkloadRecord]:
+    q = select(*_W_RECORD).where(W.c.region == region, *_SERVING).order_by(W.c.id)
+    return [WorkloadRecord.of(r) for r in conn.execute(q)]
 
 
 def insert_token_usage(conn: Connection, rows: list[dict[str, Any]]) -> int:

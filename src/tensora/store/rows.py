@@ -54,6 +54,45 @@ class WorkloadRow(NamedTuple):
                    _WSTATE[state], *rest)
 
 
+class WorkloadRecord(NamedTuple):
+    """A whole workload row, as the API reads and shows one (a page at a time): ``WorkloadRow``'s fields,
+    then what a cycle leaves unread (``name``, ``model``, ``restart_reason``, ``spec``)."""
+
+    id: str
+    owner: str
+    kind: WorkloadKind
+    region: str
+    gpu_class: str
+    requested_class: str
+    placed_class: str | None
+    fallback: tuple[str, ...]
+    fallback_after_s: float
+    placement: str
+    state: WorkloadState
+    reason: str
+    fallback_eligible_at: float | None
+    restart_available: bool
+    replicas: int
+    model_params: int | None
+    model_bytes: int | None
+    created_at: float
+    updated_at: float
+    queued_since: float | None
+    deleted_at: float | None
+    released_at: float | None
+    name: str
+    model: str | None
+    restart_reason: str
+    spec: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, row: Sequence[Any]) -> WorkloadRecord:
+        """From the columns in field order (``WORKLOAD_RECORD_COLUMNS``), as the store selects them."""
+        i, owner, kind, region, gpu, requested, placed, fallback, after, placement, state, *rest = row
+        return cls(i, owner, _KIND[kind], region, gpu, requested, placed, tuple(fallback or ()), after, placement,
+                   _WSTATE[state], *rest)
+
+
 class ReplicaRow(NamedTuple):
     id: str
     workload_id: str
@@ -134,6 +173,7 @@ def _state(v: str | None) -> WorkloadState | None:
 
 
 WORKLOAD_COLUMNS = WorkloadRow._fields
+WORKLOAD_RECORD_COLUMNS = WorkloadRecord._fields
 REPLICA_COLUMNS = ReplicaRow._fields
 NODE_COLUMNS = ("name", "region", "cpu", "memory", "gpus", "labels", "schedulable", "updated_at")
 _KIND = {k.value: k for k in WorkloadKind}  # a dict lookup: Enum(value) costs more, once per row

@@ -1,7 +1,7 @@
 """owners' quotas and limits; idempotency records per calling key; the client's request id beside usage
 
 - ``owners.quotas`` / ``owners.limits``: an admin's overrides of the server's defaults (partial JSON dicts;
-  null: all defaults). See ``tensora.quotas``.
+  null: all defaults). See ``tensora.placement.quotas``.
 - ``idempotency_records`` is keyed by the calling key's id instead of its owner, so another key of the same
   owner cannot replay a response. The table is made anew: its rows are replay caches of at most 24 h, and
   those of key creations held the new keys' secrets in clear, which no row may hold any longer.

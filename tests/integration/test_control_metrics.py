@@ -25,6 +25,7 @@ from tensora.control.metrics import ControllerCollector
 from tensora.control.spec import parse_spec
 from tensora.scrape import Listener
 from tensora.store import repo
+from tensora.store.rows import WorkloadRecord
 from tests.support.services import free_port, serving
 from tests.support.stack import Stack, stack
 
@@ -56,10 +57,10 @@ def submit(s: Stack, owner: str, **body: Any) -> str:
     db = s.services.db
     with db.write() as conn:
         checked = workloads.validate(parse_spec(body), s.services.catalog, owner, None)
-        return str(workloads.create(conn, checked, s.clock.now())["id"])
+        return workloads.create(conn, checked, s.clock.now()).id
 
 
-def get(s: Stack, wid: str) -> dict[str, Any]:
+def get(s: Stack, wid: str) -> WorkloadRecord:
     with s.services.db.read() as conn:
         w = repo.get_workload(conn, wid)
         assert w is not None
@@ -75,20 +76,20 @@ def test_fallback_and_move_back_then_scrape(db_url: str, tmp_path: Path) -> None
         before = scrape(listener.port)
         holder = submit(s, "carol", kind="notebook", name="holds-l40s", gpu_class="l40s-48gb")
         submit(s, "dave", kind="notebook", name="holds-a100", gpu_class="a100-80gb")
-        until(lambda: get(s, holder)["state"] == "running", s)
+        until(lambda: get(s, holder).state == "running", s)
         ep = submit(s, "alice", kind="endpoint", name="chat", gpu_class="l40s-48gb", fallback=["a100-80gb", "cpu"],
                     fallback_after="10m", model_params="7B")
-        until(lambda: get(s, ep)["reason"].startswith("waiting for l40s-48gb"), s)
+        until(lambda: get(s, ep).reason.startswith("waiting for l40s-48gb"), s)
         waiting = scrape(listener.port)
         assert value(waiting, "tensora_controller_queue_depth", region="local", **{"class": "l40s-48gb"},
                      kind="endpoint") == 1
         assert value(waiting, "tensora_controller_leader", region="local") == 1
 
         s.clock.advance(600)  # the fallback timer: placed on CPU
-        until(lambda: get(s, ep)["placed_class"] == "cpu-16c-64g", s)
+        until(lambda: get(s, ep).placed_class == "cpu-16c-64g", s)
         with s.services.db.write() as conn:  # the L40S frees: the endpoint moves back by itself
             workloads.stop(conn, get(s, holder), s.clock.now())
-        until(lambda: get(s, ep)["placed_class"] == "l40s-48gb", s)
+        until(lambda: get(s, ep).placed_class == "l40s-48gb", s)
 
         with serving(s.app) as live:  # the API: a key made twice with one Idempotency-Key (replayed), a 404
             h = s.headers(s.alice, **{"Idempotency-Key": "k-1"})

@@ -53,7 +53,11 @@ def apply(ledger: Ledger, decisions: Sequence[Decision], workloads: Mapping[str,
                 continue
             r = new_replica(ledger, w, ref.slot, d.cls, d.node, ReplicaRole.PRIMARY, now)
             if ref.slot > 0:
-                events.append(EventRow(w.id, now, EventType.REPLICA_PLACED, render(ReplicaPlaced(ref.slot, d.reason))))
+                placed_event = EventRow(w.id, now, EventType.REPLICA_PLACED, render(ReplicaPlaced(ref.slot, d.reason)))
+                if w.failures:  # a slot's crash loop: the same placement again is counted, not added
+                    ledger.add_event(placed_event, coalesce=True)
+                else:
+                    events.append(placed_event)
             out.start.append((w, r))
             out.placed += 1
         elif isinstance(d, Wait):

@@ -59,7 +59,8 @@ def take(nodes: Sequence[Node], replicas: Iterable[ReplicaRow], workloads: Itera
                 if w.state is WorkloadState.QUEUED or slot > 0:
                     since = w.queued_since if w.queued_since is not None else w.created_at
                     queue.append(Queued(str(ref), w.kind, w.gpu_class, w.owner, w.region, fallback,
-                                        w.fallback_after_s, since, w.model_params, w.model_bytes))
+                                        w.fallback_after_s, since, w.model_params, w.model_bytes,
+                                        w.retry_at or 0.0))
                 continue
             if w.state is WorkloadState.RUNNING and primary.state is ReplicaState.RUNNING:
                 moving = any(r.role is ReplicaRole.CANDIDATE for r in held)

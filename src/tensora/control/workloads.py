@@ -19,6 +19,7 @@ from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
 from tensora.placement.kinds import WorkloadKind
 from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo
+from tensora.units import format_clock
 
 
 class StoppedBy(StrEnum):
@@ -160,7 +161,8 @@ def restart(conn: Any, w: dict[str, Any], now: float, placement: str) -> dict[st
         repo.update_replica(conn, r["id"], {"state": "stopping", "updated_at": now})
     values = {"state": "queued", "placement": placement, "placed_class": None, "queued_since": now,
               "updated_at": now, "restart_available": False, "restart_reason": "",
-              "reason": f"queued for {w['gpu_class']}", "fallback_eligible_at": None}
+              "reason": f"queued for {w['gpu_class']}", "fallback_eligible_at": None,
+              "failures": 0, "last_failure": "", "retry_at": None}  # an owner's restart ends a crash loop
     if not repo.update_workload(conn, w["id"], values, expect_state=w["state"]):
         raise InvalidState("the workload changed meanwhile; try again")
     on = f"on {w['gpu_class']} only" if placement == "requested" else "with its placement policy"
@@ -174,10 +176,11 @@ def delete(conn: Any, w: dict[str, Any], now: float, by: StoppedBy = StoppedBy.O
 
 
 def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catalog) -> list[dict[str, Any]]:
-    """Visible conditions: ``degraded`` (cpu_fallback / class_fallback) and ``moving``.
+    """Visible conditions: ``degraded`` (cpu_fallback / class_fallback), ``moving`` and ``crash_loop``
+    (its replicas failed ``count`` times in a row; the next try waits out the back-off).
 
     A ``cpu_fallback`` message says what CPU means for the kind (:data:`ON_CPU`)."""
-    out = []
+    out: list[dict[str, Any]] = []
     placed = w["placed_class"]
     if placed and placed != w["gpu_class"] and w["state"] in ("starting", "running"):
         # cpu_fallback: a GPU class asked for, a CPU class placed; else a class fallback
@@ -191,6 +194,12 @@ def conditions(w: dict[str, Any], replicas: list[dict[str, Any]], catalog: Catal
     if movers:
         out.append({"type": "moving", "reason": "move_back",
                     "message": f"starting a replica on {movers[0]['cls']}; traffic shifts when it is ready"})
+    failures = w.get("failures") or 0
+    if failures and w["state"] in ("queued", "starting", "running"):
+        message = f"failed {failures} time{'s' if failures != 1 else ''}: {w['last_failure']}"
+        if w.get("retry_at") is not None:
+            message += f"; next try at {format_clock(w['retry_at'])}"
+        out.append({"type": "crash_loop", "reason": "back_off", "message": message, "count": failures})
     return out
 
 

@@ -51,6 +51,9 @@ class ReplicaStatus:
     served_model: str | None = None
     """The model name the replica's server answers to (``/model`` for a server started on the sandbox's
     model path): what the gateway sends upstream. None: the workload's own ``model``."""
+    permanent: bool = False
+    """Failed for a reason retrying cannot fix (a runtime missing, a model or image refused): the controller
+    fails the workload at once instead of placing it again."""
 
     @property
     def holds_capacity(self) -> bool:

@@ -1,0 +1,163 @@
+"""A replica's lifecycle on a fake clock, against the real store (SQLite and PostgreSQL): the crash-loop
+back-off and its reset, a healthy replica serving on while another backs off, failures retrying cannot fix
+failing the workload once, and a crash loop's events bounded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tensora.clock import FakeClock
+from tensora.control.controller import Controller
+from tensora.drivers.local import Isolation, LocalDriver
+from tensora.drivers.simulated import SimulatedDriver
+from tensora.placement.capacity import Node
+from tensora.store import repo
+from tensora.store.db import Database
+from tests.integration.test_controller import CATALOG, db, events, get, make, replicas, submit, view
+from tests.support.stack import GI, T0
+
+__all__ = ["db"]  # the store fixture, on SQLite and PostgreSQL
+
+
+def crash(c: Controller, driver: SimulatedDriver, wid: str, why: str = "exit code 1", slot: int = 0) -> None:
+    """The slot's replica runs, then fails; the next cycle records it."""
+    c.run_once()
+    rid = next(r["id"] for r in replicas(c.db, wid) if r["slot"] == slot and r["role"] == "primary")
+    driver.fail(rid, why)
+    c.run_once()
+
+
+def backoff_of(db: Database, wid: str) -> tuple[int, float | None]:
+    w = get(db, wid)
+    return w["failures"], None if w["retry_at"] is None else w["retry_at"] - T0
+
+
+def test_backoff_doubles_to_five_minutes_skips_admission_and_resets_after_ten_minutes(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    c.run_once()
+    waits = []
+    for n in range(1, 9):
+        crash(c, driver, ep, f"exit code {n}")
+        failures, retry = backoff_of(db, ep)
+        assert failures == n and retry is not None
+        waits.append(retry - (clock.now() - T0))
+        w = get(db, ep)
+        assert w["state"] == "queued" and not replicas(db, ep)
+        assert w["reason"].startswith(f"failed {n} time{'s' if n > 1 else ''}: exit code {n}; next try at ")
+        # admission leaves it alone until the next try, with the capacity free
+        clock.advance(waits[-1] - 1)
+        c.run_once()
+        assert get(db, ep)["state"] == "queued" and not replicas(db, ep)
+        clock.advance(1)
+        c.run_once()
+        assert get(db, ep)["state"] == "starting"
+    assert waits == [10, 20, 40, 80, 160, 300, 300, 300]
+    crash_loop = [x for x in view(db, ep)["conditions"] if x["type"] == "crash_loop"]
+    assert crash_loop == [{"type": "crash_loop", "reason": "back_off", "count": 8,
+                           "message": crash_loop[0]["message"]}]
+    assert crash_loop[0]["message"].startswith("failed 8 times: exit code 8; next try at ")
+    # running 10 min (a cycle every tick) ends the crash loop: the next failure waits 10 s again
+    c.run_once()
+    assert get(db, ep)["state"] == "running"
+    clock.advance(599)
+    c.run_once()
+    assert backoff_of(db, ep)[0] == 8
+    clock.advance(1)
+    c.run_once()
+    assert backoff_of(db, ep) == (0, None)
+    assert not [x for x in view(db, ep)["conditions"] if x["type"] == "crash_loop"]
+    crash(c, driver, ep)
+    assert backoff_of(db, ep)[0] == 1 and get(db, ep)["retry_at"] == clock.now() + 10
+
+
+def test_backoff_survives_a_controller_restart(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    c.run_once()
+    crash(c, driver, ep)
+    crash_at = clock.now()
+    clock.advance(10)
+    c.run_once()
+    crash(c, driver, ep)
+    assert get(db, ep)["retry_at"] == clock.now() + 20
+    c.stop()
+    successor, _ = make(db, clock, driver=driver, holder="b")  # the store holds the count and the next try
+    clock.advance(19)
+    successor.run_once()
+    assert get(db, ep)["state"] == "queued"
+    clock.advance(1)
+    successor.run_once()
+    assert get(db, ep)["state"] == "starting" and crash_at < clock.now()
+
+
+def test_a_healthy_endpoint_replica_serves_on_while_a_new_one_backs_off(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B", replicas=2)
+    c.run_once()
+    c.run_once()
+    first = next(r for r in replicas(db, ep) if r["slot"] == 0)
+    assert get(db, ep)["state"] == "running" and len(replicas(db, ep)) == 2
+    for n, wait in enumerate([10, 20, 40], start=1):
+        crash(c, driver, ep, "CUDA error", slot=1)
+        w = get(db, ep)
+        assert w["state"] == "running" and w["failures"] == n and w["retry_at"] == clock.now() + wait
+        assert w["reason"].startswith(f"failed {n} time")
+        assert [r["id"] for r in replicas(db, ep)] == [first["id"]]  # slot 1 waits; slot 0 serves on
+        assert [(x["type"], x["count"]) for x in view(db, ep)["conditions"]] == [("crash_loop", n)]
+        clock.advance(wait - 1)
+        c.run_once()
+        assert [r["id"] for r in replicas(db, ep)] == [first["id"]]
+        clock.advance(1)
+        c.run_once()
+        assert {r["slot"] for r in replicas(db, ep)} == {0, 1}
+    # slot 0 ran all along: its 10 min do not end slot 1's loop; the replacement's own 10 min do
+    c.run_once()
+    clock.advance(600)
+    c.run_once()
+    assert backoff_of(db, ep) == (0, None)
+    assert get(db, ep)["reason"].startswith("running on cpu-2c-8g")
+    assert first["id"] in {r["id"] for r in replicas(db, ep)}
+
+
+def test_an_endpoint_with_no_runtime_fails_once_with_the_install_hint(db: Database, tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    node = Node("cpu-1", "local", 8, 32 * GI)
+    local = LocalDriver(tmp_path / "data", node, CATALOG, runtimes_dir=tmp_path / "no-runtimes",
+                        isolation=Isolation.NONE)
+    c = Controller(db, local, CATALOG, clock=clock, holder="a")
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    for _ in range(50):
+        c.run_once()
+        clock.advance(2)
+    w = get(db, ep)
+    assert w["state"] == "failed"
+    assert "no model runtime is installed for cpu endpoints" in w["reason"]
+    assert w["reason"].endswith("tensora runtime install tensora-transformers")
+    # created, then two events (placed, failed), not hundreds
+    assert events(db, ep) == ["created: queued for cpu-2c-8g", "placed on cpu-2c-8g", w["reason"]]
+    assert len(replicas(db, ep, active_only=False)) == 1
+
+
+def test_a_crash_loop_over_30_minutes_leaves_few_events(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock, start_delay_s=3)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    attempts = 0
+    while clock.now() < T0 + 1800:
+        c.run_once()
+        for r in replicas(db, ep):
+            if r["state"] == "running":  # it starts, serves a moment and crashes, every time
+                driver.fail(r["id"], "Segmentation fault")
+                attempts += 1
+        clock.advance(2)
+    with db.read() as conn:
+        rows = repo.list_events(conn, ep)
+    assert attempts >= 8  # 10 s, 20 s ... then every 5 min
+    assert len(rows) < 20, [e.reason for e in rows]
+    assert sum(e.count for e in rows) > 3 * attempts - 3  # placed, running, failed: each counted, not added
+    repeated = max(rows, key=lambda e: e.count)
+    assert repeated.count >= attempts - 1 and repeated.last_at is not None and repeated.last_at > repeated.at

@@ -4,17 +4,23 @@ failing the workload once, and a crash loop's events bounded."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+
+import pytest
 
 from tensora.clock import FakeClock
 from tensora.control.controller import Controller
+from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import Isolation, LocalDriver
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
+from tensora.placement.catalog import Catalog
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.store import repo
 from tensora.store.db import Database
 from tests.integration.test_controller import CATALOG, db, events, get, make, replicas, submit, view
-from tests.support.stack import GI, T0
+from tests.support.stack import GI, T0, fleet
 
 __all__ = ["db"]  # the store fixture, on SQLite and PostgreSQL
 
@@ -161,3 +167,38 @@ def test_a_crash_loop_over_30_minutes_leaves_few_events(db: Database) -> None:
     assert sum(e.count for e in rows) > 3 * attempts - 3  # placed, running, failed: each counted, not added
     repeated = max(rows, key=lambda e: e.count)
     assert repeated.count >= attempts - 1 and repeated.last_at is not None and repeated.last_at > repeated.at
+
+
+def test_a_class_gone_from_the_catalog_fails_its_queued_workload_once(db: Database) -> None:
+    clock = FakeClock(T0)
+    smaller = Catalog([cls for cls in CATALOG.values() if cls.name != "a100-80gb"])  # the operator removed it
+    nb = submit(db, clock, kind="notebook", name="nb", gpu_class="a100-80gb")
+    c = Controller(db, SimulatedDriver(fleet(), clock), smaller, clock=clock, holder="a")
+    for _ in range(5):
+        c.run_once()
+        clock.advance(2)
+    w = get(db, nb)
+    assert w["state"] == "failed"
+    assert w["reason"] == "failed: a100-80gb is no longer in the catalog (retrying cannot fix this)"
+    assert events(db, nb) == ["created: queued for a100-80gb", w["reason"]]
+
+
+@pytest.mark.parametrize(("kind", "cls", "extra", "permanent", "says"), [
+    pytest.param(WorkloadKind.ENDPOINT, "cpu-2c-8g", {"model": "/m"}, True, "tensora runtime install",
+                 id="endpoint, no runtime: for good"),
+    pytest.param(WorkloadKind.VM, "cpu-2c-8g", {"image": "/etc/hostname"}, True, "not in your files",
+                 id="vm, image outside the owner's files: refused for good"),
+    pytest.param(WorkloadKind.NOTEBOOK, "l40s-48gb", {}, False, "1 GPU(s) needed, 0 free",
+                 id="notebook, its GPU busy: may free, so retried"),
+])
+def test_the_local_driver_says_whether_retrying_can_fix_a_failure(
+        tmp_path: Path, kind: WorkloadKind, cls: str, extra: dict[str, str], permanent: bool, says: str) -> None:
+    if kind is WorkloadKind.VM and shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86 is not installed (./scripts/test installs it)")
+    node = Node("box", "local", 32, 128 * GI, {"L40S": 1})
+    local = LocalDriver(tmp_path / "data", node, CATALOG, runtimes_dir=tmp_path / "no-runtimes",
+                        isolation=Isolation.NONE)
+    status = local.start(ReplicaSpec("rp_1", "wl_1", kind, cls, "box", owner="alice", **extra))
+    assert status.state is ReplicaState.FAILED and says in status.detail
+    assert status.permanent is permanent
+    assert local.observe()[0].permanent is permanent  # as the controller reads it, cycle after cycle

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tensora.control.events import EventType, ReplicaPlaced, render
+from tensora.control.events import EventType, FailedForGood, ReplicaPlaced, render
 from tensora.control.ledger import Ledger, new_replica, transition
 from tensora.placement.admission import Decision, Place, Promote, RestartAvailable, Wait
 from tensora.placement.kinds import ReplicaRole, SlotRef, WorkloadState
@@ -32,9 +32,13 @@ class Applied:
 
 
 def apply(ledger: Ledger, decisions: Sequence[Decision], workloads: Mapping[str, WorkloadRow],
-          now: float) -> Applied:
-    """Record ``decisions`` over the snapshot's ``workloads`` (by id)."""
+          now: float, gone: Sequence[WorkloadRow] = ()) -> Applied:
+    """Record ``decisions`` over the snapshot's ``workloads`` (by id); fail the ``gone`` (their class left
+    the catalog: waiting cannot place them)."""
     out = Applied()
+    for w in gone:
+        why = render(FailedForGood(f"{w.gpu_class} is no longer in the catalog"))
+        transition(ledger, w, WorkloadState.QUEUED, WorkloadState.FAILED, why, now)
     rows = dict(workloads)  # as changed by this step's transitions
     restart: dict[str, RestartAvailable] = {}
     events: list[EventRow] = []

@@ -222,7 +222,7 @@ class Controller:
         try:
             with self.db.write() as conn:
                 self._fence(conn, now)
-                applied = apply(StoreLedger(conn), decisions, snap.workloads, now)
+                applied = apply(StoreLedger(conn), decisions, snap.workloads, now, snap.gone)
                 effects.start = self._specs(conn, applied.start)
                 self._cycles += 1
                 effects.release = housekeeping.housekeep(conn, self._cycles, now, self.region, self._released,

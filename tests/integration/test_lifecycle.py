@@ -4,12 +4,14 @@ failing the workload once, and a crash loop's events bounded."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tensora.clock import FakeClock
+from tensora.clock import FakeClock, SystemClock
+from tensora.control import workloads
 from tensora.control.controller import Controller
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import Isolation, LocalDriver
@@ -19,10 +21,11 @@ from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.store import repo
 from tensora.store.db import Database
+from tests.integration.test_api import Api, api, created, iso, own_model, settle
 from tests.integration.test_controller import CATALOG, db, events, get, make, replicas, submit, view
 from tests.support.stack import GI, T0, fleet
 
-__all__ = ["db"]  # the store fixture, on SQLite and PostgreSQL
+__all__ = ["api", "db"]  # the fixtures: the store on SQLite and PostgreSQL; a server over it
 
 
 def crash(c: Controller, driver: SimulatedDriver, wid: str, why: str = "exit code 1", slot: int = 0) -> None:
@@ -202,3 +205,66 @@ def test_the_local_driver_says_whether_retrying_can_fix_a_failure(
     assert status.state is ReplicaState.FAILED and says in status.detail
     assert status.permanent is permanent
     assert local.observe()[0].permanent is permanent  # as the controller reads it, cycle after cycle
+
+
+def test_over_http_a_crash_loop_reads_as_counted_events_and_a_crash_loop_condition(api: Api) -> None:
+    alice = api.as_(api.stack.alice)
+    model, _ = own_model(api, alice)
+    ep = created(alice, kind="endpoint", name="crashy", gpu_class="cpu-2c-8g", model=model)
+    driver, clock = api.stack.driver, api.stack.clock
+    for n, wait in enumerate([10, 20, 40], start=1):
+        w = settle(api, alice, ep["id"], "running")
+        driver.fail(w["replicas"][0]["id"], "exit code 139")
+        api.cycle()
+        w = alice.get(f"/v1/workloads/{ep['id']}").json()
+        assert w["state"] == "queued" and w["reason"].startswith(f"failed {n} time")
+        assert [(c["type"], c["reason"], c["count"]) for c in w["conditions"]] == [("crash_loop", "back_off", n)]
+        clock.advance(wait)
+        api.cycle()
+    events = alice.get(f"/v1/workloads/{ep['id']}/events").json()["data"]
+    failed = [e for e in events if e["reason"].endswith("failed: exit code 139")]
+    assert [e["count"] for e in failed] == [3] and failed[0]["last_at"] == iso(clock.now() - 40)
+    assert all(e["last_at"] is None for e in events if e["count"] == 1)
+    assert len(events) == 4  # created, placed, running, failed: each attempt counted on them
+
+
+def test_events_of_deleted_workloads_go_after_the_retention(db: Database) -> None:
+    clock = FakeClock(T0)
+    sim = SimulatedDriver(fleet(), clock)
+    c = Controller(db, sim, CATALOG, clock=clock, holder="a", retention_s=3600, prune_every=1)
+    kept = submit(db, clock, kind="notebook", name="kept", gpu_class="cpu-2c-8g")
+    gone = submit(db, clock, kind="notebook", name="gone", gpu_class="cpu-2c-8g")
+    c.run_once()
+    c.run_once()
+    with db.write() as conn:
+        workloads.delete(conn, get(db, gone), clock.now())
+    c.run_once()
+    c.run_once()
+    assert events(db, gone)[-1] == "stopped: all replicas stopped"
+    clock.advance(3599)
+    c.run_once()
+    assert len(events(db, gone)) == 5  # deleted an hour ago, less a second: kept
+    clock.advance(1)
+    c.run_once()
+    assert events(db, gone) == [] and len(events(db, kept)) == 3  # a live workload's history stays
+    assert get(db, gone)["deleted_at"] is not None  # the row stays (its usage refers to it)
+
+
+def test_the_local_driver_forgets_ended_replicas_after_the_retention(db: Database, tmp_path: Path) -> None:
+    node = Node("cpu-1", "local", 8, 32 * GI)
+    local = LocalDriver(tmp_path / "data", node, CATALOG, runtimes_dir=tmp_path / "no-runtimes",
+                        isolation=Isolation.NONE)
+    failed = local.start(ReplicaSpec("rp_old", "wl_1", WorkloadKind.ENDPOINT, "cpu-2c-8g", "cpu-1", owner="alice"))
+    assert failed.state is ReplicaState.FAILED and (local.root / "rp_old").is_dir()
+    ended_at = json.loads((local.root / "rp_old" / "replica.json").read_text())["ended_at"]
+    assert local.prune(ended_at - 0.001) == 0 and (local.root / "rp_old").is_dir()  # ended after the cutoff: kept
+    assert local.prune(ended_at) == 1 and not (local.root / "rp_old").exists()
+    assert local.observe() == []
+    # through the controller, on its clock (the real one here): a failed try leaves no dir behind
+    c = Controller(db, local, CATALOG, holder="a", retention_s=1e-6, prune_every=1)
+    ep = submit(db, SystemClock(), kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    c.run_once()
+    c.run_once()
+    c.run_once()
+    assert get(db, ep)["state"] == "failed" and len(replicas(db, ep, active_only=False)) == 1
+    assert list(local.root.iterdir()) == []

@@ -83,3 +83,9 @@ class Driver(Protocol):
         """Give back what outlives a workload's replicas (a notebook's home dir), once the workload is
         deleted and none of its replicas runs. Idempotent: nothing there is done."""
         ...
+
+    def prune(self, ended_before: float) -> int:
+        """Forget replicas that ended (stopped or failed) at or before ``ended_before`` (seconds since the epoch):
+        what a driver keeps of each (the local driver's replica dir: its record and log) is not kept
+        forever. The number forgotten."""
+        ...

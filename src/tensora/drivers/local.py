@@ -278,6 +278,21 @@ class LocalDriver:
                 with contextlib.suppress(FileNotFoundError):
                     (self.root / meta["id"] / "vm" / plan.DISK).unlink()
 
+    def prune(self, ended_before: float) -> int:
+        """Remove the dirs of replicas that ended at or before ``ended_before`` (their record and log): a crash loop
+        leaves one a try. Kept: one still holding a VM's disk (``release`` removes it once the workload is
+        deleted) or a sandbox whose delete failed (``observe`` retries it)."""
+        gone = 0
+        for meta in self._metas():
+            ended = meta.get("ended_at")
+            if (meta["state"] not in ENDED or ended is None or ended > ended_before or meta.get("sandbox_left")
+                    or (self.root / meta["id"] / "vm" / plan.DISK).exists()):
+                continue
+            self._children.pop(meta["id"], None)
+            shutil.rmtree(self.root / meta["id"], ignore_errors=True)
+            gone += 1
+        return gone
+
     def observe(self) -> Sequence[ReplicaStatus]:
         out = []
         now = time.time()

@@ -217,6 +217,12 @@ def repeat_event(conn: Connection, e: EventRow) -> bool:
     return False
 
 
+def prune_events(conn: Connection, deleted_before: float) -> int:
+    """Delete the events of workloads deleted at or before ``deleted_before`` (the retention): the number deleted."""
+    gone = select(W.c.id).where(W.c.deleted_at.is_not(None), W.c.deleted_at <= deleted_before)
+    return conn.execute(delete(E).where(E.c.workload_id.in_(gone))).rowcount or 0
+
+
 def list_events(conn: Connection, workload_id: str, limit: int = 1000) -> list[EventRow]:
     q = select(E).where(E.c.workload_id == workload_id).order_by(E.c.id).limit(limit)
     return [EventRow.of(r) for r in conn.execute(q).mappings()]

@@ -102,6 +102,20 @@ def test_backoff_survives_a_controller_restart(db: Database) -> None:
     assert get(db, ep)["state"] == "starting" and crash_at < clock.now()
 
 
+def test_an_owners_restart_ends_the_back_off(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    c.run_once()
+    crash(c, driver, ep)
+    assert backoff_of(db, ep) == (1, 10)
+    with db.write() as conn:
+        workloads.restart(conn, get(db, ep), clock.now(), "policy")
+    assert backoff_of(db, ep) == (0, None)
+    c.run_once()
+    assert get(db, ep)["state"] == "starting"  # at once: the owner asked
+
+
 def test_a_healthy_endpoint_replica_serves_on_while_a_new_one_backs_off(db: Database) -> None:
     clock = FakeClock(T0)
     c, driver = make(db, clock)

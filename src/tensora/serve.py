@@ -155,6 +155,7 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
         controller = Controller(db, driver, catalog, region=settings.region,
                                 clock=clock, lease_ttl_s=settings.lease_ttl_s, tick_s=settings.tick_s,
                                 drain_s=settings.drain_s, sandbox_uids=settings.uid_range,
+                                retention_s=settings.retention_s,
                                 owner_defaults=settings.owner_defaults())
         if settings.driver == "kubernetes" and hasattr(driver, "watch"):  # react to objects at once
             driver.watch(controller.wake)

@@ -192,6 +192,7 @@ def test_an_endpoint_without_a_runtime_fails_with_the_reason(tmp_path: Path) -> 
     assert status.state is ReplicaState.FAILED
     assert "no model runtime is installed for cpu endpoints" in status.detail
     assert "tensora runtime install tensora-transformers" in status.detail
+    assert status.permanent  # placing it again fails the same way: the controller fails the workload at once
 
 
 def _runtimes() -> Path:

@@ -279,9 +279,15 @@ def test_failed_replica_fails_a_notebook_and_requeues_an_endpoint(db: Database) 
     c.run_once()
     assert get(db, nb).state == "failed"
     assert events(db, nb)[-1] == "failed: replica on cpu-2c-8g at cpu-1: OOM killed"
-    # the endpoint went back to the queue and, with capacity free, was placed again in the same cycle
-    assert events(db, ep)[-2:] == ["queued: its only replica (cpu-2c-8g at cpu-1) failed: XID 79",
-                                     "placed on cpu-2c-8g"]
+    # the endpoint went back to the queue, and waits out its first back-off (10 s) before it is placed again
+    assert events(db, ep)[-1] == "queued: its only replica (cpu-2c-8g at cpu-1) failed: XID 79"
+    assert get(db, ep).reason == "failed 1 time: XID 79; next try at 08:00:10"
+    clock.advance(10)
+    c.run_once()
+    assert get(db, ep).state == "starting"
+    with db.read() as conn:  # placed again, identically: the first placement's event counts it
+        assert [(e.reason, e.count) for e in repo.list_events(conn, ep) if e.reason.startswith("placed")] == [
+            ("placed on cpu-2c-8g", 2)]
     c.run_once()
     assert get(db, ep).state == "running"
     assert len(replicas(db, ep, active_only=False)) == 2

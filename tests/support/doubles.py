@@ -44,6 +44,9 @@ class CrashingDriver:
     def release(self, workload_id: str) -> None:  # it had none: a Driver gives back a deleted workload's storage
         self.inner.release(workload_id)
 
+    def prune(self, ended_before: float) -> int:
+        return self.inner.prune(ended_before)
+
 
 class FlakyRelease(SimulatedDriver):
     """The simulated fleet, but the first release fails (the storage API was down)."""

@@ -36,9 +36,11 @@ class ErrorOut(BaseModel):
 
 
 class Condition(BaseModel):
-    type: Literal["degraded", "moving"]
-    reason: str = Field(description="cpu_fallback, class_fallback, move_back")
+    type: Literal["degraded", "moving", "crash_loop"]
+    reason: str = Field(description="cpu_fallback, class_fallback, move_back, back_off")
     message: str
+    count: int | None = Field(None, description="crash_loop: its replicas' failures in a row (only there)",
+                              exclude_if=lambda v: v is None)
 
 
 class ReplicaOut(BaseModel):
@@ -101,6 +103,8 @@ class EventOut(BaseModel):
     from_state: str | None
     to_state: str | None
     reason: str
+    count: int = Field(1, description="times it happened in a row, identically (a crash loop's repeats)")
+    last_at: str | None = Field(None, description="when it last happened, if more than once")
 
 
 class EventList(BaseModel):

@@ -106,7 +106,8 @@ def workload_events(workload_id: str, svc: Svc, p: Reader,
     with svc.db.read() as conn:
         _own(conn, p, workload_id)
         events = repo.list_events(conn, workload_id)
-    return {"data": [{**asdict(e), "at": iso(e.at), "workload_id": None} for e in events]}
+    return {"data": [{**asdict(e), "at": iso(e.at), "last_at": None if e.last_at is None else iso(e.last_at),
+                      "workload_id": None} for e in events]}
 
 
 @router.post("/v1/workloads/{workload_id}/stop", response_model=WorkloadOut, responses=ERRORS,

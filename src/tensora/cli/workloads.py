@@ -66,7 +66,8 @@ def workloads_events(ctx: typer.Context, ref: Ref, output: Output = "table") -> 
         dump(events)
         return
     emit(table(["at", "type", "change", Col("reason", wrap=True)],
-               [(local_time(e.at), e.type, f"{e.from_state or '-'} -> {e.to_state}" if e.to_state else "", e.reason)
+               [(local_time(e.at), e.type, f"{e.from_state or '-'} -> {e.to_state}" if e.to_state else "",
+                 e.reason + (f" ({e.count} times, last {local_time(e.last_at)})" if e.count > 1 and e.last_at else ""))
                 for e in events]))
 
 

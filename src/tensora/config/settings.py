@@ -48,6 +48,10 @@ class ServeSettings(BaseModel):
     lease_ttl_s: float = Field(default=15.0, gt=0)
     drain_s: float = Field(default=5.0, ge=0, description="a replica replaced by a move back keeps serving the "
                            "requests in flight this long (gateways pick up the new route within poll_s)")
+    retention_s: float = Field(default=7 * 86400.0, ge=600, description="how long the events of a deleted "
+                               "workload and the driver's record of an ended replica (the local driver's replica "
+                               "dir, its log) are kept; at least 10 min, so a controller that was down a while "
+                               "still finds the record of a replica that ended meanwhile")
     start_delay_s: float = Field(default=2.0, ge=0, description="simulated driver: seconds until a replica runs")
     node: NodeOverrides = Field(default_factory=NodeOverrides, description="local driver: what to declare "
                                 "instead of (or keep back from) the detected hardware")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tensora.control.events import EventType, ReplicaPlaced, render
+from tensora.control.events import EventType, FailedForGood, ReplicaPlaced, render
 from tensora.control.ledger import Ledger, new_replica, transition
 from tensora.placement.admission import Decision, Place, Promote, RestartAvailable, Wait
 from tensora.placement.kinds import ReplicaRole, SlotRef, WorkloadState
@@ -32,9 +32,13 @@ class Applied:
 
 
 def apply(ledger: Ledger, decisions: Sequence[Decision], workloads: Mapping[str, WorkloadRow],
-          now: float) -> Applied:
-    """Record ``decisions`` over the snapshot's ``workloads`` (by id)."""
+          now: float, gone: Sequence[WorkloadRow] = ()) -> Applied:
+    """Record ``decisions`` over the snapshot's ``workloads`` (by id); fail the ``gone`` (their class left
+    the catalog: waiting cannot place them)."""
     out = Applied()
+    for w in gone:
+        why = render(FailedForGood(f"{w.gpu_class} is no longer in the catalog"))
+        transition(ledger, w, WorkloadState.QUEUED, WorkloadState.FAILED, why, now)
     rows = dict(workloads)  # as changed by this step's transitions
     restart: dict[str, RestartAvailable] = {}
     events: list[EventRow] = []
@@ -53,7 +57,11 @@ def apply(ledger: Ledger, decisions: Sequence[Decision], workloads: Mapping[str,
                 continue
             r = new_replica(ledger, w, ref.slot, d.cls, d.node, ReplicaRole.PRIMARY, now)
             if ref.slot > 0:
-                events.append(EventRow(w.id, now, EventType.REPLICA_PLACED, render(ReplicaPlaced(ref.slot, d.reason))))
+                placed_event = EventRow(w.id, now, EventType.REPLICA_PLACED, render(ReplicaPlaced(ref.slot, d.reason)))
+                if w.failures:  # a slot's crash loop: the same placement again is counted, not added
+                    ledger.add_event(placed_event, coalesce=True)
+                else:
+                    events.append(placed_event)
             out.start.append((w, r))
             out.placed += 1
         elif isinstance(d, Wait):

@@ -95,6 +95,8 @@ class CycleReport:
     """Deleted workloads whose storage the driver gave back this cycle."""
     decisions: Sequence[Decision] = ()
     """The admission's, for the metrics."""
+    pruned: int = 0
+    """Ended replicas the driver forgot this cycle (past the retention)."""
 
 
 @dataclass
@@ -102,6 +104,8 @@ class _Effects:
     start: list[ReplicaSpec] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
+    prune: float | None = None
+    """Forget replicas that ended before this moment (the driver's records), after the transaction."""
 
 
 class Controller:
@@ -112,6 +116,7 @@ class Controller:
                  lease_ttl_s: float = LEASE_TTL_S, tick_s: float = TICK_S, min_gap_s: float = MIN_GAP_S,
                  drain_s: float = DRAIN_S, reserves: dict[str, GpuReserve] | None = None,
                  release_every: int = housekeeping.RELEASE_EVERY,
+                 retention_s: float = housekeeping.RETENTION_S, prune_every: int = housekeeping.PRUNE_EVERY,
                  sandbox_uids: tuple[int, int] = (repo.UID_FIRST, repo.UID_LAST),
                  owner_defaults: OwnerSettings | None = None) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
@@ -132,6 +137,7 @@ class Controller:
         self._cycles = 0
         self.release_every = release_every  # cycles between looks for deleted workloads' storage to give back
         self._released: list[str] = []  # given back by the driver, recorded in the next cycle's write
+        self.retention_s, self.prune_every = retention_s, prune_every  # deleted workloads' events, ended replicas
         self._trusted: set[str] | None = None  # owners an admin marked trusted, read once a cycle when needed
 
     # -- the loop -----------------------------------------------------------------------
@@ -227,11 +233,13 @@ class Controller:
         try:
             with self.db.write() as conn:
                 self._fence(conn, now)
-                applied = apply(StoreLedger(conn), decisions, snap.workloads, now)
+                applied = apply(StoreLedger(conn), decisions, snap.workloads, now, snap.gone)
                 effects.start = self._specs(conn, applied.start)
                 self._cycles += 1
                 effects.release = housekeeping.housekeep(conn, self._cycles, now, self.region, self._released,
-                                                         self.release_every)
+                                                         self.release_every, self.retention_s, self.prune_every)
+                if housekeeping.due(self._cycles, self.prune_every):
+                    effects.prune = now - self.retention_s
                 self._released = []
         except LostLease:
             return CycleReport(leader=False)
@@ -301,6 +309,11 @@ class Controller:
                 report.stopped.append(replica_id)  # the driver has no such replica: nothing to stop
             except Exception:
                 log.exception("driver could not stop %s; retrying next cycle", replica_id)
+        if fx.prune is not None:
+            try:
+                report.pruned = self.driver.prune(fx.prune)
+            except Exception:
+                log.exception("driver could not prune ended replicas; retrying later")
         for workload_id in fx.release:
             try:
                 self.driver.release(workload_id)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from tensora.units import format_clock
+
 
 class EventType(StrEnum):
     """The ``type`` column of an event."""
@@ -93,7 +95,26 @@ class ReplicaPlaced:
     reason: str
 
 
-Happened = Ready | AllStopped | Drained | MoveFailed | ReplicaFailed | Moved | ReplicaPlaced
+@dataclass(frozen=True, slots=True)
+class BackingOff:
+    """Its replicas failed ``count`` times in a row: admission places it again at ``retry_at`` (a
+    workload's ``reason`` while it waits; ``control.backoff``)."""
+
+    count: int
+    why: str
+    retry_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class FailedForGood:
+    """A failure retrying cannot fix (the driver said so: a runtime missing, a model or image refused; or
+    the class left the catalog): the workload fails at once."""
+
+    why: str
+
+
+Happened = (Ready | AllStopped | Drained | MoveFailed | ReplicaFailed | Moved | ReplicaPlaced | BackingOff
+            | FailedForGood)
 
 
 def render(e: Happened) -> str:
@@ -119,6 +140,10 @@ def render(e: Happened) -> str:
                     f"({drain_s:g} s for requests in flight)")
         case ReplicaPlaced(slot, reason):
             return f"replica {slot}: {reason}"
+        case BackingOff(count, why, retry_at):
+            return f"failed {count} time{'s' if count != 1 else ''}: {why}; next try at {format_clock(retry_at)}"
+        case FailedForGood(why):
+            return f"failed: {why} (retrying cannot fix this)"
     raise AssertionError(e)  # pragma: no cover: the match covers Happened
 
 

@@ -288,7 +288,8 @@ def _cycle(driver: SimulatedDriver, ledger: MemoryLedger, catalog: Catalog, mode
     # snapshot, decide (no quotas: the plan has no owners' settings), apply
     snap = snapshot.take(driver.nodes(), ledger.active(),
                          [w for w in ledger.workloads.values() if w.state in snapshot.LIVE], catalog)
-    applied = apply(ledger, decide(snap.queue, snap.capacity, snap.running, now, policy), snap.workloads, now)
+    applied = apply(ledger, decide(snap.queue, snap.capacity, snap.running, now, policy), snap.workloads, now,
+                    snap.gone)
     _effects(driver, models, applied.start, [])
     changed = bool(done.transitions or done.start or done.stop or applied.start)
     return [*applied.later, *done.drains_end], changed, applied.offers

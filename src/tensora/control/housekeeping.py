@@ -1,6 +1,7 @@
 """Housekeeping: what a leader does every so many cycles, in the cycle's fenced write transaction.
 
-Forgets idempotency records past their expiry, and gives back the storage of deleted workloads
+Forgets idempotency records past their expiry and, after the retention, the events of deleted workloads
+(the driver then forgets its ended replicas, after the transaction), and gives back the storage of deleted workloads
 whose replicas are all gone (a notebook's home outlives its replicas, so a restart keeps its
 files). A release is recorded once the driver did it, in the next cycle's transaction: a crash in
 between only gives back again, and the driver's ``release`` is idempotent.
@@ -18,6 +19,14 @@ EXPIRE_IDEMPOTENCY_EVERY = 30
 """Cycles between sweeps of expired idempotency records: about a minute at the default tick. A claim
 takes over an expired record by itself (``repo.take_over_expired``): the sweep only bounds the table."""
 
+PRUNE_EVERY = 300
+"""Cycles between prunes of what outlived its retention (about 10 min at the default tick): the events of
+deleted workloads, the driver's dirs of ended replicas."""
+
+RETENTION_S = 7 * 86400.0
+"""How long the events of a deleted workload and the driver's record of an ended replica are kept
+(``retention_s`` in the settings)."""
+
 RELEASE_EVERY = 15
 """Cycles between looks for deleted workloads' storage to give back (a query over deleted workloads:
 rare work that need not cost every cycle)."""
@@ -29,9 +38,12 @@ def due(cycle: int, every: int) -> bool:
 
 
 def housekeep(conn: Connection, cycle: int, now: float, region: str, released: Sequence[str],
-              release_every: int = RELEASE_EVERY) -> list[str]:
+              release_every: int = RELEASE_EVERY, retention_s: float = RETENTION_S,
+              prune_every: int = PRUNE_EVERY) -> list[str]:
     """Sweep and record ``released`` (given back since the last cycle); the workloads to give back now."""
     if due(cycle, EXPIRE_IDEMPOTENCY_EVERY):
         repo.expire_idempotency(conn, now)
+    if due(cycle, prune_every):
+        repo.prune_events(conn, now - retention_s)
     repo.mark_released(conn, released, now)
     return repo.unreleased(conn, region) if due(cycle, release_every) else []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from sqlalchemy import Connection
@@ -18,6 +18,7 @@ from sqlalchemy import Connection
 from tensora.control.events import EventType
 from tensora.placement.kinds import HOLDING, ReplicaRole, ReplicaState, WorkloadState
 from tensora.store import repo
+from tensora.store.repo import COALESCE_WITHIN
 from tensora.store.rows import EventRow, ReplicaRow, WorkloadRow
 
 Values = Mapping[str, object]
@@ -40,7 +41,10 @@ class Ledger(Protocol):
 
     def close_segment(self, replica_id: str, now: float) -> None: ...
 
-    def add_event(self, e: EventRow) -> None: ...
+    def add_event(self, e: EventRow, coalesce: bool = False) -> None:
+        """Record ``e``; with ``coalesce``, one identical to a recent event of its workload counts that one
+        again (``count``, ``last_at``) instead: a crash loop repeats the same few events."""
+        ...
 
     def add_events(self, events: Sequence[EventRow]) -> None: ...
 
@@ -57,8 +61,10 @@ def transition(ledger: Ledger, w: WorkloadRow, from_state: WorkloadState, to_sta
         values.setdefault("restart_available", False)
     if not ledger.update_workload(w.id, values, expect_state=from_state):
         return None
-    ledger.add_event(EventRow(w.id, now, EventType.TRANSITION, reason, from_state, to_state))
-    return w._replace(**values)  # type: ignore[arg-type]  # the keys are WorkloadRow's columns
+    after = w._replace(**values)  # type: ignore[arg-type]  # the keys are WorkloadRow's columns
+    ledger.add_event(EventRow(w.id, now, EventType.TRANSITION, reason, from_state, to_state),
+                     coalesce=after.failures > 0)
+    return after
 
 
 def new_replica(ledger: Ledger, w: WorkloadRow, slot: int, cls: str, node: str, role: ReplicaRole,
@@ -93,8 +99,9 @@ class StoreLedger:
     def close_segment(self, replica_id: str, now: float) -> None:
         repo.close_segment(self.conn, replica_id, now)
 
-    def add_event(self, e: EventRow) -> None:
-        repo.add_event(self.conn, e.workload_id, e.at, e.type, e.reason, e.from_state, e.to_state)
+    def add_event(self, e: EventRow, coalesce: bool = False) -> None:
+        if not (coalesce and repo.repeat_event(self.conn, e)):
+            repo.add_event(self.conn, e.workload_id, e.at, e.type, e.reason, e.from_state, e.to_state)
 
     def add_events(self, events: Sequence[EventRow]) -> None:
         repo.add_events(self.conn, events)
@@ -144,7 +151,14 @@ class MemoryLedger:
     def close_segment(self, replica_id: str, now: float) -> None:
         pass  # the plan accounts no usage
 
-    def add_event(self, e: EventRow) -> None:
+    def add_event(self, e: EventRow, coalesce: bool = False) -> None:
+        if coalesce:
+            recent = [i for i, x in enumerate(self.events) if x.workload_id == e.workload_id][-COALESCE_WITHIN:]
+            for i in reversed(recent):
+                x = self.events[i]
+                if (x.type, x.reason, x.from_state, x.to_state) == (e.type, e.reason, e.from_state, e.to_state):
+                    self.events[i] = replace(x, count=x.count + 1, last_at=e.at)
+                    return
         self.events.append(e)
 
     def add_events(self, events: Sequence[EventRow]) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tensora.control import backoff
 from tensora.control.events import (
     AllStopped,
+    BackingOff,
     Drained,
     Happened,
     Moved,
@@ -114,7 +116,7 @@ class _Reconcile:
             out.start.append((w, r))
             return 0
         if seen.state is ReplicaState.FAILED:
-            return self.failed(w, r, seen.detail or "replica failed")
+            return self.failed(w, r, seen.detail or "replica failed", seen.permanent)
         if seen.state is ReplicaState.STOPPED:
             return self.failed(w, r, "stopped by itself")
         if seen.state is ReplicaState.RUNNING and r.state is ReplicaState.STARTING:
@@ -126,6 +128,14 @@ class _Reconcile:
             if w.state is WorkloadState.STARTING:
                 self.transition(w, WorkloadState.RUNNING, Ready(Where(r.cls, r.node)))
                 return 1
+        elif (seen.state is ReplicaState.RUNNING and w.failures and r.role is ReplicaRole.PRIMARY
+              and backoff.healed(w.retry_at, r.created_at, r.updated_at, now)):
+            # a replica placed after the last failure ran long enough: the crash loop is over
+            values: dict[str, object] = {"failures": 0, "last_failure": "", "retry_at": None}
+            if w.state is WorkloadState.RUNNING:
+                values["reason"] = render(Ready(Where(r.cls, r.node)))
+            self.ledger.update_workload(w.id, values)
+            self.w[w.id] = w._replace(**values)  # type: ignore[arg-type]  # WorkloadRow's columns
         return 0
 
     def done(self, r: ReplicaRow, state: ReplicaState, detail: str) -> None:
@@ -133,23 +143,31 @@ class _Reconcile:
         self.ledger.close_segment(r.id, self.now)
         self.r[r.id] = r._replace(state=state)
 
-    def failed(self, w: WorkloadRow, r: ReplicaRow, why: str) -> int:
+    def failed(self, w: WorkloadRow, r: ReplicaRow, why: str, permanent: bool = False) -> int:
+        """A notebook's or VM's replica, or one retrying cannot fix (``permanent``), fails the workload;
+        an endpoint's is placed again after its back-off (``control.backoff``)."""
         self.done(r, ReplicaState.FAILED, why)
         self.out.failures.append((w.kind, r.role))
         at = Where(r.cls, r.node)
         if r.role is ReplicaRole.CANDIDATE:
             self.event(w, MoveFailed(r.cls, why, w.placed_class))
             return 0
-        if w.kind is not WorkloadKind.ENDPOINT:
+        if w.kind is not WorkloadKind.ENDPOINT or permanent:
             self.transition(w, WorkloadState.FAILED, ReplicaFailed(at, why, Then.FAIL))
             return 1
+        count = w.failures + 1
+        retry_at = backoff.next_try(count, self.now)
+        values = {"failures": count, "last_failure": why, "retry_at": retry_at,
+                  "reason": render(BackingOff(count, why, retry_at))}
         if any(s.id != r.id and s.role is ReplicaRole.PRIMARY and s.state in (ReplicaState.STARTING,
                                                                               ReplicaState.RUNNING)
-               for s in self.siblings(w.id)):
+               for s in self.siblings(w.id)):  # another replica serves on; this slot waits out the back-off
+            self.ledger.update_workload(w.id, values)
+            self.w[w.id] = w = w._replace(**values)  # type: ignore[arg-type]  # WorkloadRow's columns
             self.event(w, ReplicaFailed(at, why, Then.REPLACE))
             return 0
         self.transition(w, WorkloadState.QUEUED, ReplicaFailed(at, why, Then.REQUEUE),
-                        {"queued_since": self.now, "placed_class": None})
+                        {"queued_since": self.now, "placed_class": None, **values})
         return 1
 
     def finish_move(self, w: WorkloadRow, r: ReplicaRow) -> int:
@@ -173,4 +191,6 @@ class _Reconcile:
             self.w[w.id] = after
 
     def event(self, w: WorkloadRow, happened: Happened) -> None:
-        self.ledger.add_event(EventRow(w.id, self.now, event_type(happened), render(happened)))
+        """Recorded; one repeating a crash loop's (the workload has failed before) is counted, not added."""
+        self.ledger.add_event(EventRow(w.id, self.now, event_type(happened), render(happened)),
+                              coalesce=w.failures > 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensora.placement.admission import OwnerQuotas, Queued, Running, share
@@ -32,6 +32,8 @@ class Snapshot:
     running: list[Running]
     workloads: dict[str, WorkloadRow]
     """The workloads read, by id (the apply step's rows)."""
+    gone: list[WorkloadRow] = field(default_factory=list)
+    """Queued workloads whose class is no longer in the catalog: no placement can come, they fail."""
 
 
 def take(nodes: Sequence[Node], replicas: Iterable[ReplicaRow], workloads: Iterable[WorkloadRow], catalog: Catalog,
@@ -46,8 +48,12 @@ def take(nodes: Sequence[Node], replicas: Iterable[ReplicaRow], workloads: Itera
         by_slot.setdefault(r.ref, []).append(r)
     queue: list[Queued] = []
     running: list[Running] = []
+    gone: list[WorkloadRow] = []
     for w in rows.values():
         if w.deleted_at is not None:
+            continue
+        if w.state is WorkloadState.QUEUED and w.gpu_class not in catalog:  # the operator removed it
+            gone.append(w)
             continue
         fallback = () if w.placement == "requested" else w.fallback
         for slot in range(w.replicas if w.kind is WorkloadKind.ENDPOINT else 1):
@@ -59,13 +65,14 @@ def take(nodes: Sequence[Node], replicas: Iterable[ReplicaRow], workloads: Itera
                 if w.state is WorkloadState.QUEUED or slot > 0:
                     since = w.queued_since if w.queued_since is not None else w.created_at
                     queue.append(Queued(str(ref), w.kind, w.gpu_class, w.owner, w.region, fallback,
-                                        w.fallback_after_s, since, w.model_params, w.model_bytes))
+                                        w.fallback_after_s, since, w.model_params, w.model_bytes,
+                                        w.retry_at or 0.0))
                 continue
             if w.state is WorkloadState.RUNNING and primary.state is ReplicaState.RUNNING:
                 moving = any(r.role is ReplicaRole.CANDIDATE for r in held)
                 running.append(Running(str(ref), w.kind, w.gpu_class, primary.cls, primary.node, w.owner, w.region,
                                        w.fallback, w.model_params, w.model_bytes, moving))
-    return Snapshot(capacity, queue, running, rows)
+    return Snapshot(capacity, queue, running, rows, gone)
 
 
 def owner_quotas(defaults: Quotas, stored: Mapping[str, Mapping[str, Any]], held: Iterable[HeldReplica],

@@ -21,6 +21,7 @@ from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadKind, Wor
 from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import repo
 from tensora.store.rows import ReplicaRow, WorkloadRecord
+from tensora.units import format_clock
 
 
 class StoppedBy(StrEnum):
@@ -120,7 +121,8 @@ def create(conn: Any, checked: Checked, now: float) -> WorkloadRecord:
         fallback_after_s=spec.fallback_after_s, placement="policy", state=WorkloadState.QUEUED,
         reason=f"queued for {spec.gpu_class}", fallback_eligible_at=None, restart_available=False,
         replicas=spec.replicas, model_params=spec.model_params, model_bytes=spec.model_bytes, created_at=now,
-        updated_at=now, queued_since=now, deleted_at=None, released_at=None, name=spec.name, model=spec.model,
+        updated_at=now, queued_since=now, deleted_at=None, released_at=None, failures=0, last_failure="",
+        retry_at=None, name=spec.name, model=spec.model,
         restart_reason="",
         spec={"kind_spec": spec.spec, "image": spec.image, "fallback_models": spec.fallback_models,
               "allow_cross_region": spec.allow_cross_region, "model_path": checked.model_path,
@@ -162,7 +164,8 @@ def restart(conn: Any, w: WorkloadRecord, now: float, placement: str) -> Workloa
     values: dict[str, Any] = {
         "state": WorkloadState.QUEUED, "placement": placement, "placed_class": None, "queued_since": now,
         "updated_at": now, "restart_available": False, "restart_reason": "", "reason": f"queued for {w.gpu_class}",
-        "fallback_eligible_at": None}
+        "fallback_eligible_at": None,
+        "failures": 0, "last_failure": "", "retry_at": None}  # an owner's restart ends a crash loop
     if not repo.update_workload(conn, w.id, values, expect_state=w.state):
         raise InvalidState("the workload changed meanwhile; try again")
     on = f"on {w.gpu_class} only" if placement == "requested" else "with its placement policy"
@@ -176,10 +179,11 @@ def delete(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.O
 
 
 def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> list[dict[str, Any]]:
-    """Visible conditions: ``degraded`` (cpu_fallback / class_fallback) and ``moving``.
+    """Visible conditions: ``degraded`` (cpu_fallback / class_fallback), ``moving`` and ``crash_loop``
+    (its replicas failed ``count`` times in a row; the next try waits out the back-off).
 
     A ``cpu_fallback`` message says what CPU means for the kind (:data:`ON_CPU`)."""
-    out = []
+    out: list[dict[str, Any]] = []
     placed = w.placed_class
     if placed and placed != w.gpu_class and w.state in (WorkloadState.STARTING, WorkloadState.RUNNING):
         # cpu_fallback: a GPU class asked for, a CPU class placed; else a class fallback
@@ -193,6 +197,11 @@ def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catal
     if movers:
         out.append({"type": "moving", "reason": "move_back",
                     "message": f"starting a replica on {movers[0].cls}; traffic shifts when it is ready"})
+    if w.failures and w.state in (WorkloadState.QUEUED, WorkloadState.STARTING, WorkloadState.RUNNING):
+        message = f"failed {w.failures} time{'s' if w.failures != 1 else ''}: {w.last_failure}"
+        if w.retry_at is not None:
+            message += f"; next try at {format_clock(w.retry_at)}"
+        out.append({"type": "crash_loop", "reason": "back_off", "message": message, "count": w.failures})
     return out
 
 

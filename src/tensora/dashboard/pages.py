@@ -145,7 +145,8 @@ def install(app: FastAPI) -> None:
 
 
 def _badges(w: Workload) -> list[tuple[str, str]]:
-    labels = {"cpu_fallback": "CPU fallback", "class_fallback": "class fallback", "move_back": "moving back"}
+    labels = {"cpu_fallback": "CPU fallback", "class_fallback": "class fallback", "move_back": "moving back",
+              "back_off": "crash loop"}
     return [(c.reason, labels.get(c.reason, c.reason)) for c in w.conditions]
 
 

@@ -51,6 +51,9 @@ class ReplicaStatus:
     served_model: str | None = None
     """The model name the replica's server answers to (``/model`` for a server started on the sandbox's
     model path): what the gateway sends upstream. None: the workload's own ``model``."""
+    permanent: bool = False
+    """Failed for a reason retrying cannot fix (a runtime missing, a model or image refused): the controller
+    fails the workload at once instead of placing it again."""
 
     @property
     def holds_capacity(self) -> bool:
@@ -79,4 +82,10 @@ class Driver(Protocol):
     def release(self, workload_id: str) -> None:
         """Give back what outlives a workload's replicas (a notebook's home dir), once the workload is
         deleted and none of its replicas runs. Idempotent: nothing there is done."""
+        ...
+
+    def prune(self, ended_before: float) -> int:
+        """Forget replicas that ended (stopped or failed) at or before ``ended_before`` (seconds since the epoch):
+        what a driver keeps of each (the local driver's replica dir: its record and log) is not kept
+        forever. The number forgotten."""
         ...

@@ -72,7 +72,13 @@ NVIDIA_DIR = "/opt/nvidia"
 
 
 class LaunchError(ValueError):
-    """The replica cannot be launched as asked; the message says why, for its owner or operator."""
+    """The replica cannot be launched as asked; the message says why, for its owner or operator.
+    ``permanent``: retrying cannot fix it (nothing missing comes back by itself), so the controller fails
+    the workload at once rather than placing it again."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 @dataclass(frozen=True, slots=True)

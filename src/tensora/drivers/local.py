@@ -69,6 +69,7 @@ from tensora.drivers import launch as plan
 from tensora.drivers import vmdisk
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.vmdisk import ImageRefused
+from tensora.errors import ModelFileError
 from tensora.models import runtimes
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog, ComputeClass
@@ -214,8 +215,10 @@ class LocalDriver:
         # 2. what it runs and sees; a replica that cannot start fails with the reason
         try:
             launch, devices = self._launch(spec, meta, sandboxed)
-        except (plan.LaunchError, ImageRefused, OSError) as exc:
-            return self._fail(meta, str(exc))
+        except (plan.LaunchError, ImageRefused, ModelFileError, OSError) as exc:
+            # a missing runtime, a refused image or model: placing it again fails the same way
+            permanent = isinstance(exc, ImageRefused | ModelFileError) or getattr(exc, "permanent", False)
+            return self._fail(meta, str(exc), permanent)
         # 3. claimed before its sandbox exists: a crash from here on leaves no sandbox that no replica claims
         self._write(meta)
         # 4. run it: in its sandbox, or as a process of Tensora's user
@@ -276,6 +279,21 @@ class LocalDriver:
                 with contextlib.suppress(FileNotFoundError):
                     (self.root / meta["id"] / "vm" / plan.DISK).unlink()
 
+    def prune(self, ended_before: float) -> int:
+        """Remove the dirs of replicas that ended at or before ``ended_before`` (their record and log): a crash loop
+        leaves one a try. Kept: one still holding a VM's disk (``release`` removes it once the workload is
+        deleted) or a sandbox whose delete failed (``observe`` retries it)."""
+        gone = 0
+        for meta in self._metas():
+            ended = meta.get("ended_at")
+            if (meta["state"] not in ENDED or ended is None or ended > ended_before or meta.get("sandbox_left")
+                    or (self.root / meta["id"] / "vm" / plan.DISK).exists()):
+                continue
+            self._children.pop(meta["id"], None)
+            shutil.rmtree(self.root / meta["id"], ignore_errors=True)
+            gone += 1
+        return gone
+
     def observe(self) -> Sequence[ReplicaStatus]:
         out = []
         now = time.time()
@@ -301,7 +319,7 @@ class LocalDriver:
         """The replica's launch and its devices, or LaunchError saying why it cannot start."""
         if self.isolation is Isolation.ADMIN_ONLY and spec.owner != ADMIN_OWNER:
             raise plan.LaunchError("this host cannot sandbox replicas, so it runs the admin owner's only (the "
-                                   "operator may set isolation: none to run every owner's unsandboxed)")
+                                   "operator may set isolation: none to run every owner's unsandboxed)", permanent=True)
         if sandboxed and (not spec.uid or not spec.gid):
             raise plan.LaunchError(f"no sandbox uid for owner {spec.owner!r}: the replica was not started")
         cls = self.catalog[spec.cls]
@@ -309,7 +327,7 @@ class LocalDriver:
         d = self.root / spec.id
         if spec.kind is WorkloadKind.NOTEBOOK:
             if not _importable("jupyterlab"):
-                raise plan.LaunchError("JupyterLab is not installed: pip install 'tensora[notebook]'")
+                raise plan.LaunchError("JupyterLab is not installed: pip install 'tensora[notebook]'", permanent=True)
             port, token = free_port(), secrets.token_urlsafe(24)
             home = self._home(spec.workload_id, spec.uid if sandboxed else None, spec.gid)
             if not sandboxed:
@@ -337,11 +355,11 @@ class LocalDriver:
         runtime = runtimes.choose(self.runtimes, kind)
         if runtime is None:
             raise plan.LaunchError(f"no model runtime is installed for {kind} endpoints in {self.runtimes}: "
-                                   "tensora runtime install tensora-transformers")
+                                   "tensora runtime install tensora-transformers", permanent=True)
         if not spec.model:
-            raise plan.LaunchError("an endpoint needs a model")
+            raise plan.LaunchError("an endpoint needs a model", permanent=True)
         if not os.path.exists(spec.model):
-            raise plan.LaunchError("the endpoint's model is not in its owner's storage any more")
+            raise plan.LaunchError("the endpoint's model is not in its owner's storage any more", permanent=True)
         if sandboxed:
             _readable_by_others(Path(spec.model), "the model's")
         venv = runtimes.venv_dir(self.runtimes, runtime.name)
@@ -358,11 +376,12 @@ class LocalDriver:
             sandboxed: bool) -> plan.Launch:
         qemu = _which("qemu-system-x86_64")
         if qemu is None:
-            raise plan.LaunchError("QEMU is not installed: apt-get install qemu-system-x86")
+            raise plan.LaunchError("QEMU is not installed: apt-get install qemu-system-x86", permanent=True)
         vfio = [self._vfio(g) for g in gpus]
         accel = "kvm" if kvm_usable() else "tcg"
         if vfio and accel != "kvm":
-            raise plan.LaunchError("GPU passthrough needs KVM (/dev/kvm), which this host does not offer")
+            raise plan.LaunchError("GPU passthrough needs KVM (/dev/kvm), which this host does not offer",
+                                   permanent=True)
         vm_dir = _private_dir(self.root / spec.id) / "vm"
         vm_dir.mkdir(mode=0o700, exist_ok=True)
         # the disk first: checked before anything opens it, its overlay made, or the replica fails here
@@ -618,8 +637,8 @@ class LocalDriver:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(meta["pid"], sig)  # the replica leads its own session and group
 
-    def _fail(self, meta: dict[str, Any], detail: str) -> ReplicaStatus:
-        meta.update(state="failed", detail=detail, ended_at=time.time())
+    def _fail(self, meta: dict[str, Any], detail: str, permanent: bool = False) -> ReplicaStatus:
+        meta.update(state="failed", detail=detail, ended_at=time.time(), permanent=permanent)
         self._write(meta)
         return self._status(meta)
 
@@ -649,7 +668,7 @@ class LocalDriver:
 
     def _status(self, meta: dict[str, Any]) -> ReplicaStatus:
         return ReplicaStatus(meta["id"], meta["workload_id"], meta["cls"], meta["node"], ReplicaState(meta["state"]),
-                             meta["url"], meta["detail"], meta.get("served_model"))
+                             meta["url"], meta["detail"], meta.get("served_model"), bool(meta.get("permanent")))
 
     def access(self, replica_id: str) -> dict[str, Any]:
         """What a user needs to reach the replica (notebook URL, VM console and QMP socket)."""
@@ -686,7 +705,7 @@ def _readable_by_others(path: Path, what: str) -> None:
         if mode & need != need:
             name = p.relative_to(path) if p != path else path.name
             raise plan.LaunchError(f"{what} {name} is not readable by the sandbox (mode {mode & 0o777:o}, "
-                                   "not readable by others)")
+                                   "not readable by others)", permanent=True)
 
 
 def _own(path: Path, uid: int, gid: int) -> None:

@@ -72,6 +72,10 @@ class SimulatedDriver:
         if workload_id not in self.released:
             self.released.append(workload_id)
 
+    def prune(self, ended_before: float) -> int:
+        """The fleet keeps its record of every replica, as a cloud's API lists them: nothing to forget."""
+        return 0
+
     def observe(self) -> Sequence[ReplicaStatus]:
         now = self._clock.now()
         for replica in self._replicas.values():

@@ -61,6 +61,8 @@ class Queued:
     queued_since: float = 0.0
     model_params: int | None = None
     model_bytes: int | None = None
+    not_before: float = 0.0
+    """Its crash-loop back-off: admission leaves it alone (no decision at all) until this moment."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +289,7 @@ def decide(
     """Decide placements for one cycle; ``capacity`` is left unchanged (a copy is used)."""
     policy = policy or Policy()
     running = list(running)
+    queue = [w for w in queue if w.not_before <= now]  # backing off: as if absent (owner turns too)
     return run_cycle(_priority_order(queue, running, policy), capacity.copy(), running, now, policy, quotas)
 
 
@@ -302,6 +305,7 @@ def run_cycle(
 
     Apart so that a state kept across cycles (:mod:`tensora.admission_state`) can run them over the
     regions that changed, with the global order and each owner's ``held`` it keeps itself."""
+    ordered = [w for w in ordered if w.not_before <= now]  # backing off (a kept state's queue): not a candidate
     ledger = _Ledger(quotas, running, cap.catalog)
     waiting_for: dict[tuple[str, str], int] = {}
 

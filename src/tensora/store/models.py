@@ -49,6 +49,11 @@ class Workload(Base):
     deleted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     released_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     """When the driver gave back a deleted workload's storage (a notebook's home dir)."""
+    failures: Mapped[int] = mapped_column(Integer, default=0)
+    """Its replicas' failures in a row (the crash-loop back-off, ``control.backoff``); 0 once one ran long enough."""
+    last_failure: Mapped[str] = mapped_column(Text, default="")
+    retry_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Admission leaves the workload's empty slots alone until then (its back-off); null: at once."""
 
     __table_args__ = (Index("ix_workloads_region_state", "region", "state"),)
 
@@ -90,6 +95,10 @@ class Event(Base):
     from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     to_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     reason: Mapped[str] = mapped_column(Text)
+    count: Mapped[int] = mapped_column(Integer, default=1)
+    """How many times it happened in a row, identically (``repo.add_events`` coalesces repeats)."""
+    last_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """When it last happened (null: once, at ``at``)."""
 
 
 class UsageSegment(Base):

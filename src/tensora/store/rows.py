@@ -45,6 +45,9 @@ class WorkloadRow(NamedTuple):
     queued_since: float | None = None
     deleted_at: float | None = None
     released_at: float | None = None
+    failures: int = 0
+    last_failure: str = ""
+    retry_at: float | None = None
 
     @classmethod
     def of(cls, row: Sequence[Any]) -> WorkloadRow:
@@ -80,6 +83,9 @@ class WorkloadRecord(NamedTuple):
     queued_since: float | None
     deleted_at: float | None
     released_at: float | None
+    failures: int
+    last_failure: str
+    retry_at: float | None
     name: str
     model: str | None
     restart_reason: str
@@ -134,11 +140,14 @@ class EventRow:
     from_state: WorkloadState | None = None
     to_state: WorkloadState | None = None
     id: int | None = None
+    count: int = 1
+    """Times it happened in a row, identically; the last at ``last_at``."""
+    last_at: float | None = None
 
     @classmethod
     def of(cls, m: Mapping[Any, Any]) -> EventRow:
         return cls(m["workload_id"], m["at"], m["type"], m["reason"], _state(m["from_state"]), _state(m["to_state"]),
-                   m["id"])
+                   m["id"], m.get("count") or 1, m.get("last_at"))
 
 
 @dataclass(frozen=True, slots=True)

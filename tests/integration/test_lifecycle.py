@@ -1,0 +1,284 @@
+"""A replica's lifecycle on a fake clock, against the real store (SQLite and PostgreSQL): the crash-loop
+back-off and its reset, a healthy replica serving on while another backs off, failures retrying cannot fix
+failing the workload once, and a crash loop's events bounded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tensora.clock import FakeClock, SystemClock
+from tensora.control import workloads
+from tensora.control.controller import Controller
+from tensora.drivers.base import ReplicaSpec
+from tensora.drivers.local import Isolation, LocalDriver
+from tensora.drivers.simulated import SimulatedDriver
+from tensora.placement.capacity import Node
+from tensora.placement.catalog import Catalog
+from tensora.placement.kinds import ReplicaState, WorkloadKind
+from tensora.store import repo
+from tensora.store.db import Database
+from tests.integration.test_api import Api, api, created, iso, own_model, settle
+from tests.integration.test_controller import CATALOG, db, events, get, make, replicas, submit, view
+from tests.support.stack import GI, T0, fleet
+
+__all__ = ["api", "db"]  # the fixtures: the store on SQLite and PostgreSQL; a server over it
+
+
+def crash(c: Controller, driver: SimulatedDriver, wid: str, why: str = "exit code 1", slot: int = 0) -> None:
+    """The slot's replica runs, then fails; the next cycle records it."""
+    c.run_once()
+    rid = next(r.id for r in replicas(c.db, wid) if r.slot == slot and r.role == "primary")
+    driver.fail(rid, why)
+    c.run_once()
+
+
+def backoff_of(db: Database, wid: str) -> tuple[int, float | None]:
+    w = get(db, wid)
+    return w.failures, None if w.retry_at is None else w.retry_at - T0
+
+
+def test_backoff_doubles_to_five_minutes_skips_admission_and_resets_after_ten_minutes(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    c.run_once()
+    waits = []
+    for n in range(1, 9):
+        crash(c, driver, ep, f"exit code {n}")
+        failures, retry = backoff_of(db, ep)
+        assert failures == n and retry is not None
+        waits.append(retry - (clock.now() - T0))
+        w = get(db, ep)
+        assert w.state == "queued" and not replicas(db, ep)
+        assert w.reason.startswith(f"failed {n} time{'s' if n > 1 else ''}: exit code {n}; next try at ")
+        # admission leaves it alone until the next try, with the capacity free
+        clock.advance(waits[-1] - 1)
+        c.run_once()
+        assert get(db, ep).state == "queued" and not replicas(db, ep)
+        clock.advance(1)
+        c.run_once()
+        assert get(db, ep).state == "starting"
+    assert waits == [10, 20, 40, 80, 160, 300, 300, 300]
+    crash_loop = [x for x in view(db, ep)["conditions"] if x["type"] == "crash_loop"]
+    assert crash_loop == [{"type": "crash_loop", "reason": "back_off", "count": 8,
+                           "message": crash_loop[0]["message"]}]
+    assert crash_loop[0]["message"].startswith("failed 8 times: exit code 8; next try at ")
+    # running 10 min (a cycle every tick) ends the crash loop: the next failure waits 10 s again
+    c.run_once()
+    assert get(db, ep).state == "running"
+    clock.advance(599)
+    c.run_once()
+    assert backoff_of(db, ep)[0] == 8
+    clock.advance(1)
+    c.run_once()
+    assert backoff_of(db, ep) == (0, None)
+    assert not [x for x in view(db, ep)["conditions"] if x["type"] == "crash_loop"]
+    crash(c, driver, ep)
+    assert backoff_of(db, ep)[0] == 1 and get(db, ep).retry_at == clock.now() + 10
+
+
+def test_backoff_survives_a_controller_restart(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    c.run_once()
+    crash(c, driver, ep)
+    crash_at = clock.now()
+    clock.advance(10)
+    c.run_once()
+    crash(c, driver, ep)
+    assert get(db, ep).retry_at == clock.now() + 20
+    c.stop()
+    successor, _ = make(db, clock, driver=driver, holder="b")  # the store holds the count and the next try
+    clock.advance(19)
+    successor.run_once()
+    assert get(db, ep).state == "queued"
+    clock.advance(1)
+    successor.run_once()
+    assert get(db, ep).state == "starting" and crash_at < clock.now()
+
+
+def test_an_owners_restart_ends_the_back_off(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    c.run_once()
+    crash(c, driver, ep)
+    assert backoff_of(db, ep) == (1, 10)
+    with db.write() as conn:
+        workloads.restart(conn, get(db, ep), clock.now(), "policy")
+    assert backoff_of(db, ep) == (0, None)
+    c.run_once()
+    assert get(db, ep).state == "starting"  # at once: the owner asked
+
+
+def test_a_healthy_endpoint_replica_serves_on_while_a_new_one_backs_off(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B", replicas=2)
+    c.run_once()
+    c.run_once()
+    first = next(r for r in replicas(db, ep) if r.slot == 0)
+    assert get(db, ep).state == "running" and len(replicas(db, ep)) == 2
+    for n, wait in enumerate([10, 20, 40], start=1):
+        crash(c, driver, ep, "CUDA error", slot=1)
+        w = get(db, ep)
+        assert w.state == "running" and w.failures == n and w.retry_at == clock.now() + wait
+        assert w.reason.startswith(f"failed {n} time")
+        assert [r.id for r in replicas(db, ep)] == [first.id]  # slot 1 waits; slot 0 serves on
+        assert [(x["type"], x["count"]) for x in view(db, ep)["conditions"]] == [("crash_loop", n)]
+        clock.advance(wait - 1)
+        c.run_once()
+        assert [r.id for r in replicas(db, ep)] == [first.id]
+        clock.advance(1)
+        c.run_once()
+        assert {r.slot for r in replicas(db, ep)} == {0, 1}
+    # slot 0 ran all along: its 10 min do not end slot 1's loop; the replacement's own 10 min do
+    c.run_once()
+    clock.advance(600)
+    c.run_once()
+    assert backoff_of(db, ep) == (0, None)
+    assert get(db, ep).reason.startswith("running on cpu-2c-8g")
+    assert first.id in {r.id for r in replicas(db, ep)}
+
+
+def test_an_endpoint_with_no_runtime_fails_once_with_the_install_hint(db: Database, tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    node = Node("cpu-1", "local", 8, 32 * GI)
+    local = LocalDriver(tmp_path / "data", node, CATALOG, runtimes_dir=tmp_path / "no-runtimes",
+                        isolation=Isolation.NONE)
+    c = Controller(db, local, CATALOG, clock=clock, holder="a")
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    for _ in range(50):
+        c.run_once()
+        clock.advance(2)
+    w = get(db, ep)
+    assert w.state == "failed"
+    assert "no model runtime is installed for cpu endpoints" in w.reason
+    assert w.reason.endswith("tensora runtime install tensora-transformers")
+    # created, then two events (placed, failed), not hundreds
+    assert events(db, ep) == ["created: queued for cpu-2c-8g", "placed on cpu-2c-8g", w.reason]
+    assert len(replicas(db, ep, active_only=False)) == 1
+
+
+def test_a_crash_loop_over_30_minutes_leaves_few_events(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock, start_delay_s=3)
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    attempts = 0
+    while clock.now() < T0 + 1800:
+        c.run_once()
+        for r in replicas(db, ep):
+            if r.state == "running":  # it starts, serves a moment and crashes, every time
+                driver.fail(r.id, "Segmentation fault")
+                attempts += 1
+        clock.advance(2)
+    with db.read() as conn:
+        rows = repo.list_events(conn, ep)
+    assert attempts >= 8  # 10 s, 20 s ... then every 5 min
+    assert len(rows) < 20, [e.reason for e in rows]
+    assert sum(e.count for e in rows) > 3 * attempts - 3  # placed, running, failed: each counted, not added
+    repeated = max(rows, key=lambda e: e.count)
+    assert repeated.count >= attempts - 1 and repeated.last_at is not None and repeated.last_at > repeated.at
+
+
+def test_a_class_gone_from_the_catalog_fails_its_queued_workload_once(db: Database) -> None:
+    clock = FakeClock(T0)
+    smaller = Catalog([cls for cls in CATALOG.values() if cls.name != "a100-80gb"])  # the operator removed it
+    nb = submit(db, clock, kind="notebook", name="nb", gpu_class="a100-80gb")
+    c = Controller(db, SimulatedDriver(fleet(), clock), smaller, clock=clock, holder="a")
+    for _ in range(5):
+        c.run_once()
+        clock.advance(2)
+    w = get(db, nb)
+    assert w.state == "failed"
+    assert w.reason == "failed: a100-80gb is no longer in the catalog (retrying cannot fix this)"
+    assert events(db, nb) == ["created: queued for a100-80gb", w.reason]
+
+
+@pytest.mark.parametrize(("kind", "cls", "extra", "permanent", "says"), [
+    pytest.param(WorkloadKind.ENDPOINT, "cpu-2c-8g", {"model": "/m"}, True, "tensora runtime install",
+                 id="endpoint, no runtime: for good"),
+    pytest.param(WorkloadKind.VM, "cpu-2c-8g", {"image": "/etc/hostname"}, True, "not in your files",
+                 id="vm, image outside the owner's files: refused for good"),
+    pytest.param(WorkloadKind.NOTEBOOK, "l40s-48gb", {}, False, "1 GPU(s) needed, 0 free",
+                 id="notebook, its GPU busy: may free, so retried"),
+])
+def test_the_local_driver_says_whether_retrying_can_fix_a_failure(
+        tmp_path: Path, kind: WorkloadKind, cls: str, extra: dict[str, str], permanent: bool, says: str) -> None:
+    if kind is WorkloadKind.VM and shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86 is not installed (./scripts/test installs it)")
+    node = Node("box", "local", 32, 128 * GI, {"L40S": 1})
+    local = LocalDriver(tmp_path / "data", node, CATALOG, runtimes_dir=tmp_path / "no-runtimes",
+                        isolation=Isolation.NONE)
+    status = local.start(ReplicaSpec("rp_1", "wl_1", kind, cls, "box", owner="alice", **extra))
+    assert status.state is ReplicaState.FAILED and says in status.detail
+    assert status.permanent is permanent
+    assert local.observe()[0].permanent is permanent  # as the controller reads it, cycle after cycle
+
+
+def test_over_http_a_crash_loop_reads_as_counted_events_and_a_crash_loop_condition(api: Api) -> None:
+    alice = api.as_(api.stack.alice)
+    model, _ = own_model(api, alice)
+    ep = created(alice, kind="endpoint", name="crashy", gpu_class="cpu-2c-8g", model=model)
+    driver, clock = api.stack.driver, api.stack.clock
+    for n, wait in enumerate([10, 20, 40], start=1):
+        w = settle(api, alice, ep["id"], "running")
+        driver.fail(w["replicas"][0]["id"], "exit code 139")
+        api.cycle()
+        w = alice.get(f"/v1/workloads/{ep['id']}").json()
+        assert w["state"] == "queued" and w["reason"].startswith(f"failed {n} time")
+        assert [(c["type"], c["reason"], c["count"]) for c in w["conditions"]] == [("crash_loop", "back_off", n)]
+        clock.advance(wait)
+        api.cycle()
+    events = alice.get(f"/v1/workloads/{ep['id']}/events").json()["data"]
+    failed = [e for e in events if e["reason"].endswith("failed: exit code 139")]
+    assert [e["count"] for e in failed] == [3] and failed[0]["last_at"] == iso(clock.now() - 40)
+    assert all(e["last_at"] is None for e in events if e["count"] == 1)
+    assert len(events) == 4  # created, placed, running, failed: each attempt counted on them
+
+
+def test_events_of_deleted_workloads_go_after_the_retention(db: Database) -> None:
+    clock = FakeClock(T0)
+    sim = SimulatedDriver(fleet(), clock)
+    c = Controller(db, sim, CATALOG, clock=clock, holder="a", retention_s=3600, prune_every=1)
+    kept = submit(db, clock, kind="notebook", name="kept", gpu_class="cpu-2c-8g")
+    gone = submit(db, clock, kind="notebook", name="gone", gpu_class="cpu-2c-8g")
+    c.run_once()
+    c.run_once()
+    with db.write() as conn:
+        workloads.delete(conn, get(db, gone), clock.now())
+    c.run_once()
+    c.run_once()
+    assert events(db, gone)[-1] == "stopped: all replicas stopped"
+    clock.advance(3599)
+    c.run_once()
+    assert len(events(db, gone)) == 5  # deleted an hour ago, less a second: kept
+    clock.advance(1)
+    c.run_once()
+    assert events(db, gone) == [] and len(events(db, kept)) == 3  # a live workload's history stays
+    assert get(db, gone).deleted_at is not None  # the row stays (its usage refers to it)
+
+
+def test_the_local_driver_forgets_ended_replicas_after_the_retention(db: Database, tmp_path: Path) -> None:
+    node = Node("cpu-1", "local", 8, 32 * GI)
+    local = LocalDriver(tmp_path / "data", node, CATALOG, runtimes_dir=tmp_path / "no-runtimes",
+                        isolation=Isolation.NONE)
+    failed = local.start(ReplicaSpec("rp_old", "wl_1", WorkloadKind.ENDPOINT, "cpu-2c-8g", "cpu-1", owner="alice"))
+    assert failed.state is ReplicaState.FAILED and (local.root / "rp_old").is_dir()
+    ended_at = json.loads((local.root / "rp_old" / "replica.json").read_text())["ended_at"]
+    assert local.prune(ended_at - 0.001) == 0 and (local.root / "rp_old").is_dir()  # ended after the cutoff: kept
+    assert local.prune(ended_at) == 1 and not (local.root / "rp_old").exists()
+    assert local.observe() == []
+    # through the controller, on its clock (the real one here): a failed try leaves no dir behind
+    c = Controller(db, local, CATALOG, holder="a", retention_s=1e-6, prune_every=1)
+    ep = submit(db, SystemClock(), kind="endpoint", name="ep", gpu_class="cpu-2c-8g", model_params="1B")
+    c.run_once()
+    c.run_once()
+    c.run_once()
+    assert get(db, ep).state == "failed" and len(replicas(db, ep, active_only=False)) == 1
+    assert list(local.root.iterdir()) == []

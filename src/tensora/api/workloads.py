@@ -50,19 +50,11 @@ def _own(conn: Any, p: Principal, workload_id: str) -> WorkloadRecord:
                           "serve roughly 10-50x slower, notebooks and VMs run without one; ``warning`` says "
                           "which for the kind."))
 def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], idem: IdemKey = None) -> Response:
-    fields = body.model_fields_set
-    if "owner" in fields and body.owner != p.owner and not p.is_admin:
-        raise ApiError(403, "only admin keys may create workloads for another owner", field="owner")
-    owner = body.owner if "owner" in fields else p.owner
-    if "region" not in fields:
-        body = body.model_copy(update={"region": svc.region})
-    elif body.region != svc.region:
-        raise ApiError(422, f"this server serves region {svc.region!r}", field="region")
-    if body.spec.get("serverless") and not p.is_admin:
-        raise ApiError(403, "only admin keys may run serverless (shared) endpoints", field="spec.serverless")
-    if svc.isolation == "admin-only" and not (p.is_admin and owner == p.owner):
-        raise ApiError(403, f"this host cannot sandbox workloads ({svc.isolation_reason}), so it runs the admin "
-                            "owner's only; its operator may set isolation: none to run every owner's unsandboxed")
+    caller = workloads.Caller(p.owner, p.is_admin, svc.region, svc.isolation, svc.isolation_reason)
+    try:
+        body, owner = workloads.authorize_create(body, body.model_fields_set, caller)
+    except workloads.NotAllowed as exc:
+        raise ApiError(403, str(exc), field=exc.field) from None
     checked = workloads.validate(body, svc.catalog, owner, svc.storage)
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:

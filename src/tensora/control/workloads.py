@@ -6,14 +6,14 @@ the rest. Nothing here talks to a driver.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from tensora.control.spec import WorkloadSpec, check_against
-from tensora.errors import ModelFileError, SpecError
+from tensora.errors import ModelFileError, SpecError, TensoraError
 from tensora.models.validator import read_context, read_model
 from tensora.placement.catalog import Catalog
 from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
@@ -111,6 +111,44 @@ def _shown(where: Path, found: Path, name: str) -> str:
         return f"{name}/{where.relative_to(found).as_posix()}"
     return name
 
+
+class NotAllowed(TensoraError):
+    """The caller's key may not do this: an admin's right, or a host that runs only the admin owner's
+    workloads (the API answers 403 naming ``field``)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who creates: the key's owner, whether it is an admin key, and this server's region and isolation."""
+
+    owner: str
+    admin: bool
+    region: str
+    isolation: str | None = None
+    isolation_reason: str | None = None
+
+
+def authorize_create(spec: WorkloadSpec, given: Set[str], caller: Caller) -> tuple[WorkloadSpec, str]:
+    """Who may create what, before the spec is checked: the spec with this server's region filled in, and the
+    owner it is created for. ``given``: the fields the body set (an owner or region left out means the caller's
+    own). Raises NotAllowed (403) or SpecError (422), each naming the field."""
+    if "owner" in given and spec.owner != caller.owner and not caller.admin:
+        raise NotAllowed("only admin keys may create workloads for another owner", "owner")
+    owner = spec.owner if "owner" in given else caller.owner
+    if "region" not in given:
+        spec = spec.model_copy(update={"region": caller.region})
+    elif spec.region != caller.region:
+        raise SpecError(f"this server serves region {caller.region!r}", field="region")
+    if spec.spec.get("serverless") and not caller.admin:
+        raise NotAllowed("only admin keys may run serverless (shared) endpoints", "spec.serverless")
+    if caller.isolation == "admin-only" and not (caller.admin and owner == caller.owner):
+        raise NotAllowed(f"this host cannot sandbox workloads ({caller.isolation_reason}), so it runs the admin "
+                         "owner's only; its operator may set isolation: none to run every owner's unsandboxed")
+    return spec, owner
 
 def create(conn: Any, checked: Checked, now: float) -> WorkloadRecord:
     """Insert a queued workload of ``checked.owner`` and its first event; returns the row."""

@@ -165,7 +165,18 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
                     idempotency=Idempotency(db, clock), controller=controller, storage=storage,
                     isolation=isolation or None, isolation_reason=why, replica_secret=replica_secret,
-                    owner_defaults=settings.owner_defaults())
+                    owner_defaults=settings.owner_defaults(), metrics_listen=_metrics_sources(settings))
+
+
+# the gateway's own variable (gateway.metrics_listen): ``tensora up`` sets it to its gateway's, which its HTTP
+# workers inherit; under ``tensora serve``, a gateway run apart is read where the operator says
+GATEWAY_METRICS_ENV = "TENSORA_GATEWAY_METRICS_LISTEN"
+
+
+def _metrics_sources(settings: ServeSettings) -> dict[str, str]:
+    """The listeners the operator page reads: this server's, and the gateway's that ``tensora up`` started."""
+    out = {"control": settings.metrics_listen or "", "gateway": os.environ.get(GATEWAY_METRICS_ENV, "")}
+    return {k: v for k, v in out.items() if v}
 
 
 def _exit_clean(signum: int, frame: Any) -> None:
@@ -340,6 +351,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
 
     gw = gateway_settings_for(settings, {"port": settings.gateway_port}) if profile == "up" else None
     lock = claim_up(settings, gw.port) if gw is not None else None  # before anything is printed or written
+    if gw is not None and gw.metrics_listen:
+        os.environ[GATEWAY_METRICS_ENV] = gw.metrics_listen
     services = build(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     key_file = ensure_admin_key(services.db, settings.data_dir, services.clock.now())

@@ -50,6 +50,7 @@ from tensora.placement.kinds import ReplicaState
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
+from tensora.tracing import setup as setup_tracing
 
 
 class Occupied(TensoraError):
@@ -157,6 +158,7 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
                                 drain_s=settings.drain_s, sandbox_uids=settings.uid_range,
                                 retention_s=settings.retention_s,
                                 owner_defaults=settings.owner_defaults())
+        controller.tracing = setup_tracing(settings.tracing, "tensora-control")
         if settings.driver == "kubernetes" and hasattr(driver, "watch"):  # react to objects at once
             driver.watch(controller.wake)
     storage = Storage(settings.data_dir / "files", shared=dict(settings.shared_models))

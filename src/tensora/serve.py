@@ -50,6 +50,7 @@ from tensora.placement.kinds import ReplicaState
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
+from tensora.tracing import setup as setup_tracing
 
 
 class Occupied(TensoraError):
@@ -157,6 +158,7 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
                                 drain_s=settings.drain_s, sandbox_uids=settings.uid_range,
                                 retention_s=settings.retention_s,
                                 owner_defaults=settings.owner_defaults())
+        controller.tracing = setup_tracing(settings.tracing, "tensora-control")
         if settings.driver == "kubernetes" and hasattr(driver, "watch"):  # react to objects at once
             driver.watch(controller.wake)
     storage = Storage(settings.data_dir / "files", shared=dict(settings.shared_models))
@@ -165,7 +167,18 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
                     idempotency=Idempotency(db, clock), controller=controller, storage=storage,
                     isolation=isolation or None, isolation_reason=why, replica_secret=replica_secret,
-                    owner_defaults=settings.owner_defaults())
+                    owner_defaults=settings.owner_defaults(), metrics_listen=_metrics_sources(settings))
+
+
+# the gateway's own variable (gateway.metrics_listen): ``tensora up`` sets it to its gateway's, which its HTTP
+# workers inherit; under ``tensora serve``, a gateway run apart is read where the operator says
+GATEWAY_METRICS_ENV = "TENSORA_GATEWAY_METRICS_LISTEN"
+
+
+def _metrics_sources(settings: ServeSettings) -> dict[str, str]:
+    """The listeners the operator page reads: this server's, and the gateway's that ``tensora up`` started."""
+    out = {"control": settings.metrics_listen or "", "gateway": os.environ.get(GATEWAY_METRICS_ENV, "")}
+    return {k: v for k, v in out.items() if v}
 
 
 def _exit_clean(signum: int, frame: Any) -> None:
@@ -340,6 +353,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
 
     gw = gateway_settings_for(settings, {"port": settings.gateway_port}) if profile == "up" else None
     lock = claim_up(settings, gw.port) if gw is not None else None  # before anything is printed or written
+    if gw is not None and gw.metrics_listen:
+        os.environ[GATEWAY_METRICS_ENV] = gw.metrics_listen
     services = build(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     key_file = ensure_admin_key(services.db, settings.data_dir, services.clock.now())

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensora import apikeys
+from tensora.api import operator
 from tensora.gateway.breaker import Policy
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.metering import Meter
@@ -88,9 +89,11 @@ def test_story_then_scrape(backends: Backends, tmp_path: Path) -> None:
             time.sleep(0.1)  # the usage records' 5 ms write
         asyncio.run(meter.flush())  # the control API refuses the batch: kept, counted
         found = samples(scrape(listener.port))
+        ops = operator.snapshot(None, operator.scrape(f"127.0.0.1:{listener.port}"))  # the operator page's read
     finally:
         listener.close()
         meter.close()
+    assert operator.scrape(f"127.0.0.1:{listener.port}") is None  # gone: "gateway metrics unavailable"
 
     ep = {"endpoint": "alice/my-llm"}
     assert value(found, "tensora_gateway_requests_total", **ep, tier="replica", served_by="replica", status="200") == 3
@@ -113,6 +116,11 @@ def test_story_then_scrape(backends: Backends, tmp_path: Path) -> None:
                  code="2xx") > 0
     assert refused and value(found, "tensora_gateway_usage_send_failures_total") == 1
     assert value(found, "tensora_gateway_spool_batches") == 1 and value(found, "tensora_gateway_spool_bytes") > 0
+    assert ops["gateway"] and not ops["control"]
+    assert {k: v for k, v in ops["failovers"].items() if v} == {"5xx": 2, "breaker_open": 1}
+    assert ops["breakers"] == {"closed": 1, "open": 1, "half_open": 0} and ops["ejected"] == ["my-llm/r1 (open)"]
+    assert ops["ttft"]["+Inf"] == 5 and operator.quantile(0.5, ops["ttft"]) is not None
+    assert ops["spool"]["batches"] == 1 and ops["spool"]["bytes"] > 0
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool absent (Debian: apt-get install prometheus)")

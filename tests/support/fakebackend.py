@@ -45,6 +45,7 @@ class State:
         self.hold_s = 0.3  # hold_reset: how long a request is held before the reset
         self.left: int | None = None  # completion requests left in this mode before it turns ok (None: no end)
         self.authorization: str | None = None  # the last completion request's
+        self.traceparent: str | None = None  # the last completion request's (W3C trace context)
         self.headers: dict[str, str] = {}  # extra headers of an http_* answer
         self.error: dict[str, Any] | None = None  # the error object of an http_* answer
         self.probes = 0  # GET /v1/models
@@ -66,6 +67,7 @@ class _Proto(asyncio.Protocol):
         self.url = b""
         self.body: list[bytes] = []
         self.authorization: bytes | None = None
+        self.traceparent: bytes | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -88,15 +90,17 @@ class _Proto(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() == b"authorization":
             self.authorization = value
+        elif name.lower() == b"traceparent":
+            self.traceparent = value
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        url, body, auth = self.url, b"".join(self.body), self.authorization
-        self.url, self.body, self.authorization = b"", [], None
+        url, body, auth, tp = self.url, b"".join(self.body), self.authorization, self.traceparent
+        self.url, self.body, self.authorization, self.traceparent = b"", [], None, None
         method = self.parser.get_method()
-        t = asyncio.get_running_loop().create_task(self.handle(method, url, body, auth))
+        t = asyncio.get_running_loop().create_task(self.handle(method, url, body, auth, tp))
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
@@ -112,7 +116,8 @@ class _Proto(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
-    async def handle(self, method: bytes, url: bytes, body: bytes, auth: bytes | None = None) -> None:
+    async def handle(self, method: bytes, url: bytes, body: bytes, auth: bytes | None = None,
+                     traceparent: bytes | None = None) -> None:
         s = self.state
         if url == b"/_mode":
             knobs = orjson.loads(body)
@@ -122,7 +127,8 @@ class _Proto(asyncio.Protocol):
             return
         if url == b"/_stats":
             self.write(_json(200, {"requests": s.requests, "mode": s.mode, "name": s.name,
-                                   "authorization": s.authorization, "probes": s.probes}))
+                                   "authorization": s.authorization, "probes": s.probes,
+                                   "traceparent": s.traceparent}))
             return
         if url.startswith(b"/v1/") and s.api_key and auth != b"Bearer " + s.api_key.encode():
             self.write(_json(401, {"error": "Unauthorized"}))
@@ -148,6 +154,7 @@ class _Proto(asyncio.Protocol):
             return
         s.requests += 1
         s.authorization = auth.decode("latin-1") if auth is not None else None
+        s.traceparent = traceparent.decode("latin-1") if traceparent is not None else None
         mode = s.mode
         if s.left is not None:
             s.left -= 1

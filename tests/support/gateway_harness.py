@@ -65,6 +65,11 @@ class Backends:
         value: str | None = httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["authorization"]
         return value
 
+    def traceparent(self, name: str) -> str | None:
+        """The W3C traceparent header of the last completion request it got (None: there was none)."""
+        value: str | None = httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["traceparent"]
+        return value
+
     def probes(self, name: str) -> int:
         """How many GET /v1/models it got."""
         return int(httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["probes"])

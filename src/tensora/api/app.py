@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tensora import __version__, dashboard
-from tensora.api import catalog, errors, files, gatewayroutes, health, keys, metrics, owners, usage, workloads
+from tensora.api import catalog, errors, files, gatewayroutes, health, keys, metrics, operator, owners, usage, workloads
 from tensora.api.limits import Guard
 from tensora.api.services import Services
 
@@ -57,6 +57,7 @@ def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: 
         app.include_router(resource.router)
     app.include_router(gatewayroutes.router)
     app.include_router(files.router)
+    app.include_router(operator.router)
     dashboard.install(app)
     guard = Guard(metrics.Measure(app), max_in_flight=max_in_flight, max_body_bytes=max_body_bytes)
     guard.fastapi = app  # type: ignore[attr-defined]

@@ -46,6 +46,10 @@ class Services:
     owner_defaults: OwnerSettings = field(default_factory=OwnerSettings)
     """Every owner's quotas and limits unless an admin set otherwise (``tensora.placement.quotas``)."""
 
+    metrics_listen: dict[str, str] = field(default_factory=dict)
+    """Where this server's metrics listeners are (``control``, and ``gateway`` under ``tensora up``): the
+    operator page reads them (``GET /v1/operator``)."""
+
     def wake(self) -> None:
         if self.controller is not None:
             self.controller.wake()

@@ -17,6 +17,7 @@ from tensora.errors import ConfigError
 from tensora.names import DOMAIN_PATTERN, NAME_PATTERN
 from tensora.placement.quotas import Limits, OwnerSettings, Quotas
 from tensora.scrape import check_listen
+from tensora.tracing import TracingSettings
 from tensora.units import parse_memory
 
 ADMIN_KEY_FILE = "admin-key"
@@ -84,6 +85,9 @@ class ServeSettings(BaseModel):
     metrics_listen: str | None = Field(default="127.0.0.1:8710", description="host:port of the control API's and "
                                        "controller's /metrics (Prometheus' text format), apart from the API's port; "
                                        "null: no metrics. The gateway has its own (gateway.metrics_listen)")
+    tracing: TracingSettings | None = Field(default=None, description="OpenTelemetry: {otlp_endpoint: URL} traces "
+                                            "each controller cycle (the tracing extra); null: off. The gateway "
+                                            "has its own (gateway.tracing)")
     gateway_port: int | None = Field(default=None, ge=0, le=65535, description="tensora up: the gateway's port "
                                      "(default 8701); the gateway runs beside the API in its own process")
     storage_quota: str | None = Field(default=None, pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",

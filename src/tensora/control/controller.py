@@ -50,6 +50,7 @@ from tensora.placement.quotas import OwnerSettings
 from tensora.store import repo
 from tensora.store.db import Database
 from tensora.store.rows import NodeRow, ReplicaRow, WorkloadRow
+from tensora.tracing import Tracing
 
 log = logging.getLogger("tensora.controller")
 
@@ -133,6 +134,7 @@ class Controller:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.tracing: Tracing | None = None  # a span per cycle when set (``tracing``)
         self._known_nodes: list[NodeRow] | None = None
         self._cycles = 0
         self.release_every = release_every  # cycles between looks for deleted workloads' storage to give back
@@ -155,6 +157,8 @@ class Controller:
         self._wake.set()
         if self._thread:
             self._thread.join(timeout=STOP_JOIN_S)
+        if self.tracing is not None:
+            self.tracing.close()  # the spans batched are sent
         if release:
             try:
                 with self.db.write() as conn:
@@ -168,7 +172,7 @@ class Controller:
             began = time.monotonic()
             report = CycleReport(leader=False)
             try:
-                report = self.run_once()
+                report = self.run_once() if self.tracing is None else self._traced()
             except StoreUnavailable as exc:
                 log.warning("store unavailable, cycle skipped: %s", exc)
             except Exception:
@@ -181,18 +185,34 @@ class Controller:
             if rest > 0:
                 self._stop.wait(rest)
 
+    def _traced(self) -> CycleReport:
+        """``run_once`` in a span, its steps as events."""
+        assert self.tracing is not None
+        with self.tracing.span("controller.cycle", {"tensora.region": self.region}) as span:
+            report = self.run_once()
+            span.set_attribute("tensora.leader", bool(report.leader))
+            span.set_attribute("tensora.decisions", len(getattr(report, "decisions", ()) or ()))
+            return report
+
+    def _step(self, name: str) -> None:
+        if self.tracing is not None:
+            self.tracing.event(name)
+
     def run_once(self) -> CycleReport:
         """One cycle. Each numbered step is named for what it does."""
         now = self.clock.now()
         report = CycleReport(leader=False)
         self._trusted = None  # read again this cycle, if anything starts
+        self._step("lead")
         # 1. lead: take or renew the region's lease, or do nothing this cycle
         if not self._lead(now):
             return report
         report.leader = True
+        self._step("observe")
         # 2. observe: what the driver sees now (nodes, replica states)
         nodes = list(self.driver.nodes())
         observed = {s.id: s for s in self.driver.observe()}
+        self._step("reconcile")
         # 3. reconcile: record replica transitions; redo starts and stops a crash left undone
         effects = _Effects()
         try:
@@ -215,6 +235,7 @@ class Controller:
             return CycleReport(leader=False)
         report.transitions = done.transitions
         self._apply_effects(effects, report)
+        self._step("snapshot")
         # 4. snapshot: nodes' allocatable minus every replica that holds capacity, from a snapshot
         #    read (no write lock is held while admission decides; only this leader adds replicas,
         #    so capacity can only have grown since)
@@ -224,8 +245,10 @@ class Controller:
                                  self.region)
             quotas = snapshot.owner_quotas(self.owner_defaults.quotas, repo.owner_quotas(conn),
                                            repo.held_replicas(conn), self.catalog)
+        self._step("decide")
         # 5. decide: the pure admission decision
         decisions = report.decisions = decide(snap.queue, snap.capacity, snap.running, now, self.policy, quotas)
+        self._step("apply")
         # 6. apply: record intents (fenced, one transaction, each conditional on the state the
         #    snapshot saw: a workload stopped meanwhile is left alone), then tell the driver;
         # 7. housekeeping, in the same transaction

@@ -68,3 +68,25 @@ def usage_svg(rows: list[dict[str, Any]], title: str = "Accounted time by placed
         lx += 14 + 8 * len(cls) + 16
     parts.append("</svg>")
     return "".join(parts)
+
+
+def bars_svg(values: dict[str, float], title: str, empty: str = "none") -> str:
+    """One horizontal bar per label (the operator page's counts: fallbacks by requested -> placed, failovers by
+    trigger), each with its ``<title>`` and ``data-label``/``data-value``; a table beside it carries the same."""
+    rows = sorted(values.items(), key=lambda kv: (-kv[1], kv[0]))
+    top = max((v for _, v in rows), default=0.0) or 1.0
+    h = max(len(rows), 1) * 24 + 8
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {h}" role="img" aria-label="{escape(title)}"'
+             f' class="chart" data-total="{sum(values.values()):g}"><title>{escape(title)}</title>']
+    if not rows:
+        parts.append(f'<text x="{LABEL}" y="20" class="tick">{escape(empty)}</text>')
+    width = W - PAD - 2 * LABEL
+    for i, (label, v) in enumerate(rows):
+        y = 4 + i * 24
+        color = PALETTE[i % len(PALETTE)]
+        parts.append(f'<text x="{2 * LABEL - 6}" y="{y + 15}" text-anchor="end" class="tick">{escape(label)}</text>'
+                     f'<rect x="{2 * LABEL}" y="{y}" width="{max(width * v / top, 1):.1f}" height="18" fill="{color}" '
+                     f'data-label="{escape(label)}" data-value="{v:g}"><title>{escape(label)}: {v:g}</title></rect>'
+                     f'<text x="{2 * LABEL + width * v / top + 4:.1f}" y="{y + 15}" class="tick">{v:g}</text>')
+    parts.append("</svg>")
+    return "".join(parts)

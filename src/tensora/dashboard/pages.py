@@ -23,10 +23,11 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from tensora.api.schemas import TokenUsageOut, UsageOut
-from tensora.dashboard.charts import colors, duration, usage_svg
+from tensora.dashboard.charts import bars_svg, colors, duration, usage_svg
 from tensora.placement.fallback import CPU_WARNING
 from tensora.placement.kinds import WorkloadKind
 from tensora.sdk import APIError, AsyncClient, AuthenticationError, Workload
+from tensora.sdk.calls import Call
 from tensora.sdk.client import DEFAULT_GATEWAY_URL
 
 HERE = Path(__file__).parent
@@ -316,3 +317,30 @@ async def capacity_page(request: Request) -> HTMLResponse:
     return render(request, "capacity.html", catalog=catalog, region=catalog.region, usage=usage, rows=rows,
                   chart=usage_svg(rows), colors=colors(sorted({str(r["placed_class"]) for r in rows})),
                   tokens=by_served)
+
+
+# -- operator (admin keys) ----------------------------------------------------------------------
+
+def _seconds(v: float | None) -> str:
+    if v is None:
+        return "–"
+    return f"{v * 1000:.0f} ms" if v < 1 else duration(v)
+
+
+templates.env.filters["seconds"] = _seconds
+
+
+@router.get("/operator", response_class=HTMLResponse)
+async def operator_page(request: Request) -> HTMLResponse:
+    """What an operator watches, from ``GET /v1/operator`` (admin keys only: the API's 403 is the page's)."""
+    async with _client(request) as c:
+        try:
+            ops: dict[str, Any] = await c.run(Call("GET", "/v1/operator", dict))
+        except AuthenticationError:
+            raise  # to the sign-in page
+        except APIError as exc:
+            raise PageError(exc.status or 502, "The operator page is for admin keys." if exc.status == 403
+                            else exc.message) from None
+    return render(request, "operator.html", ops=ops,
+                  fallbacks=bars_svg(ops["fallbacks"], "Fallback placements, requested -> placed class"),
+                  failovers=bars_svg(ops["failovers"], "Gateway failovers by trigger"))

@@ -34,6 +34,7 @@ from tensora.gateway.routes import RouteTable, table_from_json
 from tensora.gateway.server import Limits
 from tensora.gateway.upstream import peer_url_problem
 from tensora.scrape import Listener, check_listen
+from tensora.tracing import TracingSettings, setup
 
 log = logging.getLogger("tensora.gateway")
 
@@ -126,6 +127,8 @@ class GatewaySettings(BaseModel):
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024, description="one event of a model server's stream: "
                                     "the stream ends with an error event beyond")
     log_level: str = "warning"
+    tracing: TracingSettings | None = Field(default=None, description="OpenTelemetry: {otlp_endpoint: URL} "
+                                            "traces each request and its attempts (the tracing extra); null: off")
 
     @field_validator("metrics_listen")
     @classmethod
@@ -285,6 +288,7 @@ def build(settings: GatewaySettings) -> Gateway:
 
         gw.metrics = GatewayMetrics(settings.metrics_max_labels)
         listener = Listener(settings.metrics_listen, GatewayCollector(gw, gw.metrics, gw.clock))
+    gw.tracing = gw.walk.tracing = setup(settings.tracing, "tensora-gateway")
 
     def supervised(name: str, run: Callable[[], Coroutine[Any, Any, None]], restart_s: float) -> None:
         """The usage sender and the prober log and go on after errors of their own; should one end anyway,
@@ -325,6 +329,8 @@ def build(settings: GatewaySettings) -> Gateway:
         await client["c"].aclose()
         if listener is not None:
             listener.close()
+        if gw.tracing is not None:
+            gw.tracing.close()
 
     gw.on_startup.append(startup)
     gw.on_shutdown.append(shutdown)

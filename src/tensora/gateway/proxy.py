@@ -24,7 +24,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -41,6 +41,9 @@ from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable
 from tensora.gateway.upstream import Client
 from tensora.gateway.walk import Walk
+
+if TYPE_CHECKING:
+    from tensora.tracing import Tracing
 
 log = logging.getLogger("tensora.gateway")
 
@@ -63,6 +66,7 @@ class Gateway:
         self._keys: dict[bytes, str] = {}  # secret -> digest, for keys seen before (bounded)
         self.idem: idempotency.Idempotency | None = None  # Idempotency-Key honoured when set
         self.metrics: GatewayMetrics | None = None  # counted when set (``metrics_listen``)
+        self.tracing: Tracing | None = None  # a span per request when set (``tracing``); the walk's, per attempt
         self.on_startup: list[Callable[[], Awaitable[None]]] = []
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 
@@ -90,7 +94,10 @@ class Gateway:
                 if method != "POST":
                     await self._error(send, rid, 405, "use POST", "invalid_request_error")
                     return
-                await self._infer(scope, receive, send, rid, _PATHS[path])
+                if self.tracing is None:
+                    await self._infer(scope, receive, send, rid, _PATHS[path])
+                else:
+                    await self._traced(scope, receive, send, rid, _PATHS[path], self.tracing)
             elif path == "/v1/models" and method == "GET":
                 await self._models(scope, send, rid)
             elif path in ("/healthz", "/readyz"):
@@ -171,12 +178,31 @@ class Gateway:
 
     # -- steps 2-5 ----------------------------------------------------------------------------
 
-    async def _infer(self, scope: Scope, receive: Receive, send: Send, rid: str, path: str) -> None:
+    async def _traced(self, scope: Scope, receive: Receive, send: Send, rid: str, path: str, tracing: Tracing) -> None:
+        """``_infer`` in a span of its own (the caller's ``traceparent`` its parent): the attempts are its children."""
+        status = [0]
+
+        def sent(msg: dict[str, Any]) -> Awaitable[None]:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            return send(msg)
+
+        with tracing.request("gateway.request", scope["headers"], {"http.route": path,
+                                                                    "tensora.request_id": rid}) as span:
+            call = await self._infer(scope, receive, sent, rid, path)
+            span.set_attribute("http.response.status_code", status[0])
+            if call is not None:
+                span.set_attribute("tensora.endpoint", f"{call.endpoint.owner}/{call.endpoint.name}")
+                span.set_attribute("tensora.stream", call.stream)
+                span.set_attribute("tensora.attempts", len(call.attempts))
+                if call.served is not None:
+                    span.set_attribute("tensora.served_by", str(call.served.served_by))
+
+    async def _infer(self, scope: Scope, receive: Receive, send: Send, rid: str, path: str) -> Call | None:
         """Steps 2-5; with metrics on, the answer's status and when its head went out are noted on the way."""
         m = self.metrics
         if m is None:
-            await self._infer_(scope, receive, send, rid, path)
-            return
+            return await self._infer_(scope, receive, send, rid, path)
         clock = self.clock
         start = clock()
         head: list[Any] = [0, None]  # status, when the head went out
@@ -193,6 +219,7 @@ class Gateway:
                  NONE if b is None else "peer" if b.peer else b.served_by.value,
                  served.served_by if served is not None else NONE, head[0],
                  call is not None and call.stream, start, head[1], clock(), call.attempts if call else [])
+        return call
 
     async def _infer_(self, scope: Scope, receive: Receive, send: Send, rid: str, path: str) -> Call | None:
         """Steps 2-5; the call once made (what the metrics label it by), else None."""

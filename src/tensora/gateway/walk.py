@@ -19,6 +19,7 @@ import random
 import re
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -29,6 +30,9 @@ from tensora.gateway.chain import Backend
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import EndpointRoute, RouteTable
 from tensora.gateway.upstream import Reply, Upstream, UpstreamError
+
+if TYPE_CHECKING:
+    from tensora.tracing import Tracing
 
 
 class Walk:
@@ -42,6 +46,7 @@ class Walk:
         self._turn = 0
         self._tiers_cache: dict[tuple[str, bool], list[list[Backend]]] = {}
         self._tiers_version: str | None = None
+        self.tracing: Tracing | None = None  # a span per attempt when set (``tracing``)
 
     def _tiers(self, endpoint: EndpointRoute, table: RouteTable, hopped: bool) -> list[list[Backend]]:
         """``chain.tiers`` for this endpoint, kept until the route table changes."""
@@ -193,10 +198,24 @@ class Walk:
         return await self._once(call, b, min(ttft, call.deadline - self.clock()))
 
     async def _once(self, call: Call, b: Backend, ttft: float) -> Served:
+        tracing = self.tracing
+        if tracing is None:
+            return await self._send(call, b, ttft, ())
+        with tracing.span("gateway.attempt", {"tensora.tier": "peer" if b.peer else b.served_by.value,
+                                              "tensora.backend": b.key}, client=True) as span:
+            try:
+                served = await self._send(call, b, ttft, tracing.headers())
+            except Failed as f:
+                span.set_attribute("tensora.outcome", f.kind)
+                raise
+            span.set_attribute("tensora.outcome", "ok" if served.status == 200 else f"http_{served.status}")
+            return served
+
+    async def _send(self, call: Call, b: Backend, ttft: float, trace: tuple[()] | list[tuple[str, str]]) -> Served:
         body = call.body
         up = dict(body)
         up["model"] = b.upstream_model
-        headers = [("x-request-id", call.rid)]
+        headers = [("x-request-id", call.rid), *trace]
         if b.peer:  # a peer gateway checks the caller's own key
             headers += [("authorization", call.auth.decode("latin-1")), (HOP.decode(), self.o.region)]
         elif b.api_key:  # a replica gets its own key, never the caller's

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ from tensora.control import workloads
 from tensora.control.controller import Controller
 from tensora.control.spec import parse_spec
 from tensora.drivers.base import ReplicaSpec
-from tensora.drivers.local import Isolation, LocalDriver
+from tensora.drivers.local import REPLICA_ENV, Isolation, LocalDriver
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.models import runtimes
 from tensora.placement.capacity import Node
@@ -394,3 +397,82 @@ def test_the_local_driver_forgets_ended_replicas_after_the_retention(db: Databas
     assert get(db, ep).state == "failed" and len(replicas(db, ep, active_only=False)) == 1
     assert list(local.root.iterdir()) == []
 
+
+STARTS_AND_HANGS = """
+import sys, time
+from pathlib import Path
+from tensora.config.catalog import default_catalog
+from tensora.drivers.base import ReplicaSpec
+from tensora.drivers.local import Isolation, LocalDriver
+from tensora.placement.capacity import Node
+from tensora.placement.kinds import WorkloadKind
+
+data, runtimes, model, spawned = map(Path, sys.argv[1:5])
+run_process = LocalDriver._run_process
+
+def run_then_hang(self, launch, meta):  # the process runs; its pid is not recorded yet
+    run_process(self, launch, meta)
+    spawned.write_text(str(meta["pid"]))
+    time.sleep(120)
+
+LocalDriver._run_process = run_then_hang
+driver = LocalDriver(data, Node("cpu-1", "local", 8, 32 << 30), default_catalog(), runtimes_dir=runtimes,
+                     isolation=Isolation.NONE)
+driver.start(ReplicaSpec("rp_crash", "wl_crash", WorkloadKind.ENDPOINT, "cpu-2c-8g", "cpu-1", str(model),
+                         owner="alice"))
+"""
+
+
+def replica_processes(replica_id: str) -> list[int]:
+    """This replica's processes on the machine (its id in their environment)."""
+    mark = f"{REPLICA_ENV}={replica_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_crash_between_start_and_record_leaves_one_process_which_the_next_driver_adopts(tmp_path: Path) -> None:
+    installer = FakeInstaller()
+    installer.go.set()
+    installer(tmp_path / "runtimes", "tensora-transformers", progress=lambda _line: None)
+    model, spawned, data = tmp_path / "model", tmp_path / "spawned", tmp_path / "data"
+    model.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", STARTS_AND_HANGS, str(data), str(tmp_path / "runtimes"),
+                              str(model), str(spawned)], env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 30
+        while not spawned.exists():
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)  # kill -9 between the start and the record of its pid
+        child.wait()
+        claim = json.loads((data / "replicas" / "rp_crash" / "replica.json").read_text())
+        assert (claim["state"], claim["pid"]) == ("starting", None) and claim["port"]  # the intent, recorded
+        server = int(spawned.read_text())
+        assert replica_processes("rp_crash") == [server]
+        again = LocalDriver(data, Node("cpu-1", "local", 8, 32 * GI), CATALOG, runtimes_dir=tmp_path / "runtimes",
+                            isolation=Isolation.NONE)
+        assert json.loads((data / "replicas" / "rp_crash" / "replica.json").read_text())["pid"] == server
+        spec = ReplicaSpec("rp_crash", "wl_crash", WorkloadKind.ENDPOINT, "cpu-2c-8g", "cpu-1", str(model),
+                           owner="alice")
+        deadline = time.monotonic() + 30
+        while (seen := again.start(spec)).state is not ReplicaState.RUNNING:  # adopted: started only once
+            assert seen.state is ReplicaState.STARTING and time.monotonic() < deadline, seen
+            again.observe()
+            time.sleep(0.1)
+        assert replica_processes("rp_crash") == [server]
+        again.stop("rp_crash")
+        deadline = time.monotonic() + 30
+        while any(s.state is not ReplicaState.STOPPED for s in again.observe()):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert replica_processes("rp_crash") == []
+    finally:
+        child.kill()
+        for pid in replica_processes("rp_crash"):
+            os.killpg(pid, signal.SIGKILL)

@@ -8,7 +8,10 @@ State: ``DATA_DIR/replicas/<id>/`` (0700) holds ``replica.json`` (0600: what it 
 its log; runc's own state is under ``DATA_DIR/sandboxes/`` (0700). A sandbox outlives ``tensora up`` (runc
 detaches it, in a session of its own), so a new driver on the same data dir adopts the replicas still running
 (the runtime's state says which), reports the ones that ended, and deletes any sandbox no ``replica.json``
-claims (a crash in the middle of a start): no orphan.
+claims (a crash in the middle of a start): no orphan. ``replica.json`` is written, with its port and GPUs, before
+the process starts: a crash between the start and the record of its pid leaves a claim without a pid, which the
+next driver fills in (a sandbox's from runc's state; a process's by the ``TENSORA_REPLICA`` it was started
+with, found in ``/proc``), so that replica is adopted, never started a second time on the same GPU or port.
 
 * notebook: JupyterLab on 127.0.0.1 and a free port, published on the host's 127.0.0.1, its token in its
   environment; ready when ``/api/status`` answers. Its files are in ``DATA_DIR/workdirs/<workload id>/``
@@ -92,6 +95,8 @@ FORGET_STOPPED_S = 3600.0
 ADMIN_OWNER = "admin"
 """The owner of the admin key ``tensora serve`` creates on first start."""
 ENDED = ("stopped", "failed")
+REPLICA_ENV = "TENSORA_REPLICA"
+"""A process replica's id in its environment: how a driver finds a process a crash left unrecorded."""
 
 
 class Isolation(StrEnum):
@@ -212,6 +217,7 @@ class LocalDriver:
         if self.isolation is Isolation.SANDBOX or any(m.get("sandbox") for m in self._metas()):
             _private_dir(sandboxes)
             self._adopt()
+        self._adopt_processes()
 
     # -- the driver protocol -------------------------------------------------------------
 
@@ -271,7 +277,8 @@ class LocalDriver:
         out = os.open(self.root / meta["id"] / "out.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:  # a session of its own: it outlives the server
             proc = subprocess.Popen(launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=dict(launch.env), cwd=launch.cwd, start_new_session=True)
+                                    env={**launch.env, REPLICA_ENV: meta["id"]}, cwd=launch.cwd,
+                                    start_new_session=True)
         except OSError as exc:
             return f"could not start {launch.argv[0]}: {exc}"
         finally:
@@ -550,6 +557,20 @@ class LocalDriver:
                     meta.update(pid=handle.pid, proc_start=_proc_start(handle.pid))
                     self._write(meta)
 
+    def _adopt_processes(self) -> None:
+        """After a restart: the process of a replica whose start was cut short before its pid was recorded (it
+        leads a session of its own and carries its id in ``TENSORA_REPLICA``) is adopted."""
+        unrecorded = {m["id"]: m for m in self._live_metas()
+                      if not m.get("sandbox") and m["pid"] is None and not m.get("installing")}
+        if not unrecorded:
+            return
+        for pid, replica_id in _replica_processes().items():
+            meta = unrecorded.get(replica_id)
+            if meta is not None and meta["pid"] is None:
+                log.warning("adopting replica %s: its process %d started, its record was cut short", replica_id, pid)
+                meta.update(pid=pid, proc_start=_proc_start(pid))
+                self._write(meta)
+
     def _refresh(self, meta: dict[str, Any], now: float) -> None:
         if meta.get("installing"):
             self._install_step(meta)
@@ -787,6 +808,26 @@ def _proc_start(pid: int) -> int | None:
     except OSError:
         return None
     return int(line.rpartition(")")[2].split()[19])
+
+
+def _replica_processes() -> dict[int, str]:
+    """Session leaders of this user started as a replica's process (``TENSORA_REPLICA`` in their environment):
+    pid to replica id. A leader's children inherit the variable but not the session."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rpartition(")")[2].split()[3]) != int(entry.name):
+                continue  # not a session leader
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        prefix = f"{REPLICA_ENV}=".encode()
+        for var in environ:
+            if var.startswith(prefix):
+                found[int(entry.name)] = var[len(prefix):].decode(errors="replace")
+    return found
 
 
 def _proc_state(pid: int) -> str | None:

@@ -223,6 +223,30 @@ class FakeInstaller:
         return root / name
 
 
+def test_one_install_at_a_time(tmp_path: Path) -> None:
+    installer = FakeInstaller()
+    installs = runtimes.Background(tmp_path, installer)
+    installs.want("tensora-transformers")
+    installs.want("tensora-vllm-cpu")
+    installs.want("tensora-transformers")  # already under way: not a second
+    deadline = time.monotonic() + 10
+    while installs.state("tensora-transformers")[1].endswith("waiting for another install"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert installs.state("tensora-transformers") == (
+        "installing", "installing runtime tensora-transformers: torch 2.13.0 (step 2 of 3)")
+    assert installs.state("tensora-vllm-cpu") == (
+        "installing", "installing runtime tensora-vllm-cpu: waiting for another install")
+    assert installer.calls == 1
+    installer.go.set()
+    while installs.state("tensora-vllm-cpu")[0] == "installing":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert installer.calls == 2
+    assert installs.state("tensora-transformers") == installs.state("tensora-vllm-cpu") == ("installed", "")
+
+
 def endpoint_on_local(db: Database, clock: FakeClock, model: Path) -> str:
     """An endpoint whose model is ``model`` (a host path, as the server would have resolved it)."""
     checked = workloads.validate(parse_spec({"kind": "endpoint", "name": "ep", "gpu_class": "cpu-2c-8g",

@@ -249,7 +249,7 @@ class Background:
 
     def __init__(self, root: Path, installer: Installer = install) -> None:
         self.root, self.installer = root, installer
-        self._lock = threading.Lock()
+        self._lock, self._one = threading.Lock(), threading.Lock()
         self._state: dict[str, tuple[str, str]] = {}  # name -> ("installing" | "failed", reason)
 
     def want(self, name: str) -> None:
@@ -277,8 +277,9 @@ class Background:
                 if line.strip():
                     tail.append(line.strip())
 
-        try:  # install() takes the install lock: a second install waits there
-            self.installer(self.root, name, log=Tail(), progress=tell)
+        try:  # one at a time here, and install() takes the install lock against other processes' installs
+            with self._one:
+                self.installer(self.root, name, log=Tail(), progress=tell)
         except Exception as exc:  # any failure is the install's: reported, never raised in a thread
             last = " | ".join(tail)
             with self._lock:

@@ -115,7 +115,21 @@ def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
     return LocalDriver(settings.data_dir, node, catalog, [g.index for g in hw.gpus if g.model],
                        vfio=settings.node.vfio, isolation=mode, allow_host_ports=[p for p in allow if p],
                        files_root=settings.data_dir / "files", shared_models=settings.shared_models,
-                       nvidia_driver=settings.node.nvidia_driver)
+                       nvidia_driver=settings.node.nvidia_driver,
+                       auto_install=bool(settings.runtimes.auto_install))
+
+
+def installed_runtimes(driver: Driver, auto_install: bool) -> str:
+    """``tensora up``'s line on the model-server runtimes: which are installed, and what happens without one."""
+    from tensora.models import runtimes
+
+    root = getattr(driver, "runtimes", None)
+    if root is None:
+        return "runtimes: not this driver's"
+    have = [name for name in runtimes.REGISTRY if runtimes.installed(root, name)]
+    then = ("the first endpoint that needs one installs it" if auto_install
+            else "an endpoint without one fails: tensora runtime install tensora-transformers")
+    return f"runtimes installed: {', '.join(have) or 'none'} (in {root}); {then}"
 
 
 def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
@@ -355,6 +369,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     lock = claim_up(settings, gw.port) if gw is not None else None  # before anything is printed or written
     if gw is not None and gw.metrics_listen:
         os.environ[GATEWAY_METRICS_ENV] = gw.metrics_listen
+    if profile == "up" and settings.runtimes.auto_install is None:  # a new user's machine: nothing to pre-install
+        settings = settings.model_copy(update={"runtimes": settings.runtimes.model_copy(update={"auto_install": True})})
     services = build(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     key_file = ensure_admin_key(services.db, settings.data_dir, services.clock.now())
@@ -371,6 +387,7 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
         for note in gpu_notes(node, services.controller.catalog):
             print(f"  note: {note}", flush=True)
         print(describe_isolation(services.isolation or "", services.isolation_reason), flush=True)
+        print(installed_runtimes(services.controller.driver, bool(settings.runtimes.auto_install)), flush=True)
         print(f"replicas and their logs in {settings.data_dir / 'replicas'}; Ctrl-C stops the servers, "
               "not the workloads (the next `tensora up` adopts them)", flush=True)
     gateway = None

@@ -40,6 +40,7 @@ def test_the_quick_start_block_is_what_this_test_runs() -> None:
     assert [ln.split()[:3] for ln in lines if ln.startswith("tensora up")] == [], "one `tensora up`: set-up command 1"
     kinds = [ln.split()[1] for ln in lines]
     assert {"login", "endpoint", "chat", "notebook", "vm"} <= set(kinds), lines
+    assert "runtime" not in kinds, "no install step: the first endpoint installs its runtime (tensora up)"
     assert not any("/.local/share" in ln or "--key-file" in ln for ln in lines), "no hard-coded data path"
 
 

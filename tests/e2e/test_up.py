@@ -143,6 +143,9 @@ def test_the_banner_names_node_dashboard_and_gateway_and_a_clean_start_warns_of_
         assert f"tensora control API on http://127.0.0.1:{up.port}  (docs: /docs)" in lines
         assert f"dashboard on http://127.0.0.1:{up.port}/  (sign in with an API key)" in lines
         assert NODE_LINE in lines
+        # which runtimes are installed, and that an endpoint needing one installs it (tensora up's default)
+        assert any(line.startswith("runtimes installed: ") and line.endswith(
+            "; the first endpoint that needs one installs it") for line in lines), lines
         assert f"OpenAI-compatible gateway on http://127.0.0.1:{up.gateway_port}/v1  (the same keys)" in lines
         # where the metrics are, and they answer there (Prometheus' text format)
         assert f"metrics on http://127.0.0.1:{up.metrics_port}/metrics" in lines

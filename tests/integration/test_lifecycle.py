@@ -4,18 +4,28 @@ failing the workload once, and a crash loop's events bounded."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tensora.clock import FakeClock, SystemClock
 from tensora.control import workloads
 from tensora.control.controller import Controller
+from tensora.control.spec import parse_spec
 from tensora.drivers.base import ReplicaSpec
-from tensora.drivers.local import Isolation, LocalDriver
+from tensora.drivers.local import REPLICA_ENV, Isolation, LocalDriver
 from tensora.drivers.simulated import SimulatedDriver
+from tensora.models import runtimes
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import ReplicaState, WorkloadKind
@@ -165,6 +175,134 @@ def test_an_endpoint_with_no_runtime_fails_once_with_the_install_hint(db: Databa
     assert len(replicas(db, ep, active_only=False)) == 1
 
 
+MODELS_SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Models(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.end_headers()
+        self.wfile.write(b'{"data": []}')
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Models).serve_forever()
+"""
+
+
+class FakeInstaller:
+    """``runtimes.install`` without a download: tells its steps like the real one, waits until the test lets it
+    go on, then makes a venv-like 'tensora-transformers' (Debian's Python, a ``transformers.cli.transformers``
+    that answers ``/v1/models``); ``fail`` ends it with an error after a few lines of output."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.go, self.fail, self.calls = threading.Event(), fail, 0
+
+    def __call__(self, root: Path, name: str, log: Any = None, progress: Any = None) -> Path:
+        self.calls += 1
+        progress(f"creating the environment {runtimes.venv_dir(root, name)}")
+        progress(f"installing {runtimes.TORCH} transformers[serving]>=5.20 (2 pinned packages)")
+        progress(f"[1/2] {runtimes.TORCH}")
+        assert self.go.wait(30)
+        if self.fail:
+            for line in ("Collecting torch==2.13.0", "ERROR: No matching distribution found for torch==2.13.0"):
+                log.write(line + "\n")
+            raise runtimes.RuntimeNotAvailable(f"{name}: pip install failed (exit 1)")
+        progress("unpacking 2 packages into the environment")
+        venv = runtimes.venv_dir(root, name)
+        system = subprocess.run(["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        package = venv / "lib" / f"python{system}" / "site-packages" / "transformers"
+        (package / "cli").mkdir(parents=True)
+        for init in (package / "__init__.py", package / "cli" / "__init__.py"):
+            init.write_text("")
+        (package / "cli" / "transformers.py").write_text(MODELS_SERVER)
+        (venv / "bin").mkdir()
+        (venv / "bin" / "python").symlink_to("/usr/bin/python3")
+        (venv / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\n")
+        (root / name / "installed.json").write_text("{}")
+        return root / name
+
+
+def test_one_install_at_a_time(tmp_path: Path) -> None:
+    installer = FakeInstaller()
+    installs = runtimes.Background(tmp_path, installer)
+    installs.want("tensora-transformers")
+    installs.want("tensora-vllm-cpu")
+    installs.want("tensora-transformers")  # already under way: not a second
+    deadline = time.monotonic() + 10
+    while installs.state("tensora-transformers")[1].endswith("waiting for another install"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert installs.state("tensora-transformers") == (
+        "installing", "installing runtime tensora-transformers: torch 2.13.0 (step 2 of 3)")
+    assert installs.state("tensora-vllm-cpu") == (
+        "installing", "installing runtime tensora-vllm-cpu: waiting for another install")
+    assert installer.calls == 1
+    installer.go.set()
+    while installs.state("tensora-vllm-cpu")[0] == "installing":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert installer.calls == 2
+    assert installs.state("tensora-transformers") == installs.state("tensora-vllm-cpu") == ("installed", "")
+
+
+def endpoint_on_local(db: Database, clock: FakeClock, model: Path) -> str:
+    """An endpoint whose model is ``model`` (a host path, as the server would have resolved it)."""
+    checked = workloads.validate(parse_spec({"kind": "endpoint", "name": "ep", "gpu_class": "cpu-2c-8g",
+                                             "model_params": "1B"}), CATALOG, "alice", None)
+    with db.write() as conn:
+        return str(workloads.create(conn, dataclasses.replace(checked, model_path=str(model)), clock.now()).id)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["installs", "install-fails"])
+def test_an_endpoint_with_no_runtime_installs_it_and_waits(db: Database, tmp_path: Path, fail: bool) -> None:
+    clock = FakeClock(T0)
+    installer = FakeInstaller(fail)
+    local = LocalDriver(tmp_path / "data", Node("cpu-1", "local", 8, 32 * GI), CATALOG,
+                        runtimes_dir=tmp_path / "runtimes", isolation=Isolation.NONE, auto_install=True,
+                        installer=installer)
+    model = tmp_path / "model"
+    model.mkdir()
+    ep = endpoint_on_local(db, clock, model)
+    c = Controller(db, local, CATALOG, clock=clock, holder="a")
+    try:
+        reasons = []
+        for _ in range(20):  # waiting on the install: not a failure, not placed again
+            c.run_once()
+            clock.advance(2)
+            reasons.append(get(db, ep).reason)
+        w = get(db, ep)
+        assert (w.state, w.reason, w.failures) == (
+            "starting", "installing runtime tensora-transformers: torch 2.13.0 (step 2 of 3)", 0)
+        assert len(replicas(db, ep, active_only=False)) == 1 and installer.calls == 1
+        installer.go.set()
+        deadline = time.monotonic() + 30
+        while get(db, ep).state == "starting" and time.monotonic() < deadline:
+            c.run_once()
+            clock.advance(2)
+            time.sleep(0.1)
+        w = get(db, ep)
+        if fail:  # once, with the installer's last lines
+            assert w.state == "failed"
+            assert w.reason.endswith("installing runtime tensora-transformers failed: tensora-transformers: pip "
+                                     "install failed (exit 1); its last lines: Collecting torch==2.13.0 | ERROR: No "
+                                     "matching distribution found for torch==2.13.0"), w.reason
+            assert len([e for e in events(db, ep) if "failed" in e]) == 1
+        else:
+            assert w.state == "running", w.reason
+            assert runtimes.installed(tmp_path / "runtimes", "tensora-transformers")
+        assert len(replicas(db, ep, active_only=False)) == 1 and installer.calls == 1
+    finally:
+        installer.go.set()
+        for r in replicas(db, ep):
+            local.stop(r.id)
+        for _ in range(30):
+            if all(s.state in ("stopped", "failed") for s in local.observe()):
+                break
+            time.sleep(0.2)
+
+
 def test_a_crash_loop_over_30_minutes_leaves_few_events(db: Database) -> None:
     clock = FakeClock(T0)
     c, driver = make(db, clock, start_delay_s=3)
@@ -282,3 +420,83 @@ def test_the_local_driver_forgets_ended_replicas_after_the_retention(db: Databas
     c.run_once()
     assert get(db, ep).state == "failed" and len(replicas(db, ep, active_only=False)) == 1
     assert list(local.root.iterdir()) == []
+
+
+STARTS_AND_HANGS = """
+import sys, time
+from pathlib import Path
+from tensora.config.catalog import default_catalog
+from tensora.drivers.base import ReplicaSpec
+from tensora.drivers.local import Isolation, LocalDriver
+from tensora.placement.capacity import Node
+from tensora.placement.kinds import WorkloadKind
+
+data, runtimes, model, spawned = map(Path, sys.argv[1:5])
+run_process = LocalDriver._run_process
+
+def run_then_hang(self, launch, meta):  # the process runs; its pid is not recorded yet
+    run_process(self, launch, meta)
+    spawned.write_text(str(meta["pid"]))
+    time.sleep(120)
+
+LocalDriver._run_process = run_then_hang
+driver = LocalDriver(data, Node("cpu-1", "local", 8, 32 << 30), default_catalog(), runtimes_dir=runtimes,
+                     isolation=Isolation.NONE)
+driver.start(ReplicaSpec("rp_crash", "wl_crash", WorkloadKind.ENDPOINT, "cpu-2c-8g", "cpu-1", str(model),
+                         owner="alice"))
+"""
+
+
+def replica_processes(replica_id: str) -> list[int]:
+    """This replica's processes on the machine (its id in their environment)."""
+    mark = f"{REPLICA_ENV}={replica_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_crash_between_start_and_record_leaves_one_process_which_the_next_driver_adopts(tmp_path: Path) -> None:
+    installer = FakeInstaller()
+    installer.go.set()
+    installer(tmp_path / "runtimes", "tensora-transformers", progress=lambda _line: None)
+    model, spawned, data = tmp_path / "model", tmp_path / "spawned", tmp_path / "data"
+    model.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", STARTS_AND_HANGS, str(data), str(tmp_path / "runtimes"),
+                              str(model), str(spawned)], env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 30
+        while not spawned.exists():
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)  # kill -9 between the start and the record of its pid
+        child.wait()
+        claim = json.loads((data / "replicas" / "rp_crash" / "replica.json").read_text())
+        assert (claim["state"], claim["pid"]) == ("starting", None) and claim["port"]  # the intent, recorded
+        server = int(spawned.read_text())
+        assert replica_processes("rp_crash") == [server]
+        again = LocalDriver(data, Node("cpu-1", "local", 8, 32 * GI), CATALOG, runtimes_dir=tmp_path / "runtimes",
+                            isolation=Isolation.NONE)
+        assert json.loads((data / "replicas" / "rp_crash" / "replica.json").read_text())["pid"] == server
+        spec = ReplicaSpec("rp_crash", "wl_crash", WorkloadKind.ENDPOINT, "cpu-2c-8g", "cpu-1", str(model),
+                           owner="alice")
+        deadline = time.monotonic() + 30
+        while (seen := again.start(spec)).state is not ReplicaState.RUNNING:  # adopted: started only once
+            assert seen.state is ReplicaState.STARTING and time.monotonic() < deadline, seen
+            again.observe()
+            time.sleep(0.1)
+        assert replica_processes("rp_crash") == [server]
+        again.stop("rp_crash")
+        deadline = time.monotonic() + 30
+        while any(s.state is not ReplicaState.STOPPED for s in again.observe()):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert replica_processes("rp_crash") == []
+    finally:
+        child.kill()
+        for pid in replica_processes("rp_crash"):
+            os.killpg(pid, signal.SIGKILL)

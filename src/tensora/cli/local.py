@@ -261,16 +261,25 @@ def runtime_list(runtimes_dir: RuntimesDir = None, data_dir: DataDir = None, out
 def runtime_install(name: Annotated[str, typer.Argument(help="e.g. tensora-transformers")],
                     runtimes_dir: RuntimesDir = None, data_dir: DataDir = None) -> None:
     """Create NAME's own Python environment and install its packages (pinned torch: no CUDA build sneaks in)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     from tensora.models import runtimes
 
     root = _runtimes_root(runtimes_dir, data_dir)
     if name in runtimes.REGISTRY and not runtimes.installed(root, name):
         out.print(f"installing {name} (its own environment; a few minutes)", highlight=False, soft_wrap=True)
-    try:
-        where = runtimes.install(root, name, progress=lambda step: out.print(f"  {step}", highlight=False,
-                                                                             soft_wrap=True))
-    except runtimes.RuntimeNotAvailable as exc:
-        raise _fail(exc, code=1 if name in runtimes.REGISTRY else 2) from None
+    with Progress(TextColumn("step {task.completed:.0f} of {task.total:.0f}"), BarColumn(),
+                  TextColumn("{task.description}"), TimeElapsedColumn(), console=out, transient=True) as bar:
+        task = bar.add_task("", total=runtimes.STEPS)
+
+        def tell(line: str) -> None:
+            n, what = runtimes.step(line)
+            bar.update(task, completed=n, description=what)
+
+        try:
+            where = runtimes.install(root, name, progress=tell)
+        except runtimes.RuntimeNotAvailable as exc:
+            raise _fail(exc, code=1 if name in runtimes.REGISTRY else 2) from None
     out.print(f"{name} installed in {where}", highlight=False, soft_wrap=True)
 
 

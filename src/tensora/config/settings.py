@@ -30,6 +30,16 @@ def default_data_dir() -> Path:
     return Path(user_data_dir("tensora", appauthor=False))
 
 
+class RuntimeSettings(BaseModel):
+    """Model-server runtimes of the local driver (``tensora.models.runtimes``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    auto_install: bool | None = Field(default=None, description="install the runtime the first endpoint needs "
+                                      "in the background, the endpoint waiting meanwhile (default: on for "
+                                      "tensora up, off for tensora serve)")
+
+
 class ServeSettings(BaseModel):
     """Everything ``tensora serve`` can be told."""
 
@@ -103,6 +113,7 @@ class ServeSettings(BaseModel):
     sandbox_uids: str = Field(default="100000-165535", pattern=r"^[1-9][0-9]*-[1-9][0-9]*$",
                               description="the uids (each also the gid) owners' sandboxes run as: one per owner, "
                               "allocated on first use; never 0 or Tensora's own")
+    runtimes: RuntimeSettings = Field(default_factory=RuntimeSettings)
     isolation: Literal["sandbox", "none"] = Field(
         default="sandbox", description="local driver: 'sandbox' runs every replica in a sandbox of its own (runc: "
         "the owner's uid, read-only host, the class's limits, its own network); where this host cannot sandbox, "

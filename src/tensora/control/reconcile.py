@@ -115,6 +115,10 @@ class _Reconcile:
         if seen is None:  # recorded but never handed to the driver (or the driver forgot it): start it
             out.start.append((w, r))
             return 0
+        if seen.waiting and seen.state is ReplicaState.STARTING and w.reason != seen.waiting:
+            self.ledger.update_workload(w.id, {"reason": seen.waiting})  # its runtime's install, step by step
+            self.w[w.id] = w._replace(reason=seen.waiting)
+            return 0
         if seen.state is ReplicaState.FAILED:
             return self.failed(w, r, seen.detail or "replica failed", seen.permanent)
         if seen.state is ReplicaState.STOPPED:

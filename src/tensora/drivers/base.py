@@ -54,6 +54,9 @@ class ReplicaStatus:
     permanent: bool = False
     """Failed for a reason retrying cannot fix (a runtime missing, a model or image refused): the controller
     fails the workload at once instead of placing it again."""
+    waiting: str = ""
+    """Why a starting replica waits before its process starts (its runtime installing): the workload's reason
+    meanwhile."""
 
     @property
     def holds_capacity(self) -> bool:

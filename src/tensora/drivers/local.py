@@ -8,7 +8,10 @@ State: ``DATA_DIR/replicas/<id>/`` (0700) holds ``replica.json`` (0600: what it 
 its log; runc's own state is under ``DATA_DIR/sandboxes/`` (0700). A sandbox outlives ``tensora up`` (runc
 detaches it, in a session of its own), so a new driver on the same data dir adopts the replicas still running
 (the runtime's state says which), reports the ones that ended, and deletes any sandbox no ``replica.json``
-claims (a crash in the middle of a start): no orphan.
+claims (a crash in the middle of a start): no orphan. ``replica.json`` is written, with its port and GPUs, before
+the process starts: a crash between the start and the record of its pid leaves a claim without a pid, which the
+next driver fills in (a sandbox's from runc's state; a process's by the ``TENSORA_REPLICA`` it was started
+with, found in ``/proc``), so that replica is adopted, never started a second time on the same GPU or port.
 
 * notebook: JupyterLab on 127.0.0.1 and a free port, published on the host's 127.0.0.1, its token in its
   environment; ready when ``/api/status`` answers. Its files are in ``DATA_DIR/workdirs/<workload id>/``
@@ -28,7 +31,10 @@ claims (a crash in the middle of a start): no orphan.
   ``/model`` (the name it answers to, reported as ``served_model``); ready when ``/v1/models`` answers. A
   runtime that takes an API key gets the replica's (``replicakeys``, in its environment): only the gateway
   and this driver's probe send it.
-  Without an installed runtime the replica fails with a reason that says which to install.
+  Without an installed runtime the replica fails with a reason that says which to install; with
+  ``auto_install`` (``runtimes.auto_install``, on for ``tensora up``) it waits, starting, while the portable
+  runtime installs in the background (``runtimes.Background``, the install's step its reason), and starts
+  once it is installed (a failed install fails it, with the installer's last lines).
 
 Stop is graceful first (SIGTERM, or QMP), then SIGKILL of every process after a deadline; ``observe`` does the
 escalation, so nothing here blocks the controller. A replica that ends is reported stopped (asked) or failed,
@@ -89,6 +95,8 @@ FORGET_STOPPED_S = 3600.0
 ADMIN_OWNER = "admin"
 """The owner of the admin key ``tensora serve`` creates on first start."""
 ENDED = ("stopped", "failed")
+REPLICA_ENV = "TENSORA_REPLICA"
+"""A process replica's id in its environment: how a driver finds a process a crash left unrecorded."""
 
 
 class Isolation(StrEnum):
@@ -100,6 +108,18 @@ class Isolation(StrEnum):
     """As processes of Tensora's user: the operator chose it (``isolation: none``)."""
     ADMIN_ONLY = "admin-only"
     """This host cannot sandbox and the operator chose nothing: only the admin owner's replicas run."""
+
+
+PORTABLE = "tensora-transformers"
+"""The runtime installed for an endpoint that finds none: every kind's fallback (CPU, CUDA, MPS)."""
+
+
+class _Installing(Exception):
+    """The endpoint's runtime is installing in the background: the replica waits (the message says how far)."""
+
+    def __init__(self, runtime: str, progress: str) -> None:
+        super().__init__(progress or f"installing runtime {runtime}")
+        self.runtime = runtime
 
 
 def free_port() -> int:
@@ -168,11 +188,15 @@ class LocalDriver:
                  isolation: Isolation | str = Isolation.SANDBOX, allow_host_ports: Sequence[int] = (),
                  runc: Runc | None = None, files_root: Path | None = None,
                  shared_models: Mapping[str, Path] | None = None,
-                 nvidia_driver: Sequence[str | Path] = ()) -> None:
+                 nvidia_driver: Sequence[str | Path] = (), auto_install: bool = False,
+                 installer: runtimes.Installer = runtimes.install) -> None:
         data_dir = Path(data_dir)
         self.files_root = Path(files_root) if files_root is not None else data_dir / "files"
         self.shared_models = {name: Path(path) for name, path in (shared_models or {}).items()}
         self.runtimes = runtimes_dir or runtimes.runtimes_dir(data_dir)
+        self.auto_install = auto_install
+        self.installs = runtimes.Background(self.runtimes, installer)
+        self._waiting: dict[str, ReplicaSpec] = {}  # replicas waiting for their runtime's install
         self.root = _private_dir(data_dir / "replicas")
         self.oom_kills = 0  # processes of sandboxes killed for their memory limit, seen by this process (metrics)
         self.replica_secret = replicakeys.ensure_secret(data_dir)
@@ -193,6 +217,7 @@ class LocalDriver:
         if self.isolation is Isolation.SANDBOX or any(m.get("sandbox") for m in self._metas()):
             _private_dir(sandboxes)
             self._adopt()
+        self._adopt_processes()
 
     # -- the driver protocol -------------------------------------------------------------
 
@@ -202,7 +227,9 @@ class LocalDriver:
     def start(self, spec: ReplicaSpec) -> ReplicaStatus:
         # 1. idempotent: a replica already starting or running is left as it is
         meta = self._read(spec.id)
-        if meta is not None and meta["state"] not in ENDED:
+        if meta is not None and meta["state"] not in ENDED and not meta.get("installing"):
+            return self._status(meta)
+        if meta is not None and meta.get("installing") and spec.id in self._waiting:
             return self._status(meta)
         _private_dir(self.root / spec.id)
         sandboxed = self.isolation is Isolation.SANDBOX
@@ -215,6 +242,11 @@ class LocalDriver:
         # 2. what it runs and sees; a replica that cannot start fails with the reason
         try:
             launch, devices = self._launch(spec, meta, sandboxed)
+        except _Installing as exc:  # no process yet: ``observe`` starts it once its runtime is installed
+            self._waiting[spec.id] = spec
+            meta.update(installing=exc.runtime, detail=str(exc), gpus=[], cpuset=[])
+            self._write(meta)
+            return self._status(meta)
         except (plan.LaunchError, ImageRefused, ModelFileError, OSError) as exc:
             # a missing runtime, a refused image or model: placing it again fails the same way
             permanent = isinstance(exc, ImageRefused | ModelFileError) or getattr(exc, "permanent", False)
@@ -245,7 +277,8 @@ class LocalDriver:
         out = os.open(self.root / meta["id"] / "out.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:  # a session of its own: it outlives the server
             proc = subprocess.Popen(launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=dict(launch.env), cwd=launch.cwd, start_new_session=True)
+                                    env={**launch.env, REPLICA_ENV: meta["id"]}, cwd=launch.cwd,
+                                    start_new_session=True)
         except OSError as exc:
             return f"could not start {launch.argv[0]}: {exc}"
         finally:
@@ -353,6 +386,10 @@ class LocalDriver:
                   sandboxed: bool) -> plan.Launch:
         kind = "metal" if (cls.gpu_model or "").upper().endswith("METAL") else ("cpu" if cls.is_cpu else "gpu")
         runtime = runtimes.choose(self.runtimes, kind)
+        if runtime is None and self.auto_install:
+            name = PORTABLE
+            self.installs.want(name)
+            raise _Installing(name, self.installs.state(name)[1])
         if runtime is None:
             raise plan.LaunchError(f"no model runtime is installed for {kind} endpoints in {self.runtimes}: "
                                    "tensora runtime install tensora-transformers", permanent=True)
@@ -520,7 +557,24 @@ class LocalDriver:
                     meta.update(pid=handle.pid, proc_start=_proc_start(handle.pid))
                     self._write(meta)
 
+    def _adopt_processes(self) -> None:
+        """After a restart: the process of a replica whose start was cut short before its pid was recorded (it
+        leads a session of its own and carries its id in ``TENSORA_REPLICA``) is adopted."""
+        unrecorded = {m["id"]: m for m in self._live_metas()
+                      if not m.get("sandbox") and m["pid"] is None and not m.get("installing")}
+        if not unrecorded:
+            return
+        for pid, replica_id in _replica_processes().items():
+            meta = unrecorded.get(replica_id)
+            if meta is not None and meta["pid"] is None:
+                log.warning("adopting replica %s: its process %d started, its record was cut short", replica_id, pid)
+                meta.update(pid=pid, proc_start=_proc_start(pid))
+                self._write(meta)
+
     def _refresh(self, meta: dict[str, Any], now: float) -> None:
+        if meta.get("installing"):
+            self._install_step(meta)
+            return
         ended = self._ended(meta)
         if ended is not None:
             stopped = meta["stop_requested_at"] is not None
@@ -541,6 +595,31 @@ class LocalDriver:
         if meta["state"] == "starting" and self._ready(meta):
             meta["state"] = "running"
             self._write(meta)
+
+    def _install_step(self, meta: dict[str, Any]) -> None:
+        """A replica waiting for its runtime: its install's progress, its failure, or its start once installed."""
+        spec = self._waiting.get(meta["id"])
+        if meta["stop_requested_at"] is not None or spec is None:  # asked to stop, or this driver restarted
+            self._waiting.pop(meta["id"], None)
+            stopped = meta["stop_requested_at"] is not None
+            meta.update(state="stopped" if stopped else "failed", installing=None, ended_at=time.time(),
+                        detail="stopped" if stopped else "its runtime's install was cut short (Tensora restarted)")
+            self._write(meta)
+            return
+        state, why = self.installs.state(meta["installing"])
+        if state == "installing":
+            if why != meta["detail"]:
+                meta["detail"] = why
+                self._write(meta)
+            return
+        if state == "failed":
+            del self._waiting[meta["id"]]
+            self._fail(meta | {"installing": None}, why or f"installing runtime {meta['installing']} failed",
+                       permanent=True)
+        else:
+            self.start(self._waiting.pop(meta["id"]))
+        meta.clear()
+        meta.update(self._read(spec.id) or {})
 
     def _ended(self, meta: dict[str, Any]) -> str | None:
         """None while the replica runs; once it ended, why (its sandbox deleted by then)."""
@@ -668,7 +747,8 @@ class LocalDriver:
 
     def _status(self, meta: dict[str, Any]) -> ReplicaStatus:
         return ReplicaStatus(meta["id"], meta["workload_id"], meta["cls"], meta["node"], ReplicaState(meta["state"]),
-                             meta["url"], meta["detail"], meta.get("served_model"), bool(meta.get("permanent")))
+                             meta["url"], meta["detail"], meta.get("served_model"),
+                             bool(meta.get("permanent")), meta["detail"] if meta.get("installing") else "")
 
     def access(self, replica_id: str) -> dict[str, Any]:
         """What a user needs to reach the replica (notebook URL, VM console and QMP socket)."""
@@ -728,6 +808,26 @@ def _proc_start(pid: int) -> int | None:
     except OSError:
         return None
     return int(line.rpartition(")")[2].split()[19])
+
+
+def _replica_processes() -> dict[int, str]:
+    """Session leaders of this user started as a replica's process (``TENSORA_REPLICA`` in their environment):
+    pid to replica id. A leader's children inherit the variable but not the session."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rpartition(")")[2].split()[3]) != int(entry.name):
+                continue  # not a session leader
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        prefix = f"{REPLICA_ENV}=".encode()
+        for var in environ:
+            if var.startswith(prefix):
+                found[int(entry.name)] = var[len(prefix):].decode(errors="replace")
+    return found
 
 
 def _proc_state(pid: int) -> str | None:

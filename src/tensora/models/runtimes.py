@@ -16,14 +16,17 @@ that fixed path.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import venv
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,6 +168,24 @@ def install(root: Path, name: str, extra_pip_args: Sequence[str] = (), log: obje
     d = env_dir(root, name)
     if installed(root, name):
         return d
+    with install_lock(root):
+        return d if installed(root, name) else _install(root, runtime, extra_pip_args, log, progress)
+
+
+@contextlib.contextmanager
+def install_lock(root: Path) -> Iterator[None]:
+    """One install at a time per runtimes dir, across processes (``tensora up``'s, ``tensora runtime install``):
+    two pips in one venv break it."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".install.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _install(root: Path, runtime: Runtime, extra_pip_args: Sequence[str], log: object,
+             progress: Callable[[str], None] | None) -> Path:
+    name = runtime.name
+    d = env_dir(root, name)
     tell = progress or (lambda _line: None)
     d.mkdir(parents=True, exist_ok=True)
     tell(f"creating the environment {d / 'venv'}")
@@ -202,3 +223,68 @@ def install(root: Path, name: str, extra_pip_args: Sequence[str] = (), log: obje
                                                   "constraints": lock.name if pinned else None,
                                                   "seconds": round(time.time() - started, 1)}) + "\n")
     return d
+
+
+Installer = Callable[..., Path]
+""":func:`install`'s signature: ``(root, name, log=..., progress=...)``."""
+STEPS = 3
+"""An install's steps as a reason shows them: its environment, its packages (pip collects), unpacking them."""
+
+
+def step(line: str) -> tuple[int, str]:
+    """An :func:`install` progress line as (step, what): ``[3/57] torch==2.13.0`` -> (2, ``torch 2.13.0``)."""
+    if line.startswith("creating the environment"):
+        return 1, "its Python environment"
+    if line.startswith("["):
+        return 2, line.partition("] ")[2].replace("==", " ")
+    if line.startswith("unpacking"):
+        return 3, line
+    return 2, line.removeprefix("installing ").split(" (")[0].replace("==", " ")
+
+
+class Background:
+    """Runtimes installed in the background for the local driver, one at a time (:func:`install_lock`): the
+    first endpoint needing one starts its install and waits; :meth:`state` says how far it is, or why it
+    failed (with the installer's last lines). A failed install is tried again by the next :meth:`want`."""
+
+    def __init__(self, root: Path, installer: Installer = install) -> None:
+        self.root, self.installer = root, installer
+        self._lock, self._one = threading.Lock(), threading.Lock()
+        self._state: dict[str, tuple[str, str]] = {}  # name -> ("installing" | "failed", reason)
+
+    def want(self, name: str) -> None:
+        with self._lock:
+            if self._state.get(name, ("failed", ""))[0] != "failed":
+                return
+            self._state[name] = ("installing", f"installing runtime {name}: waiting for another install")
+        threading.Thread(target=self._run, args=(name,), name=f"install-{name}", daemon=True).start()
+
+    def state(self, name: str) -> tuple[str, str]:
+        """("installing", progress), ("failed", why) or ("installed", "")."""
+        with self._lock:
+            return self._state.get(name, ("installed", "") if installed(self.root, name) else ("failed", ""))
+
+    def _run(self, name: str) -> None:
+        tail: deque[str] = deque(maxlen=5)
+
+        def tell(line: str) -> None:
+            n, what = step(line)
+            with self._lock:
+                self._state[name] = ("installing", f"installing runtime {name}: {what} (step {n} of {STEPS})")
+
+        class Tail:
+            def write(self, line: str) -> None:
+                if line.strip():
+                    tail.append(line.strip())
+
+        try:  # one at a time here, and install() takes the install lock against other processes' installs
+            with self._one:
+                self.installer(self.root, name, log=Tail(), progress=tell)
+        except Exception as exc:  # any failure is the install's: reported, never raised in a thread
+            last = " | ".join(tail)
+            with self._lock:
+                self._state[name] = ("failed", f"installing runtime {name} failed: {exc}"
+                                     + (f"; its last lines: {last}" if last else ""))
+            return
+        with self._lock:
+            del self._state[name]

@@ -385,12 +385,12 @@ def test_chat_tells_placed_on_cpu_apart_from_failed_over(cli: Cli) -> None:
             tables[0] = table(replica("rp_gpu", backends.url("gpu")), replica(rid, backends.url("cpu"), cpu=True))
             r = cli("chat", "talk", "-m", "hi", "--max-tokens", "4", TENSORA_GATEWAY_URL=gateway)
             assert (f"another backend answered: the endpoint's own replica {rid} (placed on {cls}, a CPU fallback: "
-                    "no l40s-48gb was free), after talk/rp_gpu failed (HTTP 500)") in r.stderr, r.stderr
+                    "no l40s-48gb was free), after talk/rp_gpu failed twice (HTTP 500)") in r.stderr, r.stderr
 
             # every backend failing: the error says what was tried
             backends.mode("cpu", "http_503")
             r = cli("chat", "talk", "-m", "hi", TENSORA_GATEWAY_URL=gateway, code=1)
-            assert "503" in r.stderr and "talk/rp_gpu failed (HTTP 500)" in r.stderr, r.stderr
+            assert "503" in r.stderr and "talk/rp_gpu failed twice (HTTP 500)" in r.stderr, r.stderr
     finally:
         backends.close()
         cli("workloads", "delete", ep["id"])

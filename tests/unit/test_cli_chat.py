@@ -62,6 +62,10 @@ CASES = {
         answered("cpu", "chat/rp_g:http_502,chat/rp_g:reset,chat/rp_c:ok", fallback=True), Verdict.FAILOVER,
         "another backend answered: the endpoint's own replica rp_c (placed on a CPU class, a CPU fallback: no GPU "
         "of its class was free), after chat/rp_g failed (HTTP 502, then connection reset)"),
+    "a replica failing the same way twice, then another: named once, twice": Case(
+        answered("cpu", "chat/rp_g:http_500,chat/rp_g:http_500,chat/rp_c:ok", fallback=True), Verdict.FAILOVER,
+        "another backend answered: the endpoint's own replica rp_c (placed on a CPU class, a CPU fallback: no GPU "
+        "of its class was free), after chat/rp_g failed twice (HTTP 500)"),
     "the serverless pool after a timeout and a skipped replica": Case(
         answered("serverless", "chat/rp_1:timeout,chat/rp_2:breaker_open,llama-8b/rp_s:ok", fallback=True,
                  model="llama-8b"), Verdict.FAILOVER,

@@ -146,7 +146,8 @@ def _backend(a: Answered, served: Attempt, placement: Placement | None) -> tuple
 
 def failures(attempts: tuple[Attempt, ...]) -> str:
     """The attempts that did not answer, in words, in order: ``a failed (x), b was skipped (y)``; a backend tried
-    again at once (the gateway's one retry of a tier's only replica) is named once: ``a failed (x, then y)``."""
+    again at once (the gateway's one retry of a tier's only replica) is named once: ``a failed (x, then y)``, or
+    ``a failed twice (x)``."""
     said: list[tuple[str, list[Attempt]]] = []
     for x in attempts:
         if x.outcome == OK:
@@ -156,8 +157,15 @@ def failures(attempts: tuple[Attempt, ...]) -> str:
             said[-1][1].append(x)
         else:
             said.append((x.backend, [x]))
-    return ", ".join(xs[0].said if len(xs) == 1 else f"{b} failed ({', then '.join(x.why for x in xs)})"
-                     for b, xs in said)
+    return ", ".join(xs[0].said if len(xs) == 1 else f"{b} failed {_whys(xs)}" for b, xs in said)
+
+
+def _whys(xs: list[Attempt]) -> str:
+    """A backend's failures in a row: ``(x, then y)``, or ``twice (x)`` when they were the same."""
+    whys = [x.why for x in xs]
+    if len(set(whys)) == 1:
+        return f"{'twice' if len(whys) == 2 else f'{len(whys)} times'} ({whys[0]})"
+    return f"({', then '.join(whys)})"
 
 
 def explain(a: Answered, placement: Placement | None = None) -> Explained:

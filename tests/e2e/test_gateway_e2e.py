@@ -54,6 +54,15 @@ def _replica_pids(data: Path) -> list[int]:
     return pids
 
 
+def _all_ended(data: Path) -> bool:
+    """Every replica the local driver recorded has ended (stopped or failed)."""
+    states = []
+    for f in (data / "replicas").glob("*/replica.json"):
+        with contextlib.suppress(OSError, ValueError):
+            states.append(json.loads(f.read_text()).get("state"))
+    return all(s in ("stopped", "failed") for s in states)
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -179,6 +188,10 @@ def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_a
         assert len(seen) == expected and sum(r["completion_tokens"] for r in rows) == sum(seen)
         chat(key, gw_port)  # last, so that its requests do not touch the counts above
         assert c.delete(f"/v1/workloads/{ep['id']}").status_code == 204
+        deadline = time.monotonic() + 30  # the controller stops the replica (its sandbox and network with it)
+        while not _all_ended(data):
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
         c.close()
     finally:
         if gw is not None:
@@ -187,3 +200,6 @@ def test_the_gateway_serves_a_real_model_and_keeps_serving_without_the_control_a
         for p in set(pids) | set(_replica_pids(data)):  # what a failure left running too
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p, signal.SIGKILL)
+        for f in (data / "sandboxes").glob("bundles/*/pasta.pid"):  # a sandbox's network outlives its processes
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(f.read_text().split()[0]), signal.SIGKILL)

@@ -67,11 +67,12 @@ def test_backoff_doubles_to_five_minutes_skips_admission_and_resets_after_ten_mi
         assert w.reason.startswith(f"failed {n} time{'s' if n > 1 else ''}: exit code {n}; next try at ")
         # admission leaves it alone until the next try, with the capacity free
         clock.advance(waits[-1] - 1)
-        c.run_once()
+        report = c.run_once()
         assert get(db, ep).state == "queued" and not replicas(db, ep)
+        assert report.backing_off == 1  # the crash loop the metrics show
         clock.advance(1)
-        c.run_once()
-        assert get(db, ep).state == "starting"
+        report = c.run_once()
+        assert get(db, ep).state == "starting" and report.backing_off == 0
     assert waits == [10, 20, 40, 80, 160, 300, 300, 300]
     crash_loop = [x for x in view(db, ep)["conditions"] if x["type"] == "crash_loop"]
     assert crash_loop == [{"type": "crash_loop", "reason": "back_off", "count": 8,

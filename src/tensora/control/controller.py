@@ -96,6 +96,8 @@ class CycleReport:
     """Deleted workloads whose storage the driver gave back this cycle."""
     decisions: Sequence[Decision] = ()
     """The admission's, for the metrics."""
+    backing_off: int = 0
+    """Queued replicas waiting out a crash-loop back-off (admission does not see them until then)."""
     pruned: int = 0
     """Ended replicas the driver forgot this cycle (past the retention)."""
 
@@ -248,6 +250,7 @@ class Controller:
         self._step("decide")
         # 5. decide: the pure admission decision
         decisions = report.decisions = decide(snap.queue, snap.capacity, snap.running, now, self.policy, quotas)
+        report.backing_off = sum(1 for q in snap.queue if q.not_before > now)
         self._step("apply")
         # 6. apply: record intents (fenced, one transaction, each conditional on the state the
         #    snapshot saw: a workload stopped meanwhile is left alone), then tell the driver;

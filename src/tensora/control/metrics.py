@@ -53,6 +53,7 @@ class ControllerMetrics:
         self.leader: dict[str, int] = {}
         self.queue: dict[str, dict[tuple[str, str], int]] = {}  # region -> (class, kind) -> waiting
         self.restarts_offered: dict[str, int] = {}
+        self.crash_loops: dict[str, int] = {}  # region -> replicas waiting out a back-off
         self.placed = _Hist(PLACED_BUCKETS)  # region, outcome (requested, fallback)
         self.fallbacks: dict[tuple[str, str, str], int] = {}  # region, requested, placed
         self.moves_started: dict[tuple[str, str, str], int] = {}  # region, from, to
@@ -72,7 +73,9 @@ class ControllerMetrics:
             if not leader:  # a standby knows no queue: its gauges say nothing rather than something stale
                 self.queue.pop(region, None)
                 self.restarts_offered.pop(region, None)
+                self.crash_loops.pop(region, None)
                 return
+            self.crash_loops[region] = int(getattr(report, "backing_off", 0))
             for d in decisions:
                 if isinstance(d, Wait):
                     k = (d.workload.gpu_class, str(d.workload.kind))
@@ -117,6 +120,7 @@ class ControllerCollector(Collector):
             leader = dict(m.leader)
             queue = {r: dict(q) for r, q in m.queue.items()}
             offered = dict(m.restarts_offered)
+            loops = dict(m.crash_loops)
             fallbacks, started = dict(m.fallbacks), dict(m.moves_started)
             finished, failures = dict(m.moves_finished), dict(m.failures)
             placed = m.placed.family("tensora_controller_time_to_placement_seconds", "From a workload's creation "
@@ -138,6 +142,11 @@ class ControllerCollector(Collector):
         g = GaugeMetricFamily("tensora_controller_restarts_offered", "Notebooks and VMs on a fallback class that "
                               "could restart on their requested class now", labels=["region"])
         for region, n in offered.items():
+            g.add_metric([region], n)
+        yield g
+        g = GaugeMetricFamily("tensora_controller_crash_loops", "Workload replicas waiting out a crash-loop back-off "
+                              "(their replicas kept failing) after the last cycle", labels=["region"])
+        for region, n in loops.items():
             g.add_metric([region], n)
         yield g
         yield placed

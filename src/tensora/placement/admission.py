@@ -304,8 +304,8 @@ def run_cycle(
     """The passes of :func:`decide` over a queue already in priority order, taking from ``cap`` itself.
 
     Apart so that a state kept across cycles (:mod:`tensora.admission_state`) can run them over the
-    regions that changed, with the global order and each owner's ``held`` it keeps itself."""
-    ordered = [w for w in ordered if w.not_before <= now]  # backing off (a kept state's queue): not a candidate
+    regions that changed, with the global order and each owner's ``held`` it keeps itself. ``ordered`` holds
+    no workload backing off (``not_before`` past ``now``): the caller leaves those out, once."""
     ledger = _Ledger(quotas, running, cap.catalog)
     waiting_for: dict[tuple[str, str], int] = {}
 

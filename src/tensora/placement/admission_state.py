@@ -332,7 +332,8 @@ class AdmissionState:
         """``decide``'s passes over ``regions``, widened until no owner with a quota there takes
         capacity while it has workloads in a region outside (its quota use spans regions)."""
         while True:
-            queued = [w for r in regions for w in self.by_region.get(r, {}).values()]
+            queued = [w for r in regions for w in self.by_region.get(r, {}).values()
+                      if w.not_before <= now]  # one backing off is not a candidate yet
             queued.sort(key=self._order_key)
             movers = [m for r in regions for m in self.movers.get(r, {}).values()]
             cap = self.cap.copy()

@@ -32,6 +32,7 @@ from tensora.placement.admission_state import (
     Event,
     NodeAdded,
     NodeRemoved,
+    OwnerHeld,
     QuotaChanged,
     ReplicaEnded,
     ReplicaPlaced,
@@ -390,3 +391,20 @@ def test_a_turn_changed_in_one_region_re_decides_the_other(first: list[Event], t
     check_cycle(world, state, then, 602)
     check_cycle(world, state, [], 603)
     assert "Z" in state.running
+
+
+def test_an_owners_held_figure_from_the_store_is_its_quota_use() -> None:
+    """A starting replica holds quota but is no running record: the store's count (``OwnerHeld``) is what the
+    state checks the quota against, as ``decide`` does with ``OwnerQuotas.held``; its own places add to it."""
+    nodes = {"g1": gpu_node("g1"), "g2": gpu_node("g2")}
+    quotas = OwnerQuotas(Quotas(running_gpus=1))
+    state = AdmissionState(nodes.values(), [], CATALOG, POLICY, quotas)
+    state, got = step(state, [Submitted(w("a1", owner="a", since=1)), OwnerHeld("a", 1.0, 0.0)], 10)
+    want = decide([w("a1", owner="a", since=1)], Capacity(nodes.values(), [], CATALOG), [], 10, POLICY,
+                  replace(quotas, held={"a": (1.0, 0.0)}))
+    assert got == want
+    assert got[0].reason == "waiting for l40s-48gb (owner quota: 1 of 1 GPU in use); no fallback accepted"
+    state, got = step(state, [OwnerHeld("a", 0.0, 0.0)], 11)  # the starting replica was stopped
+    assert [(type(d), d.workload.id) for d in got] == [(Place, "a1")]
+    state, got = step(state, [Submitted(w("a2", owner="a", since=2))], 12)  # a1's place counts
+    assert got[0].reason == "waiting for l40s-48gb (owner quota: 1 of 1 GPU in use); no fallback accepted"

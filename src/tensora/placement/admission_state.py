@@ -114,11 +114,24 @@ class QuotaChanged:
     quota: Quotas | None
 
 
+@dataclass(frozen=True, slots=True)
+class OwnerHeld:
+    """What an owner's replicas hold now in every region, as (GPUs, vCPUs of CPU classes), starting and
+    stopping ones too: the store's count (``OwnerQuotas.held``), which a running record cannot see. From
+    then on the owner's quota use is this figure, plus what this state's own decisions place, until the
+    next ``OwnerHeld``. Send it after the other events of a step (they may change the running records)."""
+
+    owner: str
+    gpus: float
+    cpu: float
+
+
 Key = tuple[float, str]  # a queued workload's (queued_since, id): its place among its owner's
 LOW: Key = (-math.inf, "")
 HIGH: Key = (math.inf, "")
 
-Event = Submitted | Started | Stopped | ReplicaPlaced | ReplicaEnded | NodeAdded | NodeRemoved | QuotaChanged
+Event = (Submitted | Started | Stopped | ReplicaPlaced | ReplicaEnded | NodeAdded | NodeRemoved | QuotaChanged
+         | OwnerHeld)
 
 
 def running_from(p: Place) -> Running:
@@ -306,6 +319,10 @@ class AdmissionState:
                 self._node(node.name, node)
             case NodeRemoved(name):
                 self._node(name, None)
+            case OwnerHeld(owner, gpus, cpu):
+                self.use[owner] = [gpus, cpu]
+                if self._quota_of(owner) is not None:
+                    self.touched.add(owner)
             case QuotaChanged(owner, quota):
                 if owner is None:
                     self.default_quota = quota

@@ -36,8 +36,8 @@ first (``queued_since``), then id. Without it, plain FIFO by ``queued_since``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from tensora.placement.capacity import Capacity
@@ -155,7 +155,7 @@ def share(cls: ComputeClass) -> tuple[float, float]:
     return (0.0, cls.cpu) if cls.is_cpu else (float(cls.gpu_count), 0.0)
 
 
-class _Ledger:
+class Ledger:
     """What each owner holds as this cycle's decisions are made, checked against its quotas."""
 
     def __init__(self, quotas: OwnerQuotas | None, running: Sequence[Running], catalog: Catalog) -> None:
@@ -187,6 +187,16 @@ class _Ledger:
                 return Attempt(cls.name, Outcome.OWNER_QUOTA, use[i], need, unit, entry,
                                _quota_text(use[i], limit, need, unit))
         return None
+
+    def recount(self, owner: str, a: Attempt) -> Attempt:
+        """An ``OWNER_QUOTA`` attempt with the owner's use now."""
+        quota = self.quotas.by_owner.get(owner, self.quotas.default) if self.quotas is not None else None
+        if quota is None:
+            return a
+        i = 0 if a.unit == "GPU" else 1
+        limit = (quota.running_gpus, quota.running_cpu)[i]
+        used = self.use.get(owner, [0.0, 0.0])[i]
+        return replace(a, free=used, detail=_quota_text(used, limit, a.need, a.unit))
 
     def add(self, owner: str, cls: ComputeClass, replaces: ComputeClass | None = None) -> None:
         if self.quotas is None:
@@ -300,14 +310,27 @@ def run_cycle(
     now: float,
     policy: Policy,
     quotas: OwnerQuotas | None,
+    also_waiting: Mapping[tuple[str, str], int] | None = None,
+    counted: dict[tuple[str, str], int] | None = None,
+    after_first: Callable[[], None] | None = None,
+    movers: Callable[[], Sequence[Running]] | None = None,
 ) -> list[Decision]:
     """The passes of :func:`decide` over a queue already in priority order, taking from ``cap`` itself.
 
-    Apart so that a state kept across cycles (:mod:`tensora.admission_state`) can run them over the
-    regions that changed, with the global order and each owner's ``held`` it keeps itself. ``ordered`` holds
-    no workload backing off (``not_before`` past ``now``): the caller leaves those out, once."""
-    ledger = _Ledger(quotas, running, cap.catalog)
+    Apart so that a state kept across cycles (:mod:`tensora.admission_state`) can run them over the part of
+    a queue that could change, with the global order and each owner's ``held`` it keeps itself. ``ordered``
+    holds no workload backing off (``not_before`` past ``now``): the caller leaves those out, once.
+    ``also_waiting``: requesters left out of ``ordered`` that wait for their class (by region and class);
+    they come after every requester of that class in ``ordered``, so they hold no node, but they hold their
+    class against fallbacks like the others. ``counted``, when given, receives the requesters waiting for
+    each class after the first pass (what held classes from fallbacks); ``after_first`` is called then, when
+    ``cap`` holds what is left for fallbacks and move-backs (with the nodes held for queue heads). ``movers``,
+    when given, names the running workloads the third pass tries to move back, asked for after the second
+    (``running`` is then only what quota use is counted from, where ``quotas.held`` does not say)."""
+    ledger = Ledger(quotas, running, cap.catalog)
     waiting_for: dict[tuple[str, str], int] = {}
+    full: set[tuple[str, str]] = set()  # (region, class) where find found nothing this cycle
+    seen: dict[tuple[str, int, str], list[ComputeClass] | Attempt] = {}  # the word cpu, expanded
 
     # 1. requested class first, for everyone
     pending: list[_Pending] = []
@@ -324,7 +347,8 @@ def run_cycle(
             state.attempts.append(over)
             pending.append(state)
             continue
-        node = cap.find(w.region, cls)
+        key = (w.region, cls.name)
+        node = None if key in full else cap.find(w.region, cls)
         if node is not None:
             cap.take(node, cls)
             ledger.add(w.owner, cls)
@@ -337,11 +361,18 @@ def run_cycle(
             state.attempts.append(Attempt(cls.name, Outcome.NO_NODE))
         else:
             state.attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit))
-        key = (w.region, cls.name)
+        full.add(key)  # capacity only shrinks within a cycle: no later workload fits this class here
         if not waiting_for.get(key) and now - w.queued_since >= policy.starvation_after_s:
             cap.hold(w.region, cls)
         waiting_for[key] = waiting_for.get(key, 0) + 1
         pending.append(state)
+
+    for key, n in (also_waiting or {}).items():
+        waiting_for[key] = waiting_for.get(key, 0) + n
+    if counted is not None:
+        counted.update(waiting_for)
+    if after_first is not None:
+        after_first()
 
     # 2. fallback lists, for those whose timer has run out
     waits: dict[str, Wait] = {}
@@ -353,8 +384,8 @@ def run_cycle(
                 state.attempts.append(Attempt(entry, Outcome.NOT_ELIGIBLE_YET, entry=entry))
             waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
             continue
-        result = _try_list(cap, w, w.fallback, state.attempts, waiting_for, policy, ledger, take=True,
-                           skip={w.gpu_class})
+        result = _try_list(cap, w, w.fallback, state.attempts, waiting_for, full, seen, policy, ledger,
+                           take=True, skip={w.gpu_class})
         if result is None:
             waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
         else:
@@ -365,12 +396,16 @@ def run_cycle(
     decisions: list[Decision] = []
     for w in ordered:
         decisions.append(placed.get(w.id) or waits[w.id])
+    # each owner's quota use as its records will say next cycle: a move back's new replica replaces the old one
+    # only when the move ends, so what pass 3 counts is not kept
+    use = Ledger(quotas, (), cap.catalog)
+    use.use = {o: list(u) for o, u in ledger.use.items()}
 
     # 3. move back: endpoints are promoted, notebooks and VMs are offered a restart
-    for r in sorted(running, key=lambda r: r.id):
+    for r in sorted(movers() if movers is not None else running, key=lambda r: r.id):
         if not r.on_fallback or r.moving:
             continue
-        targets = _preferred_over(r)
+        targets = preferred_over(r)
         if not targets:
             continue
         attempts: list[Attempt] = []
@@ -378,8 +413,8 @@ def run_cycle(
             r.id, r.kind, r.gpu_class, r.owner, r.region, r.fallback, 0.0, 0.0, r.model_params, r.model_bytes
         )
         is_endpoint = r.kind == WorkloadKind.ENDPOINT
-        result = _try_list(cap, as_queued, targets, attempts, waiting_for, policy, ledger, take=is_endpoint,
-                           skip={r.placed_class}, replaces=cap.catalog.get(r.placed_class))
+        result = _try_list(cap, as_queued, targets, attempts, waiting_for, full, seen, policy, ledger,
+                           take=is_endpoint, skip={r.placed_class}, replaces=cap.catalog.get(r.placed_class))
         if result is None:
             continue
         cls, node = result
@@ -387,7 +422,57 @@ def run_cycle(
             decisions.append(Promote(r, cls.name, cap.nodes[node].name, tuple(attempts)))
         else:
             decisions.append(RestartAvailable(r, cls.name, tuple(attempts)))
-    return decisions
+    # 4. a wait says what holds now: the region's figures after this cycle's places and promotes; a requester
+    #    placed on a fallback waits no longer (until now it held its class from fallbacks and move-backs)
+    for d in placed.values():
+        key = (d.workload.region, d.workload.gpu_class)
+        if d.fallback and d.attempts[0].outcome in _WAITED and waiting_for.get(key):
+            waiting_for[key] -= 1
+    recount = Recount(cap, use, waiting_for)
+    return [recount.wait(d) if type(d) is Wait else d for d in decisions]
+
+
+_WAITED = (Outcome.NO_CAPACITY, Outcome.NO_NODE)
+"""A requested class failed for want of room: the workload counts as one of that class's waiting requesters."""
+
+
+class Recount:
+    """A wait's figures as of the end of a cycle: the free GPUs or vCPUs of each class it found full, the
+    requesters still waiting for each class held from it, its owner's quota use.
+
+    Within a cycle those figures move as workloads are placed; a wait shows the last of them, so every wait
+    of a region (and of an owner) shows the same, and a state kept across cycles
+    (:mod:`tensora.placement.admission_state`) can keep its waits and recount them when a figure moves."""
+
+    def __init__(self, cap: Capacity, ledger: Ledger, waiting_for: Mapping[tuple[str, str], int]) -> None:
+        self.cap, self.ledger, self.waiting_for = cap, ledger, waiting_for
+        self.done: dict[tuple[Attempt, str, str], Attempt] = {}
+
+    def wait(self, d: Wait) -> Wait:
+        w = d.workload
+        attempts = tuple([self.attempt(a, w.region, w.owner) for a in d.attempts])
+        return d if attempts == d.attempts else Wait(w, attempts, d.fallback_eligible_at, d.now)
+
+    def attempt(self, a: Attempt, region: str, owner: str) -> Attempt:
+        outcome = a.outcome
+        if outcome is not Outcome.NO_CAPACITY and outcome is not Outcome.HELD_FOR_REQUESTERS \
+                and outcome is not Outcome.OWNER_QUOTA:
+            return a
+        key = (a, region, owner if outcome is Outcome.OWNER_QUOTA else "")
+        done = self.done.get(key)
+        if done is None:
+            done = self.done[key] = self._recount(a, region, owner)
+        return done
+
+    def _recount(self, a: Attempt, region: str, owner: str) -> Attempt:
+        if a.outcome is Outcome.HELD_FOR_REQUESTERS:
+            return replace(a, detail=f"{self.waiting_for.get((region, a.cls), 0)} waiting")
+        cls = self.cap.catalog.get(a.cls)
+        if cls is None:
+            return a
+        if a.outcome is Outcome.NO_CAPACITY:
+            return replace(a, free=self.cap.free(region, cls).free)
+        return self.ledger.recount(owner, a)
 
 
 def _priority_order(queue: Iterable[Queued], running: Sequence[Running], policy: Policy) -> list[Queued]:
@@ -406,7 +491,7 @@ def _priority_order(queue: Iterable[Queued], running: Sequence[Running], policy:
     return [t[3] for t in ranked]
 
 
-def _preferred_over(r: Running) -> tuple[str, ...]:
+def preferred_over(r: Running) -> tuple[str, ...]:
     """The requested class and the list entries before the one ``r`` is placed on."""
     if r.placed_class in r.fallback:
         return (r.gpu_class, *r.fallback[: r.fallback.index(r.placed_class)])
@@ -415,20 +500,31 @@ def _preferred_over(r: Running) -> tuple[str, ...]:
     return (r.gpu_class,)
 
 
-def _expand(entry: str, w: Queued, cap: Capacity, policy: Policy) -> list[ComputeClass] | Attempt:
-    """The concrete classes an entry stands for, in the order to try them, or why none."""
+def _expand(entry: str, w: Queued, cap: Capacity, policy: Policy,
+            seen: dict[tuple[str, int, str], list[ComputeClass] | Attempt]) -> list[ComputeClass] | Attempt:
+    """The concrete classes an entry stands for, in the order to try them, or why none (``seen``: this
+    cycle's answers for the word ``cpu``, which depend on the region, the memory needed and the class asked)."""
     catalog = cap.catalog
     if entry != CPU_WORD:
         cls = catalog.get(entry)
         return [cls] if cls is not None else Attempt(entry, Outcome.UNKNOWN_CLASS, entry=entry)
-    # "cpu": the CPU classes big enough for the workload, nearest to what it asked for first.
     need_mem = policy.cpu_memory_needed(w.model_bytes) if w.kind == WorkloadKind.ENDPOINT else 0
+    key = (w.region, need_mem, w.gpu_class)
+    found = seen.get(key)
+    if found is None:
+        found = seen[key] = _expand_cpu(w, need_mem, cap)
+    return found
+
+
+def _expand_cpu(w: Queued, need_mem: int, cap: Capacity) -> list[ComputeClass] | Attempt:
+    """The word ``cpu``: the CPU classes big enough for the workload, nearest to what it asked for first."""
+    catalog = cap.catalog
     fitting = [c for c in catalog.cpu_classes if c.memory >= need_mem]
     # only the classes some node here could ever host (a 2-core machine runs none of 4 cores); a region with
     # no node at all keeps them all (unhostable is False there), so its wait still names what it needs
     hostable = [c for c in fitting if not cap.unhostable(w.region, c)]
     if fitting and not hostable:
-        return Attempt(CPU_WORD, Outcome.NO_NODE, entry=entry)
+        return Attempt(CPU_WORD, Outcome.NO_NODE, entry=CPU_WORD)
     fitting = hostable
     requested = catalog.get(w.gpu_class)
     if requested is None or not fitting:
@@ -444,8 +540,10 @@ def _try_list(
     entries: Sequence[str],
     attempts: list[Attempt],
     waiting_for: dict[tuple[str, str], int],
+    full: set[tuple[str, str]],
+    seen: dict[tuple[str, int, str], list[ComputeClass] | Attempt],
     policy: Policy,
-    ledger: _Ledger,
+    ledger: Ledger,
     *,
     take: bool,
     skip: frozenset[str] | set[str] = frozenset(),
@@ -453,7 +551,7 @@ def _try_list(
 ) -> tuple[ComputeClass, int] | None:
     """Try ``entries`` in order; record an attempt for each class tried; take the first fit."""
     for entry in entries:
-        expanded = _expand(entry, w, cap, policy)
+        expanded = _expand(entry, w, cap, policy, seen)
         if isinstance(expanded, Attempt):
             attempts.append(expanded)
             continue
@@ -477,9 +575,11 @@ def _try_list(
             if cap.unhostable(w.region, cls):
                 attempts.append(Attempt(cls.name, Outcome.NO_NODE, entry=entry))
                 continue
-            node = cap.find(w.region, cls)
+            key = (w.region, cls.name)
+            node = None if key in full else cap.find(w.region, cls)
             free = cap.free(w.region, cls)
             if node is None:
+                full.add(key)
                 attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit, entry))
                 continue
             attempts.append(Attempt(cls.name, Outcome.FIT, free.free, free.need, free.unit, entry))

@@ -43,17 +43,23 @@ from dataclasses import dataclass, replace
 
 from tensora.placement.admission import (
     Decision,
+    Ledger,
+    Outcome,
     OwnerQuotas,
     Place,
     Policy,
     Promote,
     Queued,
+    Recount,
+    RestartAvailable,
     Running,
+    Wait,
+    preferred_over,
     run_cycle,
     share,
 )
 from tensora.placement.capacity import Capacity, GpuReserve, Node, Placed
-from tensora.placement.catalog import Catalog
+from tensora.placement.catalog import CPU_WORD, Catalog
 from tensora.placement.quotas import Quotas
 
 # -- events: what changed, as values ------------------------------------------------------
@@ -143,6 +149,15 @@ def running_from(p: Place) -> Running:
 
 # -- the state ------------------------------------------------------------------------------
 
+Prio = tuple[int, float, str]
+"""A queued workload's place in the priority order: (its owner's turn, queued_since, id)."""
+
+_WAITED = (Outcome.NO_CAPACITY, Outcome.NO_NODE)
+_BLOCKED = (Outcome.NO_CAPACITY, Outcome.NO_NODE, Outcome.HELD_FOR_REQUESTERS)
+"""What a fallback attempt on a class found that every later one finds too, this cycle."""
+_FIRST_PREFIX = 4
+"""How many of each list's head a cycle decides first; doubled for a list that needs more."""
+
 
 class AdmissionState:
     """Everything ``decide`` would rebuild each cycle, kept; see the module docstring."""
@@ -157,7 +172,7 @@ class AdmissionState:
         reserves: Mapping[str, GpuReserve] | None = None,
     ) -> None:
         """``quotas.held`` is not read: each owner's use is kept from its running records (what ``decide``
-        counts when ``held`` is None)."""
+        counts when ``held`` is None), or given by ``OwnerHeld``."""
         self.catalog = catalog
         self.policy = policy or Policy()
         self.default_quota = quotas.default if quotas else None
@@ -177,18 +192,34 @@ class AdmissionState:
         self.owner_running: Counter[str] = Counter()
         self.owner_regions: dict[str, Counter[str]] = {}  # where an owner has queued or movers
         self.use: dict[str, list[float]] = {}  # each owner's (GPUs, vCPUs of CPU classes), from running
-        self.timers: list[tuple[float, str]] = []  # (when, workload id): a fallback or starvation due
-        self.standing: dict[str, list[Decision]] = {}  # by region: the waits and restarts that stand
+        self.timers: list[tuple[float, str]] = []  # (when, workload id): fallback, starvation, back-off end
+        self.standing: dict[str, dict[str, Decision]] = {}  # by region, by id: the waits and offers that stand
+        self.offers: dict[str, set[str]] = {}  # by region: the ids of the restart offers that stand
+        self.waited: Counter[tuple[str, str]] = Counter()  # standing waits for room, by (region, class asked)
+        self.blocked: Counter[tuple[str, str, str]] = Counter()  # standing waits' (region, entry, class) blocked
+        self.held_last: dict[tuple[str, str], bool] = {}  # a class held from fallbacks in its region's last cycle
         self.dirty: set[str] = self.cap.regions
+        self.whole: set[str] = set(self.dirty)  # regions to re-decide whole (never decided, a node changed)
+        self.must: dict[str, set[str]] = {}  # by region: ids to re-decide (new, timer due, quota use changed)
         self.touched: set[str] = set()  # owners with a quota whose quota or use changed: all their regions
         self.turns: dict[str, tuple[Key, Key]] = {}  # owner -> (below, above): queued keys whose turn changed
+        # the priority order, kept per list: requesters of a class, eligible listers of a fallback entry
+        self.prio: dict[str, Prio] = {}
+        self.reqs: dict[str, dict[str, list[Prio]]] = {}  # region -> class asked -> its requesters
+        self.listers: dict[str, dict[str, list[Prio]]] = {}  # region -> fallback entry -> eligible listers
+        self.eligible: set[str] = set()  # queued ids listed as eligible for their fallback lists
+        self.unsorted: set[str] = set()  # regions whose lists are rebuilt before they are used again
+        self.decided: set[str] = set()  # regions decided at least once (the others are decided whole)
 
     # -- reading ------------------------------------------------------------------------
 
     def decisions(self) -> Iterator[Decision]:
-        """The waits and restart offers that stand now, every region."""
+        """The waits and restart offers that stand now, every region, with the figures of now (what is free,
+        who waits, each owner's use: :class:`tensora.placement.admission.Recount`)."""
+        recount = Recount(self.cap, Ledger(self.quotas(), (), self.catalog), self.waited)
         for region in sorted(self.standing):
-            yield from self.standing[region]
+            for d in self.standing[region].values():
+                yield recount.wait(d) if type(d) is Wait else d
 
     def quotas(self) -> OwnerQuotas:
         """The quotas as ``decide`` takes them, with each owner's use kept here as ``held``."""
@@ -211,11 +242,17 @@ class AdmissionState:
         self.by_region.setdefault(w.region, {})[w.id] = w
         bisect.insort(self.owner_keys.setdefault(w.owner, []), (w.queued_since, w.id))
         self._regions_of(w.owner, w.region, 1)
-        self.dirty.add(w.region)
+        self._dirty(w.region, w.id)
         self._turns(w.owner, above=(w.queued_since, w.id))  # one more queued before its later ones
+        if w.not_before > 0:
+            heapq.heappush(self.timers, (w.not_before, w.id))  # its back-off ends: it is a candidate again
         if w.fallback:
             heapq.heappush(self.timers, (w.queued_since + w.fallback_after_s, w.id))
         heapq.heappush(self.timers, (_starving_from(w.queued_since, self.policy.starvation_after_s), w.id))
+
+    def _dirty(self, region: str, id: str) -> None:
+        self.dirty.add(region)
+        self.must.setdefault(region, set()).add(id)
 
     def _start(self, r: Running, *, turns: bool = True) -> None:
         """Record ``r`` as running; ``turns`` False: the caller accounts for the turns it changes."""
@@ -240,6 +277,8 @@ class AdmissionState:
             keys = self.owner_keys[w.owner]
             del keys[bisect.bisect_left(keys, (w.queued_since, w.id))]
             self._regions_of(w.owner, w.region, -1)
+            self._unlist(w)
+            self._unstand(w.region, id)
             self.dirty.add(w.region)
             if turns:
                 self._turns(w.owner, above=(w.queued_since, w.id))
@@ -248,10 +287,32 @@ class AdmissionState:
             self.owner_running[r.owner] -= 1
             if self.movers.get(r.region, {}).pop(id, None) is not None:
                 self._regions_of(r.owner, r.region, -1)
+            self._unstand(r.region, id)
             self._count(r, -1)
             self.dirty.add(r.region)
             if turns:
                 self._turns(r.owner, below=HIGH)
+
+    def _unstand(self, region: str, id: str) -> None:
+        d = self.standing.get(region, {}).pop(id, None)
+        if type(d) is Wait:
+            self._tally(region, d, -1)
+
+    def _stand(self, region: str, d: Decision) -> None:
+        self._unstand(region, d.workload.id)
+        self.standing.setdefault(region, {})[d.workload.id] = d
+        if type(d) is Wait:
+            self._tally(region, d, 1)
+
+    def _tally(self, region: str, d: Wait, sign: int) -> None:
+        """Count a wait in (1) or out (-1): waiting for room for its class (``waited``), and each fallback
+        class it found full, held or on no node (``blocked``)."""
+        attempts = d.attempts
+        if attempts[0].outcome in _WAITED:
+            self.waited[(region, d.workload.gpu_class)] += sign
+        for a in attempts[1:]:
+            if a.outcome in _BLOCKED and a.entry is not None:
+                self.blocked[(region, a.entry, a.cls)] += sign
 
     def _turns(self, owner: str, below: Key = LOW, above: Key = HIGH) -> None:
         """The owner's queued workloads with a key < ``below`` or > ``above`` change turn."""
@@ -293,12 +354,17 @@ class AdmissionState:
     def _node(self, name: str, node: Node | None) -> None:
         at = self.cap.index.get(name)
         if at is not None:
-            self.dirty.add(self.cap.nodes[at].region)
+            self._whole(self.cap.nodes[at].region)
             self.cap.remove_node(name)
         if node is not None:
             classes = [c for p in self.on_node.get(name, []) if (c := self.catalog.get(p.cls)) is not None]
             self.cap.add_node(node, classes)
-            self.dirty.add(node.region)
+            self._whole(node.region)
+
+    def _whole(self, region: str) -> None:
+        """Re-decide ``region`` whole next cycle (what a class could ever fit on changed)."""
+        self.dirty.add(region)
+        self.whole.add(region)
 
     def apply(self, event: Event) -> None:
         """Take in one change."""
@@ -326,7 +392,8 @@ class AdmissionState:
             case QuotaChanged(owner, quota):
                 if owner is None:
                     self.default_quota = quota
-                    self.dirty |= self._all_regions()
+                    for region in self._all_regions():
+                        self._whole(region)
                 else:
                     if quota is None:
                         self.quota_by_owner.pop(owner, None)
@@ -337,76 +404,307 @@ class AdmissionState:
     def _all_regions(self) -> set[str]:
         return self.cap.regions | set(self.by_region) | set(self.movers) | set(self.standing)
 
-    # -- a cycle ----------------------------------------------------------------------------
-
-    def _order_key(self, w: Queued) -> tuple[float, float, str] | tuple[float, str]:
-        if not self.policy.owner_fairness:
-            return (w.queued_since, w.id)
-        turn = self.owner_running[w.owner] + bisect.bisect_left(self.owner_keys[w.owner], (w.queued_since, w.id))
-        return (turn, w.queued_since, w.id)
-
-    def _cycle(self, regions: set[str], now: float) -> tuple[set[str], list[Decision], Capacity]:
-        """``decide``'s passes over ``regions``, widened until no owner with a quota there takes
-        capacity while it has workloads in a region outside (its quota use spans regions)."""
-        while True:
-            queued = [w for r in regions for w in self.by_region.get(r, {}).values()
-                      if w.not_before <= now]  # one backing off is not a candidate yet
-            queued.sort(key=self._order_key)
-            movers = [m for r in regions for m in self.movers.get(r, {}).values()]
-            cap = self.cap.copy()
-            out = run_cycle(queued, cap, movers, now, self.policy, self.quotas())
-            wider = set(regions)
-            for d in out:
-                if isinstance(d, Place | Promote) and self._quota_of(d.workload.owner) is not None:
-                    wider |= set(self.owner_regions.get(d.workload.owner, ()))
-            if wider == regions:
-                return regions, out, cap
-            regions = wider
-
     def _quota_of(self, owner: str) -> Quotas | None:
         return self.quota_by_owner.get(owner, self.default_quota)
 
+    # -- the priority order, per list -------------------------------------------------------
+    # Each region keeps, in priority order, the requesters of each class and the listers of each fallback
+    # entry whose timer ran out: a cycle decides the heads of those lists, not the whole queue.
+
+    def _prio(self, w: Queued) -> Prio:
+        if not self.policy.owner_fairness:
+            return (0, w.queued_since, w.id)
+        turn = self.owner_running[w.owner] + bisect.bisect_left(self.owner_keys[w.owner], (w.queued_since, w.id))
+        return (turn, w.queued_since, w.id)
+
+    def _lists_of(self, w: Queued) -> list[list[Prio]]:
+        out = []
+        if w.gpu_class in self.catalog:  # an unknown class waits whatever happens: in no list
+            out.append(self.reqs.setdefault(w.region, {}).setdefault(w.gpu_class, []))
+        if w.id in self.eligible:
+            lists = self.listers.setdefault(w.region, {})
+            for entry in dict.fromkeys(w.fallback):
+                out.append(lists.setdefault(entry, []))
+        return out
+
+    def _list(self, w: Queued, now: float, *, sort: bool = True) -> None:
+        """Put ``w`` in its lists (in order; ``sort`` False: at the end, for a rebuild that sorts after)."""
+        if w.not_before > now:
+            return  # backing off: a candidate again when its timer ends
+        if w.fallback and now >= w.queued_since + w.fallback_after_s:
+            self.eligible.add(w.id)
+        p = self.prio[w.id] = self._prio(w)
+        for lst in self._lists_of(w):
+            if sort:
+                bisect.insort(lst, p)
+            else:
+                lst.append(p)
+
+    def _unlist(self, w: Queued) -> None:
+        p = self.prio.pop(w.id, None)
+        if p is not None and w.region not in self.unsorted:
+            for lst in self._lists_of(w):
+                i = bisect.bisect_left(lst, p)
+                if i < len(lst) and lst[i] == p:
+                    del lst[i]
+        self.eligible.discard(w.id)
+
+    def _relist(self, region: str, now: float) -> None:
+        """Rebuild ``region``'s lists from its queue (first use, or after a cycle that changed many turns)."""
+        self.reqs.pop(region, None)
+        self.listers.pop(region, None)
+        for w in self.by_region.get(region, {}).values():
+            self.eligible.discard(w.id)
+            self._list(w, now, sort=False)
+        for lists in (self.reqs, self.listers):
+            for lst in lists.get(region, {}).values():
+                lst.sort()
+        self.unsorted.discard(region)
+
+    # -- a cycle ----------------------------------------------------------------------------
+
     def cycle(self, now: float) -> list[Decision]:
-        """Re-decide the regions that changed; assume their placements; see :func:`step`."""
-        # 1. timers come due: a fallback list may be tried, a queue head starts holding a node
+        """Re-decide what could have changed; assume its placements; see :func:`step`."""
+        # 1. timers come due: a fallback list may be tried, a queue head starts holding a node, a back-off ends
         while self.timers and self.timers[0][0] <= now:
             _, id = heapq.heappop(self.timers)
             w = self.queue.get(id)
             if w is not None:
-                self.dirty.add(w.region)
-        # 2. an owner's turn changed: the regions of its workloads whose turn did; its quota or use (the
-        #    ledger spans regions): every region it waits or could move back in
+                self._dirty(w.region, id)
+        # 2. an owner's quota or use changed (the ledger spans regions): each of its workloads is decided
+        #    again, in every region it waits or moves in
         for owner in self.touched:
-            self.dirty |= set(self.owner_regions.get(owner, ()))
+            for _, id in self.owner_keys.get(owner, ()):
+                self._dirty(self.queue[id].region, id)
+            for region in self.owner_regions.get(owner, ()):
+                self.dirty.add(region)
+        #    an owner's turn changed: its workloads whose turn did move in their lists
+        moved: Counter[str] = Counter()
         for owner, (below, above) in self.turns.items():
-            if self.dirty.issuperset(self.owner_regions.get(owner, ())):
-                continue
             keys = self.owner_keys.get(owner, [])
-            changed = keys[: bisect.bisect_left(keys, below)] + keys[bisect.bisect_right(keys, above):]
-            self.dirty.update(self.queue[id].region for _, id in changed)
+            for _, id in keys[: bisect.bisect_left(keys, below)] + keys[bisect.bisect_right(keys, above):]:
+                self._dirty(self.queue[id].region, id)
+                moved[self.queue[id].region] += 1
         self.touched, self.turns = set(), {}
         if not self.dirty:
             return []
         regions, self.dirty = self.dirty, set()
-        # 3. decide them, as decide would
-        regions, out, cap = self._cycle(regions, now)
         for region in regions:
-            self.standing[region] = []
-        # 4. assume: what was placed is running next cycle, and its region (and owner) change; the
-        #    capacity is the cycle's own, which took exactly what was placed and promoted
-        cap.release()
-        self.cap = cap
+            if region not in self.decided:
+                self.whole.add(region)
+            if region in self.whole:
+                self.unsorted.add(region)  # decided whole: its lists are rebuilt when next needed
+            elif region in self.unsorted or moved[region] > len(self.by_region.get(region, ())) // 8:
+                self.unsorted.add(region)
+                self._relist(region, now)
+            else:  # new, timer due, turn changed: in their lists again, in their place
+                for id in self.must.get(region, ()):
+                    w = self.queue.get(id)
+                    if w is not None:
+                        self._unlist(w)
+                        self._list(w, now)
+        # 3. decide them, as decide would, over what could change
+        return self._decide(regions, now)
+
+    def _decide(self, regions: set[str], now: float) -> list[Decision]:
+        """``decide``'s passes over the part of ``regions`` that could change, tried again over more until
+        the checks show the rest keeps its decision (:meth:`_more`)."""
+        prefix: dict[tuple[int, str, str], int] = {}
+        extra: dict[str, set[str]] = {}
+        while True:
+            self.whole |= regions - self.decided
+            roomy: dict[tuple[str, str], bool] = {}
+
+            def room_for_fallbacks(regions: set[str] = regions, roomy: dict[tuple[str, str], bool] = roomy) -> None:
+                """After the first pass: which fallback classes have room left (it only shrinks from there)."""
+                for region in regions - self.whole:
+                    for entry in self.listers.get(region, {}):
+                        classes = self.catalog.cpu_classes if entry == CPU_WORD else [self.catalog.get(entry)]
+                        for cls in classes:
+                            if cls is not None and (region, cls.name) not in roomy:
+                                roomy[(region, cls.name)] = self.cap.find(region, cls) is not None
+
+            chosen, also = self._select(regions, prefix, extra, now)
+            ordered = sorted(chosen.values(), key=self._prio)
+            tried: set[str] = set()
+
+            counted: dict[tuple[str, str], int] = {}
+
+            def movers(regions: set[str] = regions, counted: dict[tuple[str, str], int] = counted,
+                       tried: set[str] = tried) -> list[Running]:
+                """The movers whose move back could change: a whole region's every one; elsewhere those with an
+                offer standing, and those one of whose preferred classes has room left now and is not held (room
+                only shrinks from here on; the others find nothing, whatever their owner's quota)."""
+                out: list[Running] = []
+                room: dict[tuple[str, str], bool] = {}
+                for region in regions:
+                    offers = self.offers.get(region, set())
+                    for r in self.movers.get(region, {}).values():
+                        if region in self.whole or r.id in offers or self._could_move(r, counted, room):
+                            out.append(r)
+                tried.update(r.id for r in out)
+                return out
+
+            self.cap.checkpoint()
+            out = run_cycle(ordered, self.cap, (), now, self.policy, self.quotas(), also, counted,
+                            room_for_fallbacks, movers)
+            wider = self._more(regions, chosen, out, counted, prefix, extra, roomy)
+            if wider is None:
+                break
+            self.cap.rollback()
+            regions = wider
+        self.cap.commit()
+        self._settle(regions, out, counted, tried)
+        return out
+
+    def _could_move(self, r: Running, counted: Mapping[tuple[str, str], int],
+                    room: dict[tuple[str, str], bool]) -> bool:
+        """Whether a class ``r`` prefers to its own has room now and is not held for its requesters."""
+        for entry in preferred_over(r):
+            classes = self.catalog.cpu_classes if entry == CPU_WORD else [self.catalog.get(entry)]
+            for cls in classes:
+                if cls is None or counted.get((r.region, cls.name), 0) > 0:
+                    continue
+                key = (r.region, cls.name)
+                if key not in room:
+                    room[key] = self.cap.find(r.region, cls) is not None
+                if room[key]:
+                    return True
+        return False
+
+    def _select(self, regions: set[str], prefix: dict[tuple[int, str, str], int], extra: dict[str, set[str]],
+                now: float) -> tuple[dict[str, Queued], Counter[tuple[str, str]]]:
+        """The workloads to decide: a whole region's every one; elsewhere those that must be (new, timer due,
+        quota use changed), and the head of each list. ``also``: the others waiting for room, per class."""
+        chosen: dict[str, Queued] = {}
+        also: Counter[tuple[str, str]] = Counter()
+        for region in regions:
+            queued = self.by_region.get(region, {})
+            if region in self.whole:
+                chosen.update((id, w) for id, w in queued.items() if w.not_before <= now)
+                continue
+            if region in self.unsorted:
+                self._relist(region, now)
+            picked: dict[str, Queued] = {}
+            for id in self.must.get(region, set()) | extra.get(region, set()):
+                w = queued.get(id)
+                if w is not None and w.not_before <= now:
+                    picked[id] = w
+            for kind, lists in ((0, self.reqs), (1, self.listers)):
+                for name, lst in lists.get(region, {}).items():
+                    for p in lst[: prefix.get((kind, region, name), _FIRST_PREFIX)]:
+                        picked[p[2]] = queued[p[2]]
+            standing = self.standing.get(region, {})
+            for (r, cls), n in self.waited.items():
+                if r == region and n:
+                    also[(r, cls)] += n
+            for id, w in picked.items():
+                d = standing.get(id)
+                if type(d) is Wait and d.attempts[0].outcome in _WAITED:
+                    also[(region, w.gpu_class)] -= 1
+            chosen.update(picked)
+        return chosen, also
+
+    def _more(self, regions: set[str], chosen: Mapping[str, Queued], out: Sequence[Decision],
+              counted: Mapping[tuple[str, str], int], prefix: dict[tuple[int, str, str], int],
+              extra: dict[str, set[str]], roomy: Mapping[tuple[str, str], bool]) -> set[str] | None:
+        """None when every workload left out keeps its decision; else the regions to try again, with longer
+        heads (``prefix``) or more workloads (``extra``). A workload left out keeps its decision when:
+
+        1. a class's requesters: one decided failed for want of room (each after it fails too, since capacity
+           only shrinks within a cycle, and the queue head that holds a node is among those decided);
+        2. a fallback entry's listers: its class had no room left after the first pass, or is held, or one decided found
+           it full (or held, or on no node), or none left out found it so before (they never try it);
+        3. no class went from held from fallbacks to not held, or back, unless all its listers are decided;
+        4. no owner with a quota placed or promoted here has a workload left out (its use grew), and every
+           region of that owner is decided in the same cycle (its use spans them).
+        """
+        by_id = {d.workload.id: d for d in out if type(d) is Place or type(d) is Wait}
+        again = False
+        for region in regions - self.whole:
+            standing = self.standing.get(region, {})
+            for name, lst in self.reqs.get(region, {}).items():
+                n = prefix.get((0, region, name), _FIRST_PREFIX)
+                if n >= len(lst) or any(_waited(by_id.get(p[2])) for p in lst[:n]):
+                    continue
+                # none decided waited for room: fine if none left out does either (they wait on a quota)
+                if self.waited[(region, name)] - sum(_waited(standing.get(p[2])) for p in lst[:n]) > 0:
+                    prefix[(0, region, name)], again = 2 * n, True
+            for entry, lst in self.listers.get(region, {}).items():
+                n = prefix.get((1, region, entry), _FIRST_PREFIX)
+                if n >= len(lst):
+                    continue
+                if entry == CPU_WORD:
+                    classes = [c.name for c in self.catalog.cpu_classes if not self.cap.unhostable(region, c)]
+                else:
+                    classes = [entry]
+                for c in classes:
+                    if not roomy.get((region, c), True) or counted.get((region, c), 0) > 0 \
+                            or any(_blocked(by_id.get(p[2]), c, entry) for p in lst[:n]):
+                        continue
+                    # none decided found it full: fine if none left out did either (they never try it here)
+                    if self.blocked[(region, entry, c)] - sum(_blocked(standing.get(p[2]), c, entry)
+                                                               for p in lst[:n]) > 0:
+                        prefix[(1, region, entry)], again = 2 * n, True
+                        break
+            for cls in {c for r, c in counted if r == region} | {c for r, c in self.held_last if r == region}:
+                if (counted.get((region, cls), 0) > 0) == self.held_last.get((region, cls), False):
+                    continue
+                entries = [cls, CPU_WORD] if cls in self.catalog and self.catalog[cls].is_cpu else [cls]
+                for entry in entries:
+                    lst = self.listers.get(region, {}).get(entry, [])
+                    if prefix.get((1, region, entry), _FIRST_PREFIX) < len(lst):
+                        prefix[(1, region, entry)], again = len(lst), True
+        wider = set(regions)
         for d in out:
-            if isinstance(d, Place):  # one more running, one fewer queued before its later ones
+            if not (type(d) is Place or type(d) is Promote) or self._quota_of(d.workload.owner) is None:
+                continue
+            owner = d.workload.owner
+            wider |= set(self.owner_regions.get(owner, ()))
+            for _, id in self.owner_keys.get(owner, ()):
+                w = self.queue[id]
+                if id not in chosen and w.region in regions and w.region not in self.whole:
+                    extra.setdefault(w.region, set()).add(id)
+                    again = True
+        return wider if again or wider != regions else None
+
+    def _settle(self, regions: set[str], out: Sequence[Decision], counted: Mapping[tuple[str, str], int],
+                tried: set[str]) -> None:
+        """Keep the cycle's waits and offers; assume its placements (what was placed is running next cycle,
+        and its region and owner change)."""
+        for region in regions:
+            for id in self.offers.pop(region, set()) & tried:  # every mover tried is decided again
+                self.standing.get(region, {}).pop(id, None)
+            for key in [k for k in self.held_last if k[0] == region]:
+                del self.held_last[key]
+            self.must.pop(region, None)
+        for key, n in counted.items():
+            if n > 0:
+                self.held_last[key] = True
+        self.decided |= regions
+        self.whole -= regions
+        for d in out:
+            if type(d) is Place:  # one more running, one fewer queued before its later ones
                 self._start(running_from(d), turns=False)
                 self._turns(d.workload.owner, below=(d.workload.queued_since, d.workload.id))
                 self._book(Placed(d.node, d.cls, d.workload.id), 1)
-            elif isinstance(d, Promote):  # the same running count
+            elif type(d) is Promote:  # the same running count
                 self._start(replace(d.workload, moving=True), turns=False)
                 self._book(Placed(d.node, d.to_class, d.workload.id), 1)
             else:
-                self.standing[d.workload.region].append(d)
-        return out
+                self._stand(d.workload.region, d)
+                if type(d) is RestartAvailable:
+                    self.offers.setdefault(d.workload.region, set()).add(d.workload.id)
+
+
+def _waited(d: Decision | None) -> bool:
+    """A requester whose class had no room for it (placed on a fallback after, or not)."""
+    return d is not None and d.attempts[0].outcome in _WAITED
+
+
+def _blocked(d: Decision | None, cls: str, entry: str) -> bool:
+    """A lister that found ``cls`` (from ``entry``) full, held or on no node."""
+    return d is not None and any(a.cls == cls and a.entry == entry and a.outcome in _BLOCKED for a in d.attempts)
 
 
 def _starving_from(since: float, after: float) -> float:
@@ -422,10 +720,9 @@ def _starving_from(since: float, after: float) -> float:
 def step(state: AdmissionState, events: Sequence[Event], now: float) -> tuple[AdmissionState, list[Decision]]:
     """Take in ``events``, then decide what they (and ``now``) could change.
 
-    The decisions are those ``decide`` makes for the regions re-decided (every Place and Promote, and
-    there every Wait and RestartAvailable again); elsewhere the waits of :meth:`AdmissionState.decisions`
-    stand, and equal what ``decide`` would say."""
+    The decisions are those ``decide`` makes for the workloads re-decided (every Place and Promote, and
+    the waits and offers decided again); elsewhere the waits of :meth:`AdmissionState.decisions` stand, and
+    equal what ``decide`` would say."""
     for event in events:
         state.apply(event)
     return state, state.cycle(now)
-

@@ -134,6 +134,10 @@ class Capacity:
         self.excluded: set[int] = set()
         self._cursor: dict[tuple[str, str], int] = {}
         self._candidates: dict[tuple[str, str], list[int]] = {}
+        self._unhostable: dict[tuple[str, str], bool] = {}
+        self._pos: dict[tuple[str, str], dict[int, int]] = {}  # a candidate's position, for _grew
+        self._journal: dict[int, tuple[float, int, dict[str, int], float, int]] | None = None
+        self._totals: tuple[dict[tuple[str, str], int], dict[str, float]] = ({}, {})
         self._by_region: dict[str, list[int]] = {}
         for i, node in enumerate(self.nodes):
             self._by_region.setdefault(node.region, []).append(i)
@@ -207,7 +211,13 @@ class Capacity:
     def unhostable(self, region: str, cls: ComputeClass) -> bool:
         """A CPU class that no node of a non-empty ``region`` could ever host (more vCPUs than a node's
         cores or allocatable, or more memory): waiting cannot help, and the word ``cpu`` skips it."""
-        return cls.gpu_model is None and bool(self._by_region.get(region)) and not self.candidates(region, cls)
+        if cls.gpu_model is not None:
+            return False
+        key = (region, cls.name)
+        found = self._unhostable.get(key)
+        if found is None:
+            found = self._unhostable[key] = bool(self._by_region.get(region)) and not self.candidates(region, cls)
+        return found
 
     def candidates(self, region: str, cls: ComputeClass) -> list[int]:
         """Nodes of ``region`` that could ever host ``cls``, in the order they are filled.
@@ -228,36 +238,41 @@ class Capacity:
     def find(self, region: str, cls: ComputeClass) -> int | None:
         """The first node (in :meth:`candidates` order) where one ``cls`` fits, else None.
 
-        Capacity only shrinks within a cycle, so a node that cannot fit ``cls`` now
-        never will again in this cycle: the cursor moves past it for good.
+        A cursor per (region, class) marks the first node where ``cls`` fits by its resources (held or not):
+        capacity only shrinks within a cycle, so the nodes before it never fit again in this cycle, and a
+        state kept across cycles moves it back only where capacity grew (:meth:`change`). Held nodes
+        (``excluded``) are passed over without moving it: they are free again next cycle.
         """
         cands = self.candidates(region, cls)
         key = (region, cls.name)
         pos = self._cursor.get(key, 0)
+        first = -1
         free_cpu, free_mem, excluded = self.free_cpu, self.free_mem, self.excluded
+        n = len(cands)
         if cls.gpu_model is None:
             rcpu, rmem = self.reserved_cpu, self.reserved_mem
             need_cpu, need_mem = cls.cpu, cls.memory
-            while pos < len(cands):
+            while pos < n:
                 i = cands[pos]
-                if i not in excluded and free_cpu[i] - rcpu[i] >= need_cpu and free_mem[i] - rmem[i] >= need_mem:
-                    self._cursor[key] = pos
-                    return i
+                if free_cpu[i] - rcpu[i] >= need_cpu and free_mem[i] - rmem[i] >= need_mem:
+                    if i not in excluded:
+                        self._cursor[key] = pos if first < 0 else first
+                        return i
+                    if first < 0:
+                        first = pos
                 pos += 1
         else:
             model, count, free_gpus = cls.gpu_model, cls.gpu_count, self.free_gpus
-            while pos < len(cands):
+            while pos < n:
                 i = cands[pos]
-                if (
-                    i not in excluded
-                    and free_gpus[i].get(model, 0) >= count
-                    and free_cpu[i] >= cls.cpu
-                    and free_mem[i] >= cls.memory
-                ):
-                    self._cursor[key] = pos
-                    return i
+                if free_gpus[i].get(model, 0) >= count and free_cpu[i] >= cls.cpu and free_mem[i] >= cls.memory:
+                    if i not in excluded:
+                        self._cursor[key] = pos if first < 0 else first
+                        return i
+                    if first < 0:
+                        first = pos
                 pos += 1
-        self._cursor[key] = pos
+        self._cursor[key] = pos if first < 0 else first
         return None
 
     def free(self, region: str, cls: ComputeClass) -> Free:
@@ -282,6 +297,9 @@ class Capacity:
 
     def take(self, i: int, cls: ComputeClass) -> None:
         """Place one instance of ``cls`` on node ``i``."""
+        if self._journal is not None and i not in self._journal:
+            self._journal[i] = (self.free_cpu[i], self.free_mem[i], dict(self.free_gpus[i]), self.reserved_cpu[i],
+                                self.reserved_mem[i])
         region = self.nodes[i].region
         before = self._cpu_usable(i)
         self._subtract(i, cls)
@@ -329,6 +347,48 @@ class Capacity:
             gpus[cls.gpu_model] = gpus.get(cls.gpu_model, 0) - sign * cls.gpu_count
         self.reserved_cpu[i], self.reserved_mem[i] = self._reserve_cpu(i), self._reserve_mem(i)
         self._account(i, 1)
+        if sign < 0:
+            self._grew(i)
+
+    def _grew(self, i: int) -> None:
+        """Node ``i`` has more room: a cursor past it moves back to it."""
+        region = self.nodes[i].region
+        for key, at in self._cursor.items():
+            if key[0] != region:
+                continue
+            pos = self._positions(key).get(i)
+            if pos is not None and pos < at:
+                self._cursor[key] = pos
+
+    def _positions(self, key: tuple[str, str]) -> dict[int, int]:
+        found = self._pos.get(key)
+        if found is None:
+            cls = self.catalog.get(key[1])
+            cands = self.candidates(key[0], cls) if cls is not None else []
+            found = self._pos[key] = {i: pos for pos, i in enumerate(cands)}
+        return found
+
+    def checkpoint(self) -> None:
+        """Record from now on what :meth:`take` changes, for :meth:`rollback` (a state kept across cycles
+        that decides part of a queue, then finds it must decide more: the same cycle again, over more)."""
+        self._journal = {}
+        self._totals = (dict(self._region_gpus), dict(self._region_cpu))
+
+    def rollback(self) -> None:
+        """Undo every take since :meth:`checkpoint`, and the holds."""
+        assert self._journal is not None
+        for i, (cpu, mem, gpus, rcpu, rmem) in self._journal.items():
+            self.free_cpu[i], self.free_mem[i], self.free_gpus[i] = cpu, mem, gpus
+            self.reserved_cpu[i], self.reserved_mem[i] = rcpu, rmem
+            self._grew(i)
+        self._region_gpus, self._region_cpu = self._totals
+        self._journal = None
+        self.excluded = set()
+
+    def commit(self) -> None:
+        """Keep what was taken since :meth:`checkpoint`; the holds go."""
+        self._journal = None
+        self.excluded = set()
 
     @property
     def regions(self) -> set[str]:
@@ -336,9 +396,8 @@ class Capacity:
         return {r for r, members in self._by_region.items() if members}
 
     def release(self) -> None:
-        """End a cycle on this copy: its holds and cursors go, what it took stays (a rebuild's figures)."""
+        """End a cycle on this copy: its holds go, what it took stays (a rebuild's figures)."""
         self.excluded = set()
-        self._cursor = {}
 
     def add_node(self, node: Node, placed: Iterable[ComputeClass] = ()) -> int:
         """Add ``node`` (with what is already placed on it); returns its index. Indices never move:
@@ -381,7 +440,10 @@ class Capacity:
         self._region_cpu[node.region] = self._region_cpu.get(node.region, 0.0) + sign * self._cpu_usable(i)
 
     def _forget(self, region: str) -> None:
+        self._cursor = {k: v for k, v in self._cursor.items() if k[0] != region}
+        self._pos = {k: v for k, v in self._pos.items() if k[0] != region}
         self._candidates = {k: v for k, v in self._candidates.items() if k[0] != region}
+        self._unhostable = {k: v for k, v in self._unhostable.items() if k[0] != region}
 
     def copy(self) -> Capacity:
         """An independent working copy (admission never changes the caller's)."""
@@ -396,6 +458,10 @@ class Capacity:
         other.excluded = set(self.excluded)
         other._cursor = {}
         other._candidates = self._candidates
+        other._unhostable = self._unhostable
+        other._pos = self._pos
+        other._journal = None
+        other._totals = ({}, {})
         other._by_region = self._by_region
         other.reserved_cpu = list(self.reserved_cpu)
         other.reserved_mem = list(self.reserved_mem)

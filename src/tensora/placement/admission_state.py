@@ -189,6 +189,7 @@ class AdmissionState:
         self.owner_keys: dict[str, list[tuple[float, str]]] = {}  # each owner's queued, oldest first
         self.running: dict[str, Running] = {}
         self.movers: dict[str, dict[str, Running]] = {}  # by region: on a fallback class, not moving
+        self.prefers: dict[tuple[str, str], set[str]] = {}  # (region, class or cpu) -> movers that prefer it
         self.owner_running: Counter[str] = Counter()
         self.owner_regions: dict[str, Counter[str]] = {}  # where an owner has queued or movers
         self.use: dict[str, list[float]] = {}  # each owner's (GPUs, vCPUs of CPU classes), from running
@@ -263,6 +264,8 @@ class AdmissionState:
         self.owner_running[r.owner] += 1
         if r.on_fallback and not r.moving:
             self.movers.setdefault(r.region, {})[r.id] = r
+            for entry in preferred_over(r):
+                self.prefers.setdefault((r.region, entry), set()).add(r.id)
             self._regions_of(r.owner, r.region, 1)
         self._count(r, 1)
         self.dirty.add(r.region)
@@ -286,6 +289,8 @@ class AdmissionState:
         if r is not None:
             self.owner_running[r.owner] -= 1
             if self.movers.get(r.region, {}).pop(id, None) is not None:
+                for entry in preferred_over(r):
+                    self.prefers[(r.region, entry)].discard(id)
                 self._regions_of(r.owner, r.region, -1)
             self._unstand(r.region, id)
             self._count(r, -1)
@@ -536,13 +541,16 @@ class AdmissionState:
                 offer standing, and those one of whose preferred classes has room left now and is not held (room
                 only shrinks from here on; the others find nothing, whatever their owner's quota)."""
                 out: list[Running] = []
-                room: dict[tuple[str, str], bool] = {}
                 for region in regions:
-                    offers = self.offers.get(region, set())
-                    for r in self.movers.get(region, {}).values():
-                        if region in self.whole or r.id in offers or self._could_move(r, counted, room):
-                            out.append(r)
-                tried.update(r.id for r in out)
+                    movers = self.movers.get(region, {})
+                    ids = set(movers) if region in self.whole else {id for id in self.offers.get(region, ())
+                                                                      if id in movers}
+                    if region not in self.whole:
+                        for (r, entry), who in self.prefers.items():
+                            if r == region and who and self._has_room(region, entry, counted):
+                                ids |= who
+                    tried |= ids
+                    out += [movers[id] for id in ids]
                 return out
 
             self.cap.checkpoint()
@@ -557,20 +565,11 @@ class AdmissionState:
         self._settle(regions, out, counted, tried)
         return out
 
-    def _could_move(self, r: Running, counted: Mapping[tuple[str, str], int],
-                    room: dict[tuple[str, str], bool]) -> bool:
-        """Whether a class ``r`` prefers to its own has room now and is not held for its requesters."""
-        for entry in preferred_over(r):
-            classes = self.catalog.cpu_classes if entry == CPU_WORD else [self.catalog.get(entry)]
-            for cls in classes:
-                if cls is None or counted.get((r.region, cls.name), 0) > 0:
-                    continue
-                key = (r.region, cls.name)
-                if key not in room:
-                    room[key] = self.cap.find(r.region, cls) is not None
-                if room[key]:
-                    return True
-        return False
+    def _has_room(self, region: str, entry: str, counted: Mapping[tuple[str, str], int]) -> bool:
+        """Whether a class ``entry`` stands for has room now and is not held for its requesters."""
+        classes = self.catalog.cpu_classes if entry == CPU_WORD else [self.catalog.get(entry)]
+        return any(cls is not None and not counted.get((region, cls.name), 0) and self.cap.find(region, cls) is not None
+                   for cls in classes)
 
     def _select(self, regions: set[str], prefix: dict[tuple[int, str, str], int], extra: dict[str, set[str]],
                 now: float) -> tuple[dict[str, Queued], Counter[tuple[str, str]]]:

@@ -19,6 +19,7 @@ Pure: no I/O and no clock.
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -136,6 +137,7 @@ class Capacity:
         self._candidates: dict[tuple[str, str], list[int]] = {}
         self._unhostable: dict[tuple[str, str], bool] = {}
         self._pos: dict[tuple[str, str], dict[int, int]] = {}  # a candidate's position, for _grew
+        self._best: dict[tuple[str, str], list[tuple[float, float, str, int]]] = {}  # for hold
         self._journal: dict[int, tuple[float, int, dict[str, int], float, int]] | None = None
         self._totals: tuple[dict[tuple[str, str], int], dict[str, float]] = ({}, {})
         self._by_region: dict[str, list[int]] = {}
@@ -317,22 +319,41 @@ class Capacity:
 
         Used for a starving queue head: nothing else is placed there, so capacity
         freed on it accumulates until the head fits. Returns the node held, if any.
+
+        The soonest is the most free (GPUs of its model, then vCPUs; for a CPU class, usable vCPUs, then
+        memory), then the name: kept in a heap per (region, class), so a state kept across cycles finds it
+        without going over the region's nodes each cycle. An entry that shrank since it was pushed is
+        corrected when it comes to the top; a node that grew is pushed again (:meth:`_grew`).
         """
-        best: tuple[float, float, str] | None = None
+        key = (region, cls.name)
+        heap = self._best.get(key)
+        if heap is None or len(heap) > 2 * len(self.candidates(region, cls)) + 16:
+            heap = self._best[key] = [self._hold_key(i, cls) for i in self.candidates(region, cls)]
+            heapq.heapify(heap)
+        aside = []
         chosen = None
-        for i in self.candidates(region, cls):
-            if i in self.excluded:
-                continue
-            if cls.gpu_model is None:
-                score = (self.free_cpu[i] - self.reserved_cpu[i], float(self.free_mem[i] - self.reserved_mem[i]))
+        while heap:
+            top = heap[0]
+            i = top[3]
+            current = self._hold_key(i, cls)
+            if current != top:
+                heapq.heapreplace(heap, current)
+            elif i in self.excluded:
+                aside.append(heapq.heappop(heap))
             else:
-                score = (float(self.free_gpus[i].get(cls.gpu_model, 0)), self.free_cpu[i])
-            key = (-score[0], -score[1], self.nodes[i].name)
-            if best is None or key < best:
-                best, chosen = key, i
+                chosen = i
+                break
+        for entry in aside:
+            heapq.heappush(heap, entry)
         if chosen is not None:
             self.excluded.add(chosen)
         return chosen
+
+    def _hold_key(self, i: int, cls: ComputeClass) -> tuple[float, float, str, int]:
+        if cls.gpu_model is None:
+            return (-(self.free_cpu[i] - self.reserved_cpu[i]), -float(self.free_mem[i] - self.reserved_mem[i]),
+                    self.nodes[i].name, i)
+        return (-float(self.free_gpus[i].get(cls.gpu_model, 0)), -self.free_cpu[i], self.nodes[i].name, i)
 
     # -- deltas (a state kept across cycles: tensora.admission_state) ----------------------
     # Each leaves the figures exactly as a Capacity rebuilt from the same nodes and placed would have them.
@@ -351,7 +372,7 @@ class Capacity:
             self._grew(i)
 
     def _grew(self, i: int) -> None:
-        """Node ``i`` has more room: a cursor past it moves back to it."""
+        """Node ``i`` has more room: a cursor past it moves back to it; where holds look, it is pushed again."""
         region = self.nodes[i].region
         for key, at in self._cursor.items():
             if key[0] != region:
@@ -359,6 +380,10 @@ class Capacity:
             pos = self._positions(key).get(i)
             if pos is not None and pos < at:
                 self._cursor[key] = pos
+        for key, heap in self._best.items():
+            cls = self.catalog.get(key[1])
+            if key[0] == region and cls is not None and i in self._positions(key):
+                heapq.heappush(heap, self._hold_key(i, cls))
 
     def _positions(self, key: tuple[str, str]) -> dict[int, int]:
         found = self._pos.get(key)
@@ -442,6 +467,7 @@ class Capacity:
     def _forget(self, region: str) -> None:
         self._cursor = {k: v for k, v in self._cursor.items() if k[0] != region}
         self._pos = {k: v for k, v in self._pos.items() if k[0] != region}
+        self._best = {k: v for k, v in self._best.items() if k[0] != region}
         self._candidates = {k: v for k, v in self._candidates.items() if k[0] != region}
         self._unhostable = {k: v for k, v in self._unhostable.items() if k[0] != region}
 
@@ -460,6 +486,7 @@ class Capacity:
         other._candidates = self._candidates
         other._unhostable = self._unhostable
         other._pos = self._pos
+        other._best = {}
         other._journal = None
         other._totals = ({}, {})
         other._by_region = self._by_region

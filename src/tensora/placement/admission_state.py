@@ -483,13 +483,15 @@ class AdmissionState:
                 self._dirty(self.queue[id].region, id)
             for region in self.owner_regions.get(owner, ()):
                 self.dirty.add(region)
-        #    an owner's turn changed: its workloads whose turn did move in their lists
-        moved: Counter[str] = Counter()
+        #    an owner's turn changed: its workloads whose turn did move in their lists (their decisions stand
+        #    unless the checks of the cycle say otherwise: a new order matters only where something fits)
+        moved: dict[str, list[str]] = {}
         for owner, (below, above) in self.turns.items():
             keys = self.owner_keys.get(owner, [])
             for _, id in keys[: bisect.bisect_left(keys, below)] + keys[bisect.bisect_right(keys, above):]:
-                self._dirty(self.queue[id].region, id)
-                moved[self.queue[id].region] += 1
+                region = self.queue[id].region
+                moved.setdefault(region, []).append(id)
+                self.dirty.add(region)
         self.touched, self.turns = set(), {}
         if not self.dirty:
             return []
@@ -499,11 +501,11 @@ class AdmissionState:
                 self.whole.add(region)
             if region in self.whole:
                 self.unsorted.add(region)  # decided whole: its lists are rebuilt when next needed
-            elif region in self.unsorted or moved[region] > len(self.by_region.get(region, ())) // 8:
+            elif region in self.unsorted or len(moved.get(region, ())) > len(self.by_region.get(region, ())) // 8:
                 self.unsorted.add(region)
                 self._relist(region, now)
             else:  # new, timer due, turn changed: in their lists again, in their place
-                for id in self.must.get(region, ()):
+                for id in [*self.must.get(region, ()), *moved.get(region, ())]:
                     w = self.queue.get(id)
                     if w is not None:
                         self._unlist(w)

@@ -134,6 +134,7 @@ class Capacity:
         self.free_gpus: list[dict[str, int]] = [dict(n.gpus) for n in self.nodes]
         self.excluded: set[int] = set()
         self._cursor: dict[tuple[str, str], int] = {}
+        self._scan: dict[tuple[str, str], int] = {}  # this cycle's, past held nodes too
         self._candidates: dict[tuple[str, str], list[int]] = {}
         self._unhostable: dict[tuple[str, str], bool] = {}
         self._pos: dict[tuple[str, str], dict[int, int]] = {}  # a candidate's position, for _grew
@@ -240,42 +241,46 @@ class Capacity:
     def find(self, region: str, cls: ComputeClass) -> int | None:
         """The first node (in :meth:`candidates` order) where one ``cls`` fits, else None.
 
-        A cursor per (region, class) marks the first node where ``cls`` fits by its resources (held or not):
-        capacity only shrinks within a cycle, so the nodes before it never fit again in this cycle, and a
-        state kept across cycles moves it back only where capacity grew (:meth:`change`). Held nodes
-        (``excluded``) are passed over without moving it: they are free again next cycle.
+        Two cursors per (region, class) keep this linear over a cycle: capacity only shrinks within one, so
+        a node passed over never fits again in it. The cycle's own (``_scan``) also passes over held nodes
+        (``excluded``); the lasting one (``_cursor``) marks the first node where ``cls`` fits by its
+        resources, held or not, and is moved back only where capacity grew (:meth:`change`), so a state
+        kept across cycles starts each one there, not at its region's first node.
         """
         cands = self.candidates(region, cls)
         key = (region, cls.name)
-        pos = self._cursor.get(key, 0)
+        pos = self._scan.get(key)
+        fresh = pos is None
+        if pos is None:
+            pos = self._cursor.get(key, 0)
         first = -1
-        free_cpu, free_mem, excluded = self.free_cpu, self.free_mem, self.excluded
         n = len(cands)
+        free_cpu, free_mem, excluded = self.free_cpu, self.free_mem, self.excluded
         if cls.gpu_model is None:
             rcpu, rmem = self.reserved_cpu, self.reserved_mem
             need_cpu, need_mem = cls.cpu, cls.memory
             while pos < n:
                 i = cands[pos]
                 if free_cpu[i] - rcpu[i] >= need_cpu and free_mem[i] - rmem[i] >= need_mem:
-                    if i not in excluded:
-                        self._cursor[key] = pos if first < 0 else first
-                        return i
                     if first < 0:
                         first = pos
+                    if i not in excluded:
+                        break
                 pos += 1
         else:
             model, count, free_gpus = cls.gpu_model, cls.gpu_count, self.free_gpus
             while pos < n:
                 i = cands[pos]
                 if free_gpus[i].get(model, 0) >= count and free_cpu[i] >= cls.cpu and free_mem[i] >= cls.memory:
-                    if i not in excluded:
-                        self._cursor[key] = pos if first < 0 else first
-                        return i
                     if first < 0:
                         first = pos
+                    if i not in excluded:
+                        break
                 pos += 1
-        self._cursor[key] = pos if first < 0 else first
-        return None
+        self._scan[key] = pos
+        if fresh:
+            self._cursor[key] = first if first >= 0 else n
+        return cands[pos] if pos < n else None
 
     def free(self, region: str, cls: ComputeClass) -> Free:
         """Free GPUs of the class's model (GPU class) or vCPUs usable by CPU classes, in a region."""
@@ -409,11 +414,13 @@ class Capacity:
         self._region_gpus, self._region_cpu = self._totals
         self._journal = None
         self.excluded = set()
+        self._scan = {}
 
     def commit(self) -> None:
         """Keep what was taken since :meth:`checkpoint`; the holds go."""
         self._journal = None
         self.excluded = set()
+        self._scan = {}
 
     @property
     def regions(self) -> set[str]:
@@ -423,6 +430,7 @@ class Capacity:
     def release(self) -> None:
         """End a cycle on this copy: its holds go, what it took stays (a rebuild's figures)."""
         self.excluded = set()
+        self._scan = {}
 
     def add_node(self, node: Node, placed: Iterable[ComputeClass] = ()) -> int:
         """Add ``node`` (with what is already placed on it); returns its index. Indices never move:
@@ -466,6 +474,7 @@ class Capacity:
 
     def _forget(self, region: str) -> None:
         self._cursor = {k: v for k, v in self._cursor.items() if k[0] != region}
+        self._scan = {k: v for k, v in self._scan.items() if k[0] != region}
         self._pos = {k: v for k, v in self._pos.items() if k[0] != region}
         self._best = {k: v for k, v in self._best.items() if k[0] != region}
         self._candidates = {k: v for k, v in self._candidates.items() if k[0] != region}
@@ -483,6 +492,7 @@ class Capacity:
         other.free_gpus = [dict(g) for g in self.free_gpus]
         other.excluded = set(self.excluded)
         other._cursor = {}
+        other._scan = {}
         other._candidates = self._candidates
         other._unhostable = self._unhostable
         other._pos = self._pos

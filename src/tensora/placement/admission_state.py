@@ -253,7 +253,8 @@ class AdmissionState:
 
     def _dirty(self, region: str, id: str) -> None:
         self.dirty.add(region)
-        self.must.setdefault(region, set()).add(id)
+        if region in self.decided and region not in self.whole:  # a region decided whole needs no list
+            self.must.setdefault(region, set()).add(id)
 
     def _start(self, r: Running, *, turns: bool = True) -> None:
         """Record ``r`` as running; ``turns`` False: the caller accounts for the turns it changes."""
@@ -471,8 +472,7 @@ class AdmissionState:
     def cycle(self, now: float) -> list[Decision]:
         """Re-decide what could have changed; assume its placements; see :func:`step`."""
         # 1. timers come due: a fallback list may be tried, a queue head starts holding a node, a back-off ends
-        while self.timers and self.timers[0][0] <= now:
-            _, id = heapq.heappop(self.timers)
+        for id in self._due(now):
             w = self.queue.get(id)
             if w is not None:
                 self._dirty(w.region, id)
@@ -512,6 +512,19 @@ class AdmissionState:
                         self._list(w, now)
         # 3. decide them, as decide would, over what could change
         return self._decide(regions, now)
+
+    def _due(self, now: float) -> list[str]:
+        """The ids whose timers came due, off the heap (split in one pass when many are: a first cycle)."""
+        timers = self.timers
+        if len(timers) > 64 and timers[len(timers) // 2][0] <= now:  # a rough sign that many are due
+            due = [id for t, id in timers if t <= now]
+            self.timers = [x for x in timers if x[0] > now]
+            heapq.heapify(self.timers)
+            return due
+        due = []
+        while timers and timers[0][0] <= now:
+            due.append(heapq.heappop(timers)[1])
+        return due
 
     def _decide(self, regions: set[str], now: float) -> list[Decision]:
         """``decide``'s passes over the part of ``regions`` that could change, tried again over more until
@@ -555,7 +568,8 @@ class AdmissionState:
                     out += [movers[id] for id in ids]
                 return out
 
-            self.cap.checkpoint()
+            if regions - self.whole or self.default_quota is not None or self.quota_by_owner:
+                self.cap.checkpoint()  # (decided whole with no quota, nothing can call for another try)
             out = run_cycle(ordered, self.cap, (), now, self.policy, self.quotas(), also, counted,
                             room_for_fallbacks, movers)
             wider = self._more(regions, chosen, out, counted, prefix, extra, roomy)

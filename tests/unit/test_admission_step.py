@@ -27,6 +27,7 @@ from tensora.placement.admission import (
     Wait,
     decide,
 )
+from tensora.placement import admission_state
 from tensora.placement.admission_state import (
     AdmissionState,
     Event,
@@ -216,6 +217,37 @@ def history(draw: st.DrawFn) -> None:
 @given(history())
 def test_step_decides_what_decide_decides(_: None) -> None:
     """The check is inside the strategy: each cycle of a drawn history is compared as it is drawn."""
+
+
+@st.composite
+def long_history(draw: st.DrawFn) -> None:
+    """Longer queues, more nodes, an owner quota for all or none, two batches of events a cycle: the lists'
+    heads and the checks that widen them get exercised (with heads of one, in the test below)."""
+    world = World(policy=draw(st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)])))
+    nodes = draw(st.lists(node_st, max_size=8, unique_by=lambda n: n.name))
+    world.nodes = {n.name: n for n in nodes}
+    world.default = draw(st.sampled_from([None, Quotas(running_gpus=1, running_cpu=16)]))
+    state = AdmissionState(nodes, [], CATALOG, world.policy, OwnerQuotas(world.default))
+    now, serial = 1000.0, [0]
+    first = [Submitted(draw(queued_st(f"w{i}", now))) for i in range(draw(st.integers(0, 40)))]
+    serial[0] = len(first)
+    check_cycle(world, state, list(first), now)
+    for _ in range(draw(st.integers(1, 20))):
+        now += draw(st.sampled_from([0, 1, 30, 60, 120, 600]))
+        probe = World(dict(world.nodes), list(world.placed), dict(world.running), dict(world.queue))
+        check_cycle(world, state, events_st(draw, probe, now, serial) + events_st(draw, probe, now, serial), now)
+
+
+@settings(max_examples=60, deadline=None)
+@given(long_history())
+def test_step_deciding_one_head_at_a_time_still_decides_what_decide_decides(_: None) -> None:
+    """With each list's head one long, almost every cycle needs the checks to widen what it decides."""
+
+
+@pytest.fixture(autouse=True)
+def _heads_of_one(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "one_head_at_a_time" in request.node.name:
+        monkeypatch.setattr(admission_state, "_FIRST_PREFIX", 1)
 
 
 # -- named cases ----------------------------------------------------------------------------------
@@ -408,3 +440,33 @@ def test_an_owners_held_figure_from_the_store_is_its_quota_use() -> None:
     assert [(type(d), d.workload.id) for d in got] == [(Place, "a1")]
     state, got = step(state, [Submitted(w("a2", owner="a", since=2))], 12)  # a1's place counts
     assert got[0].reason == "waiting for l40s-48gb (owner quota: 1 of 1 GPU in use); no fallback accepted"
+
+
+def test_a_freed_gpu_decides_the_heads_of_a_long_queue_not_the_queue() -> None:
+    """200 ask for 4 L40S GPUs (two thirds would take a CPU class after a minute). One freed: a few lists'
+    heads are decided (one of them placed), the rest stand, as decide says from scratch."""
+    world = World(nodes={f"g{i}": gpu_node(f"g{i}") for i in range(4)})
+    state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
+    queue = [Submitted(w(f"q{i:03d}", owner=f"o{i % 7}", since=i, fallback=("cpu",) if i % 3 else (), after=60))
+             for i in range(200)]
+    check_cycle(world, state, queue, 100)
+    while check_cycle(world, state, [], 101):
+        pass
+    placed = world.placed[0]
+    got = check_cycle(world, state, [ReplicaEnded(placed)], 102)
+    assert [type(d) for d in got].count(Place) == 1
+    assert len(world.queue) > 150
+    assert len(got) < 20  # the heads, not the queue
+    assert len(list(state.decisions())) == len(world.queue)  # the rest stand (check_cycle: as decide says)
+
+
+def test_a_wait_shows_what_is_free_after_the_cycle() -> None:
+    """The older workload wants 16 vCPUs where 8 are free (a 16-vCPU node runs another's 8); a newer one
+    takes 4 of them in the same cycle. The wait says 4 free (what anyone reading it finds), not the 8 there
+    were when it was tried."""
+    world = World(nodes={"c1": Node("c1", "local", 16, 128 * GI)}, placed=[Placed("c1", "cpu-8c-32g", "x")])
+    state = AdmissionState(world.nodes.values(), world.placed, CATALOG, POLICY)
+    got = check_cycle(world, state, [Submitted(w("big", "cpu-16c-64g", since=0)),
+                                     Submitted(w("small", "cpu-4c-16g", since=1))], 10)
+    assert [(type(d), d.workload.id) for d in got] == [(Wait, "big"), (Place, "small")]
+    assert got[0].reason == "waiting for cpu-16c-64g (4 vCPU free, 16 needed); no fallback accepted"

@@ -284,7 +284,7 @@ class Controller:
             with self.db.write() as conn:
                 self._fence(conn, now)
                 applied = apply(StoreLedger(conn), cycle.to_apply, rows, now, fed.gone)
-                effects.start = self._specs(conn, applied.start)
+                effects.start = self._specs(conn, applied.start) if applied.start else []
                 self._cycles += 1
                 effects.release = housekeeping.housekeep(conn, self._cycles, now, self.region, self._released,
                                                          self.release_every, self.retention_s, self.prune_every)

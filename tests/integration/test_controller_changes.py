@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import event, text
 
 from tensora.clock import FakeClock
@@ -318,3 +320,67 @@ def test_postgresql_a_transaction_that_commits_after_a_later_one_is_not_missed(d
     w.run.cycle()  # from_scratch sees A: the kept state must too (its wait, or its placement)
     w.run.cycle()
     assert get(db, a).state in ("starting", "running")
+
+
+# -- random histories ---------------------------------------------------------------------------
+
+ACTIONS = ["create", "create", "endpoint", "stop", "restart", "delete", "fail", "cordon", "uncordon", "quota",
+           "time", "idle"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(history=st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, 1000)), min_size=1, max_size=14))
+def test_random_histories_decide_as_a_full_snapshot_would(tmp_path_factory: pytest.TempPathFactory,
+                                                          history: list[tuple[str, int]]) -> None:
+    """Creates, stops, restarts, deletes, failures, cordons, quotas and time, in any order, on SQLite: after
+    each, a cycle; every cycle's step is compared with ``decide`` on a full snapshot (``checked``)."""
+    database = Database(str(tmp_path_factory.mktemp("history") / "t.db"))
+    database.migrate()
+    try:
+        _history(database, history)
+    finally:
+        database.dispose()
+
+
+def _history(db: Database, history: list[tuple[str, int]]) -> None:
+    clock = FakeClock(T0)
+    run = checked(db, clock, SimulatedDriver(fleet(), clock, start_delay_s=4))
+    classes = ["l40s-48gb", "a100-80gb", "cpu-4c-16g"]
+    fallbacks: list[list[str]] = [[], ["cpu"], ["a100-80gb", "cpu"], ["l40s-48gb"]]
+    made: list[str] = []
+    for n, (what, r) in enumerate(history):
+        owner = "abc"[r % 3]
+        with db.read() as conn:
+            live = [w for w in repo.workloads_in(conn, "local", ["queued", "starting", "running"])
+                    if w.deleted_at is None]
+            held = repo.active_replicas(conn, "local")
+        if what in ("create", "endpoint"):
+            body: dict[str, Any] = {"kind": "notebook" if what == "create" else "endpoint", "name": f"w{n}",
+                                    "gpu_class": classes[r % 3], "fallback": fallbacks[r % 4],
+                                    "fallback_after": ["0", "60s", "10m"][r % 3]}
+            if what == "endpoint":
+                body.update(model_params="1B", replicas=1 + r % 2)
+            if classes[r % 3] in body["fallback"]:
+                body["fallback"] = []
+            made.append(submit(db, clock, owner=owner, **body))
+        elif what in ("stop", "restart", "delete") and live:
+            w = get(db, live[r % len(live)].id)
+            with db.write() as conn:
+                if what == "stop":
+                    workloads.stop(conn, w, clock.now())
+                elif what == "delete":
+                    workloads.delete(conn, w, clock.now())
+                elif w.state != "stopping":
+                    workloads.restart(conn, w, clock.now(), "requested" if r % 2 else "policy")
+        elif what == "fail" and held:
+            replica = held[r % len(held)]
+            if replica.id in {s.id for s in run.driver.observe()}:
+                run.driver.fail(replica.id, "OOM killed")
+        elif what in ("cordon", "uncordon"):
+            run.driver.set_schedulable(fleet()[r % 3].name, what == "uncordon")
+        elif what == "quota":
+            set_quotas(db, owner, None if r % 3 == 0 else {"running_gpus": r % 2, "running_cpu": 8 * (r % 3)},
+                       clock.now())
+        run.cycle(advance=float(r % 700) if what == "time" else 2.0)
+    run.cycle()
+    assert run.rebuilds == 1

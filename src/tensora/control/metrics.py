@@ -62,7 +62,7 @@ class ControllerMetrics:
         self.cycles = _Hist(CYCLE_BUCKETS)  # region, leader
 
     def cycle(self, region: str, report: Any, duration_s: float) -> None:
-        """One cycle's report (``leader``, ``decisions``) and how long it took."""
+        """One cycle's report (``leader``, ``decisions``, ``decided``) and how long it took."""
         leader = bool(report.leader)
         decisions: Sequence[Any] = getattr(report, "decisions", ()) if leader else ()
         queue: dict[tuple[str, str], int] = {}

@@ -64,9 +64,10 @@ class Checked:
         return self.last
 
 
-def checked(db: Database, clock: FakeClock, driver: SimulatedDriver | None = None, holder: str = "a") -> Checked:
+def checked(db: Database, clock: FakeClock, driver: SimulatedDriver | None = None, holder: str = "a",
+            lease_ttl_s: float = 15) -> Checked:
     sim = driver or SimulatedDriver(fleet(), clock)
-    c = Controller(db, sim, CATALOG, clock=clock, holder=holder, lease_ttl_s=15)
+    c = Controller(db, sim, CATALOG, clock=clock, holder=holder, lease_ttl_s=lease_ttl_s)
     out = Checked(c, sim)
     feed: Feed = c.feed
     real_step, real_read = feed.step, feed.read
@@ -273,6 +274,16 @@ def test_a_lost_lease_drops_the_state_and_leading_again_rebuilds_it(db: Database
     assert get(db, mine).state in ("starting", "running")
 
 
+def test_a_lease_that_lapsed_unseen_is_taken_again_with_a_rebuilt_state(db: Database) -> None:
+    """Paused past its lease (another could have led meanwhile, and written what no stamp shows, such as a
+    wait's reason), a controller that takes the lease again rebuilds rather than trust what it kept."""
+    w = world(db)
+    w.run.cycle(advance=16)
+    assert w.run.rebuilds == 2
+    w.run.cycle()
+    assert w.run.rebuilds == 2
+
+
 def test_a_failed_cycle_drops_the_state(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
     w = world(db)
 
@@ -344,7 +355,8 @@ def test_random_histories_decide_as_a_full_snapshot_would(tmp_path_factory: pyte
 
 def _history(db: Database, history: list[tuple[str, int]]) -> None:
     clock = FakeClock(T0)
-    run = checked(db, clock, SimulatedDriver(fleet(), clock, start_delay_s=4))
+    # a lease longer than any step of time: timers come due in the kept state, not in a rebuild
+    run = checked(db, clock, SimulatedDriver(fleet(), clock, start_delay_s=4), lease_ttl_s=3600)
     classes = ["l40s-48gb", "a100-80gb", "cpu-4c-16g"]
     fallbacks: list[list[str]] = [[], ["cpu"], ["a100-80gb", "cpu"], ["l40s-48gb"]]
     made: list[str] = []

@@ -152,6 +152,7 @@ class Controller:
         self._trusted: set[str] | None = None  # owners an admin marked trusted, read once a cycle when needed
         self.feed = Feed(catalog, region, self.policy, self.owner_defaults.quotas, reserves)
         """The admission state kept between cycles, and the watermark of the changes it was told."""
+        self._lease_until = 0.0  # when this controller's lease lapses unless renewed (as far as it knows)
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -313,13 +314,19 @@ class Controller:
     def _lead(self, now: float) -> bool:
         try:
             with self.db.write() as conn:
-                return repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s)
+                led = repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s)
         except Conflict:  # another controller inserted the lease first
             return False
+        if led and now >= self._lease_until:  # it had lapsed: another may have led meanwhile, unseen here
+            self.feed.forget()
+        if led:
+            self._lease_until = now + self.lease_ttl_s
+        return led
 
     def _fence(self, conn: Connection, now: float) -> None:
         if not repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s):
             raise LostLease(self.lease_name)
+        self._lease_until = now + self.lease_ttl_s  # (renewed if the transaction commits; never later than this)
 
     def is_leader(self) -> bool:
         with self.db.read() as conn:

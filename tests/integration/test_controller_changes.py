@@ -339,13 +339,17 @@ ACTIONS = ["create", "create", "endpoint", "stop", "restart", "delete", "fail", 
            "time", "idle"]
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(history=st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, 1000)), min_size=1, max_size=14))
-def test_random_histories_decide_as_a_full_snapshot_would(tmp_path_factory: pytest.TempPathFactory,
+def test_random_histories_decide_as_a_full_snapshot_would(request: pytest.FixtureRequest, backend: str,
+                                                          tmp_path_factory: pytest.TempPathFactory,
                                                           history: list[tuple[str, int]]) -> None:
-    """Creates, stops, restarts, deletes, failures, cordons, quotas and time, in any order, on SQLite: after
-    each, a cycle; every cycle's step is compared with ``decide`` on a full snapshot (``checked``)."""
-    database = Database(str(tmp_path_factory.mktemp("history") / "t.db"))
+    """Creates, stops, restarts, deletes, failures, cordons, quotas and time, in any order: after each, a
+    cycle; every cycle's step is compared with ``decide`` on a full snapshot (``checked``). A fresh store each."""
+    url = (str(tmp_path_factory.mktemp("history") / "t.db") if backend == "sqlite"
+           else request.getfixturevalue("pg").new_database())
+    database = Database(url)
     database.migrate()
     try:
         _history(database, history)

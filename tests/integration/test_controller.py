@@ -468,7 +468,7 @@ def test_a_cycle_reads_the_spec_only_of_what_it_starts(db: Database, monkeypatch
     monkeypatch.setattr(repo, "workload_specs", spy)
     c.run_once()
     c.run_once()
-    assert read == [{ids[0]}, set()]  # the placed one, once; never the two still queued
+    assert read == [{ids[0]}]  # the placed one, once; never the two still queued (nor anything, starting nothing)
     with db.read() as conn:  # what the snapshot reads: rows that cannot hold a spec
         rows = repo.workloads_in(conn, "local", snapshot.LIVE)
     assert {w.id for w in rows} == set(ids) and "spec" not in WORKLOAD_COLUMNS

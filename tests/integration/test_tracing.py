@@ -149,7 +149,7 @@ def test_a_controller_cycle_and_its_steps(tmp_path: Path) -> None:
     assert cycle.name == "controller.cycle" and cycle.parent is None
     assert dict(cycle.attributes or {}) == {"tensora.region": s.controller.region, "tensora.leader": True,
                                             "tensora.decisions": 0}
-    assert [e.name for e in cycle.events] == ["lead", "observe", "reconcile", "snapshot", "decide", "apply"]
+    assert [e.name for e in cycle.events] == ["lead", "observe", "reconcile", "changes", "decide", "apply"]
 
 
 def test_settings_turn_it_on(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensora.control.metrics import ControllerCollector, ControllerMetrics
+from tensora.placement.admission import Queued, Wait
+from tensora.placement.kinds import WorkloadKind
 
 
 @dataclass
@@ -13,6 +15,7 @@ class Report:
     leader: bool
     decisions: list[Any] = field(default_factory=list)
     backing_off: int = 0
+    decided: bool = True
 
 
 def gauge(m: ControllerMetrics, name: str) -> dict[tuple[str, ...], float]:
@@ -29,3 +32,15 @@ def test_crash_loops_are_the_last_cycles_and_a_standby_says_nothing() -> None:
     assert gauge(m, "tensora_controller_crash_loops")[("local",)] == 1
     m.cycle("local", Report(leader=False), 0.01)  # lost the lease: no stale figure
     assert gauge(m, "tensora_controller_crash_loops") == {("eu",): 0}
+
+
+def test_a_cycle_that_re_decided_nothing_keeps_the_queue_depth_of_the_last_that_did() -> None:
+    m = ControllerMetrics()
+    waits = [Wait(Queued(f"w{i}/0", WorkloadKind.NOTEBOOK, "l40s-48gb"), (), None, 0.0) for i in range(3)]
+    m.cycle("local", Report(leader=True, decisions=waits), 0.01)
+    want = {("local", "l40s-48gb", "notebook"): 3}
+    assert gauge(m, "tensora_controller_queue_depth") == want
+    m.cycle("local", Report(leader=True, decided=False), 0.01)  # an idle cycle: the waits stand
+    assert gauge(m, "tensora_controller_queue_depth") == want
+    m.cycle("local", Report(leader=True), 0.01)  # re-decided, and nothing waits any more
+    assert gauge(m, "tensora_controller_queue_depth") == {}

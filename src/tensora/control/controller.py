@@ -1,7 +1,9 @@
-"""The reconcile loop of one region: lead -> observe -> reconcile -> snapshot -> decide -> apply.
+"""The reconcile loop of one region: lead -> observe -> reconcile -> changes -> decide -> apply.
 
 The controller holds no decisions of its own (admission makes them) and no state of its own
-(the store has it). One controller per region leads, by a lease in the store; every write
+(the store has it) but a cache: the admission state, kept between cycles and told the store's
+changes since a watermark (``feed``), dropped on any failure or lost lease and rebuilt from a
+full snapshot. One controller per region leads, by a lease in the store; every write
 transaction of a cycle renews that lease first, so a controller that lost it cannot write
 (a fence), and a workload moves ``queued -> starting`` only by a conditional update, so no
 workload is placed twice.
@@ -11,7 +13,7 @@ crash between the two loses nothing: the next cycle (of this or the next leader)
 replica recorded ``starting`` that the driver does not know and starts it, or one recorded
 ``stopping`` that still runs and stops it. Driver calls are idempotent by replica id.
 
-The steps are units of ``tensora.control``: ``snapshot`` (admission's inputs), ``reconcile``
+The steps are units of ``tensora.control``: ``snapshot`` and ``feed`` (admission's inputs), ``reconcile``
 (observed against recorded), ``apply`` (admission's decisions recorded), ``housekeeping`` and
 ``events`` (sentences rendered from values); this module is the loop that runs them in order,
 leads, fences and calls the driver. ``tensora plan`` runs the same reconcile and apply.
@@ -35,14 +37,15 @@ from dataclasses import dataclass, field, replace
 from sqlalchemy import Connection
 
 from tensora.clock import Clock, SystemClock
-from tensora.control import housekeeping, metrics, snapshot
+from tensora.control import housekeeping, metrics
 from tensora.control.apply import apply
+from tensora.control.feed import Fed, Feed
 from tensora.control.ledger import StoreLedger
 from tensora.control.reconcile import DRAIN_S, reconcile
 from tensora.drivers.base import Driver, ReplicaSpec
 from tensora.errors import Conflict, StoreUnavailable
 from tensora.names import controller_lease
-from tensora.placement.admission import Decision, Policy, decide
+from tensora.placement.admission import Decision, Policy
 from tensora.placement.capacity import GpuReserve, Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import WorkloadState
@@ -86,6 +89,7 @@ class CycleReport:
     leader: bool
     placed: int = 0
     waiting: int = 0
+    """Queued replicas admission has a wait for (as after the last cycle that re-decided the region)."""
     starting: int = 0
     """Replicas still starting or stopping after this cycle: the loop looks again soon, not a tick later."""
     promoted: int = 0
@@ -95,9 +99,12 @@ class CycleReport:
     released: list[str] = field(default_factory=list)
     """Deleted workloads whose storage the driver gave back this cycle."""
     decisions: Sequence[Decision] = ()
-    """The admission's, for the metrics."""
+    """The admission's this cycle, for the metrics: all of the region's when it was re-decided."""
+    decided: bool = True
+    """False: admission re-decided nothing this cycle; the waits and offers of the last one stand."""
     backing_off: int = 0
-    """Queued replicas waiting out a crash-loop back-off (admission does not see them until then)."""
+    """Queued replicas waiting out a crash-loop back-off (admission does not see them until then), as the
+    admission state was told them (``Feed.backoff``), not a count read from the store."""
     pruned: int = 0
     """Ended replicas the driver forgot this cycle (past the retention)."""
 
@@ -143,6 +150,9 @@ class Controller:
         self._released: list[str] = []  # given back by the driver, recorded in the next cycle's write
         self.retention_s, self.prune_every = retention_s, prune_every  # deleted workloads' events, ended replicas
         self._trusted: set[str] | None = None  # owners an admin marked trusted, read once a cycle when needed
+        self.feed = Feed(catalog, region, self.policy, self.owner_defaults.quotas, reserves)
+        """The admission state kept between cycles, and the watermark of the changes it was told."""
+        self._lease_until = 0.0  # when this controller's lease lapses unless renewed (as far as it knows)
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -201,6 +211,22 @@ class Controller:
             self.tracing.event(name)
 
     def run_once(self) -> CycleReport:
+        """One cycle. A cycle that fails (or finds another leader) drops the admission state it kept: the
+        next one rebuilds it from the store, whatever the failure left half done."""
+        try:
+            report = self._cycle()
+        except BaseException:
+            self.feed.forget()
+            raise
+        if not report.leader:
+            self.feed.forget()
+        return report
+
+    def forget(self) -> None:
+        """Rebuild the admission state from a full snapshot next cycle (tests, the benchmark)."""
+        self.feed.forget()
+
+    def _cycle(self) -> CycleReport:
         """One cycle. Each numbered step is named for what it does."""
         now = self.clock.now()
         report = CycleReport(leader=False)
@@ -234,33 +260,32 @@ class Controller:
                 effects.start = self._specs(conn, done.start) if done.start else []
                 effects.stop = done.stop
         except LostLease:
-            return CycleReport(leader=False)
+            return CycleReport(leader=False)  # run_once drops the state
         report.transitions = done.transitions
         self._apply_effects(effects, report)
-        self._step("snapshot")
-        # 4. snapshot: nodes' allocatable minus every replica that holds capacity, from a snapshot
-        #    read (no write lock is held while admission decides; only this leader adds replicas,
-        #    so capacity can only have grown since)
+        self._step("changes")
+        # 4. changes: what the store says changed since the last cycle, as events for the admission state
+        #    kept between cycles (all of it, from a full snapshot, when there is none); a snapshot read:
+        #    no write lock is held while admission decides, and only this leader adds replicas
         with self.db.read() as conn:
-            snap = snapshot.take(nodes, repo.active_replicas(conn, self.region),
-                                 repo.workloads_in(conn, self.region, snapshot.LIVE), self.catalog, self.reserves,
-                                 self.region)
-            quotas = snapshot.owner_quotas(self.owner_defaults.quotas, repo.owner_quotas(conn),
-                                           repo.held_replicas(conn), self.catalog)
+            fed = self.feed.read(conn, nodes)
         self._step("decide")
-        # 5. decide: the pure admission decision
-        decisions = report.decisions = decide(snap.queue, snap.capacity, snap.running, now, self.policy, quotas)
-        report.backing_off = sum(1 for q in snap.queue if q.not_before > now)
+        # 5. decide: the pure admission step over what changed (timers come due in it too)
+        cycle = self.feed.step(fed.events, now)
+        report.decisions, report.decided = cycle.decisions, cycle.decided
+        report.waiting, report.backing_off = cycle.waiting, cycle.backing_off
         self._step("apply")
-        # 6. apply: record intents (fenced, one transaction, each conditional on the state the
-        #    snapshot saw: a workload stopped meanwhile is left alone), then tell the driver;
+        # 6. apply: record intents (fenced, one transaction, each conditional on the state the rows read
+        #    showed: a workload stopped meanwhile is left alone), then tell the driver; the rows of the
+        #    workloads decided about are read for it, never the queue's
         # 7. housekeeping, in the same transaction
+        rows = self._rows(fed, cycle.need)
         effects = _Effects()
         try:
             with self.db.write() as conn:
                 self._fence(conn, now)
-                applied = apply(StoreLedger(conn), decisions, snap.workloads, now, snap.gone)
-                effects.start = self._specs(conn, applied.start)
+                applied = apply(StoreLedger(conn), cycle.to_apply, rows, now, fed.gone)
+                effects.start = self._specs(conn, applied.start) if applied.start else []
                 self._cycles += 1
                 effects.release = housekeeping.housekeep(conn, self._cycles, now, self.region, self._released,
                                                          self.release_every, self.retention_s, self.prune_every)
@@ -268,24 +293,40 @@ class Controller:
                     effects.prune = now - self.retention_s
                 self._released = []
         except LostLease:
-            return CycleReport(leader=False)
-        report.placed, report.waiting, report.promoted = applied.placed, applied.waiting, applied.promoted
+            return CycleReport(leader=False)  # run_once drops the state
+        self.feed.applied(cycle, applied)
+        report.placed, report.promoted = applied.placed, applied.promoted
         self._apply_effects(effects, report)
         report.starting = done.busy + len(effects.start)
         return report
+
+    def _rows(self, fed: Fed, need: set[str]) -> dict[str, WorkloadRow]:
+        """The rows ``apply`` needs: those read this cycle, and the others read by id."""
+        rows = {wid: fed.rows[wid] for wid in need if wid in fed.rows}
+        missing = need - rows.keys()
+        if missing:
+            with self.db.read() as conn:
+                rows.update((w.id, w) for w in repo.workloads_by_id(conn, sorted(missing)))
+        return rows
 
     # -- 1. lead ------------------------------------------------------------------------
 
     def _lead(self, now: float) -> bool:
         try:
             with self.db.write() as conn:
-                return repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s)
+                led = repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s)
         except Conflict:  # another controller inserted the lease first
             return False
+        if led and now >= self._lease_until:  # it had lapsed: another may have led meanwhile, unseen here
+            self.feed.forget()
+        if led:
+            self._lease_until = now + self.lease_ttl_s
+        return led
 
     def _fence(self, conn: Connection, now: float) -> None:
         if not repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s):
             raise LostLease(self.lease_name)
+        self._lease_until = now + self.lease_ttl_s  # (renewed if the transaction commits; never later than this)
 
     def is_leader(self) -> bool:
         with self.db.read() as conn:

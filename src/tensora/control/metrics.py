@@ -62,7 +62,7 @@ class ControllerMetrics:
         self.cycles = _Hist(CYCLE_BUCKETS)  # region, leader
 
     def cycle(self, region: str, report: Any, duration_s: float) -> None:
-        """One cycle's report (``leader``, ``decisions``) and how long it took."""
+        """One cycle's report (``leader``, ``decisions``, ``decided``) and how long it took."""
         leader = bool(report.leader)
         decisions: Sequence[Any] = getattr(report, "decisions", ()) if leader else ()
         queue: dict[tuple[str, str], int] = {}
@@ -76,6 +76,7 @@ class ControllerMetrics:
                 self.crash_loops.pop(region, None)
                 return
             self.crash_loops[region] = int(getattr(report, "backing_off", 0))
+            decided = bool(getattr(report, "decided", True))  # False: the last cycle's waits stand, and its gauges
             for d in decisions:
                 if isinstance(d, Wait):
                     k = (d.workload.gpu_class, str(d.workload.kind))
@@ -93,8 +94,9 @@ class ControllerMetrics:
                     self.moves_started[k3] = self.moves_started.get(k3, 0) + 1
                 elif isinstance(d, RestartAvailable):
                     offered += 1
-            self.queue[region] = queue
-            self.restarts_offered[region] = offered
+            if decided:
+                self.queue[region] = queue
+                self.restarts_offered[region] = offered
 
     def moved_back(self, region: str) -> None:
         with self.lock:

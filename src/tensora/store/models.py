@@ -55,7 +55,11 @@ class Workload(Base):
     retry_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     """Admission leaves the workload's empty slots alone until then (its back-off); null: at once."""
 
-    __table_args__ = (Index("ix_workloads_region_state", "region", "state"),)
+    rev: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    """The change that last touched what admission reads of it (stamped by a trigger: migration 0010)."""
+
+    __table_args__ = (Index("ix_workloads_region_state", "region", "state"),
+                      Index("ix_workloads_region_rev", "region", "rev"))
 
 
 class Replica(Base):
@@ -80,7 +84,11 @@ class Replica(Base):
     """The model name the replica's server answers to (``/model`` in a sandbox), which the gateway sends
     upstream; None: the workload's ``model``."""
 
-    __table_args__ = (Index("ix_replicas_region_state", "region", "state"),)
+    rev: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    """The change that last touched what admission reads of it (stamped by a trigger)."""
+
+    __table_args__ = (Index("ix_replicas_region_state", "region", "state"),
+                      Index("ix_replicas_region_rev", "region", "rev"), Index("ix_replicas_rev", "rev"))
 
 
 class Event(Base):
@@ -208,6 +216,18 @@ class Owner(Base):
     """An admin's overrides of the default quotas (``tensora.quotas``), a partial dict; None: the defaults."""
     limits: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     """An admin's overrides of the default gateway limits, a partial dict; None: the defaults."""
+    rev: Mapped[int] = mapped_column(BigInteger, server_default="0", index=True)
+    """The change that last touched ``quotas`` (stamped by a trigger)."""
+
+
+class Revision(Base):
+    """SQLite's change counter (one row, ``id`` 1), which the triggers of migration 0010 advance and stamp
+    rows with. PostgreSQL stamps transaction ids instead and leaves this row alone."""
+
+    __tablename__ = "revisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    rev: Mapped[int] = mapped_column(BigInteger)
 
 
 class Lease(Base):

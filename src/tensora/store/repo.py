@@ -10,11 +10,27 @@ import secrets
 import string
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Connection, Table, and_, bindparam, case, delete, func, insert, or_, select, update
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Table,
+    and_,
+    bindparam,
+    case,
+    delete,
+    exists,
+    func,
+    insert,
+    literal_column,
+    or_,
+    select,
+    union,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -29,6 +45,7 @@ from tensora.store.models import (
     Owner,
     OwnerUid,
     Replica,
+    Revision,
     StoredFile,
     TokenUsage,
     UsageSegment,
@@ -59,6 +76,7 @@ T = cast(Table, TokenUsage.__table__)
 O = cast(Table, Owner.__table__)  # noqa: E741
 F = cast(Table, StoredFile.__table__)
 UID = cast(Table, OwnerUid.__table__)
+RV = cast(Table, Revision.__table__)
 
 # Hot-path statements are built once with bound parameters and executed with a dict of
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
@@ -240,10 +258,8 @@ def insert_replica(conn: Connection, row: ReplicaRow) -> None:
 
 
 def replicas_of(conn: Connection, workload_ids: Sequence[str], active_only: bool = True) -> list[ReplicaRow]:
-    if not workload_ids:
-        return []
     q = _REPLICAS_OF_ACTIVE if active_only else _REPLICAS_OF
-    return [ReplicaRow.of(r) for r in conn.execute(q, {"ids": list(workload_ids)})]
+    return [ReplicaRow.of(r) for part in _chunks(workload_ids) for r in conn.execute(q, {"ids": part})]
 
 
 _R_ROW = [R.c[k] for k in REPLICA_COLUMNS]
@@ -352,8 +368,11 @@ def count_admin_keys(conn: Connection) -> int:
 
 # -- owners ---------------------------------------------------------------------------
 
+_O_ROW = [c for c in O.c if c.name != "rev"]  # the change stamp is the controller's, not an owner's field
+
+
 def get_owner(conn: Connection, owner: str) -> dict[str, Any] | None:
-    row = conn.execute(select(O).where(O.c.owner == owner)).mappings().first()
+    row = conn.execute(select(*_O_ROW).where(O.c.owner == owner)).mappings().first()
     return dict(row) if row else None
 
 
@@ -368,11 +387,17 @@ def owner_quotas(conn: Connection) -> dict[str, dict[str, Any]]:
     return {owner: quotas for owner, quotas in conn.execute(q) if quotas}
 
 
-def held_replicas(conn: Connection) -> list[HeldReplica]:
-    """Every replica that holds capacity, in every region, with its workload's owner (running quotas)."""
-    q = (select(W.c.owner, R.c.workload_id, R.c.slot, R.c.cls).join(W, W.c.id == R.c.workload_id)
+_HELD = (select(W.c.owner, R.c.workload_id, R.c.slot, R.c.cls).join(W, W.c.id == R.c.workload_id)
          .where(R.c.state.in_(ACTIVE_REPLICA)))
-    return [HeldReplica._make(r) for r in conn.execute(q)]
+
+
+def held_replicas(conn: Connection, owners: Iterable[str] | None = None) -> list[HeldReplica]:
+    """Every replica that holds capacity, in every region, with its workload's owner (running quotas);
+    with ``owners``, only theirs."""
+    if owners is None:
+        return [HeldReplica._make(r) for r in conn.execute(_HELD)]
+    q = _HELD.where(W.c.owner.in_(bindparam("owners", expanding=True)))
+    return [HeldReplica._make(r) for part in _chunks(owners) for r in conn.execute(q, {"owners": part})]
 
 
 def workload_specs(conn: Connection, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -383,7 +408,7 @@ def workload_specs(conn: Connection, ids: Iterable[str]) -> dict[str, dict[str, 
 
 def list_owners(conn: Connection) -> list[dict[str, Any]]:
     """The owners the operator has said something of, by name."""
-    return [dict(r) for r in conn.execute(select(O).order_by(O.c.owner)).mappings()]
+    return [dict(r) for r in conn.execute(select(*_O_ROW).order_by(O.c.owner)).mappings()]
 
 
 def set_owner(conn: Connection, owner: str, trusted: bool, at: float) -> dict[str, Any]:
@@ -402,7 +427,7 @@ def owner_for_update(conn: Connection, owner: str, at: float) -> dict[str, Any]:
     different fields at once both land: each reads the other's result, never a stale copy."""
     upsert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     conn.execute(upsert(O).values(owner=owner, trusted=False, updated_at=at).on_conflict_do_nothing())
-    return dict(conn.execute(select(O).where(O.c.owner == owner).with_for_update()).mappings().one())
+    return dict(conn.execute(select(*_O_ROW).where(O.c.owner == owner).with_for_update()).mappings().one())
 
 
 def write_owner(conn: Connection, owner: str, values: dict[str, Any]) -> None:
@@ -693,3 +718,69 @@ def owner_uid(conn: Connection, owner: str, now: float, *, first: int = UID_FIRS
 
 
 _UID_OF = select(UID.c.uid)
+
+
+# -- changes (migration 0010) ---------------------------------------------------------
+
+CHUNK = 10_000
+"""Ids bound in one statement at most (SQLite allows 32766 variables)."""
+
+
+def _chunks(items: Iterable[str]) -> Iterator[list[str]]:
+    items = list(items)
+    for i in range(0, len(items), CHUNK):
+        yield items[i:i + CHUNK]
+
+
+class Moved(NamedTuple):
+    """What changed since a watermark, as one read answers it."""
+
+    mark: int
+    """The watermark now: every change with a lower ``rev`` was visible when it was read."""
+    rows: bool
+    """A workload or replica of the region changed, or a replica of any region (an owner's quota use)."""
+    quotas: bool
+    """An owner's quota overrides changed."""
+
+
+def _mark(conn: Connection) -> Any:
+    """The watermark as a column: PostgreSQL, the reader's snapshot's xmin (rows carry transaction ids);
+    SQLite, the counter's next value (migration 0010's docstring says why each is sound)."""
+    if conn.dialect.name == "postgresql":
+        return literal_column("pg_snapshot_xmin(pg_current_snapshot())::text::bigint", BigInteger)
+    return select(RV.c.rev + 1).where(RV.c.id == 1).scalar_subquery()
+
+
+def watermark(conn: Connection) -> int:
+    """The watermark now (read it before the rows it covers, in the same transaction)."""
+    return int(conn.execute(select(_mark(conn))).scalar_one())
+
+
+def moved(conn: Connection, region: str, since: int) -> Moved:
+    """The watermark now and what changed at or after ``since`` (an earlier watermark), in one statement
+    that reads an index entry per table: what a cycle with nothing new costs."""
+    rows = or_(exists().where(W.c.region == region, W.c.rev >= since), exists().where(R.c.rev >= since))
+    q = select(_mark(conn), rows, exists().where(O.c.rev >= since))
+    mark, changed, quotas = conn.execute(q).one()
+    return Moved(int(mark), bool(changed), bool(quotas))
+
+
+def changed_workloads(conn: Connection, region: str, since: int) -> set[str]:
+    """The region's workloads changed at or after ``since``, or whose replicas did."""
+    q = union(select(W.c.id).where(W.c.region == region, W.c.rev >= since),
+              select(R.c.workload_id).where(R.c.region == region, R.c.rev >= since))
+    return set(conn.execute(q).scalars())
+
+
+def owners_of_changed_replicas(conn: Connection, since: int) -> set[str]:
+    """The owners of replicas changed at or after ``since``, in every region (their quota use changed)."""
+    q = select(W.c.owner).distinct().join(R, R.c.workload_id == W.c.id).where(R.c.rev >= since)
+    return set(conn.execute(q).scalars())
+
+
+_W_BY_ID = select(*_W_ROW).where(W.c.id.in_(bindparam("ids", expanding=True)))
+
+
+def workloads_by_id(conn: Connection, ids: Iterable[str]) -> list[WorkloadRow]:
+    """The workloads named (deleted ones too), as a cycle reads them."""
+    return [WorkloadRow.of(r) for part in _chunks(ids) for r in conn.execute(_W_BY_ID, {"ids": part})]

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tensora.placement import admission_state
 from tensora.placement.admission import (
     Decision,
     OwnerQuotas,
@@ -27,7 +28,6 @@ from tensora.placement.admission import (
     Wait,
     decide,
 )
-from tensora.placement import admission_state
 from tensora.placement.admission_state import (
     AdmissionState,
     Event,

@@ -138,7 +138,7 @@ class StepFigures:
     first_decisions: int
     settle_s: list[float]  # the cycles after it, each re-deciding what its places changed, until none
     idle_ms: float  # a cycle with no event at the fixed point
-    event_ms: float  # a GPU freed -> its decisions (best of the runs)
+    event_ms: float  # a GPU freed -> its decisions (the median of several, after one to warm up)
     event_decisions: int
     event_settle_s: float  # the cycle after the event's place
     memory_mib: float | None = None
@@ -171,21 +171,24 @@ def step_figures(n: int, n_nodes: int, runs: int, catalog: Catalog, regions: int
     now, settle_s = settle(state, NOW)
     idle, got = best_of(max(runs, 5), lambda: step(state, [], now + 0.0005)[1])
     assert got == [], "a cycle with no event decided something"
-    # a GPU freed: an L40S replica placed before the queue arrived ends; its waiters may take it
+    # a GPU freed: an L40S replica placed before the queue arrived ends; its waiters may take it. The first is
+    # a warm-up (the heaps that find where a queue head holds are built on first use); the median of the rest
     gpu = [p for p in placed if p.cls == "l40s-48gb"]
-    event, event_n, after = math.inf, 0, math.inf
-    for p in gpu[:runs]:
+    events: list[tuple[float, int]] = []
+    after = math.inf
+    for k, p in enumerate(gpu[: max(runs, 5) + 1]):
         now += 1.0
         t0 = time.perf_counter()
         state, got = step(state, [ReplicaEnded(p)], now)
         secs = time.perf_counter() - t0
-        if secs < event:
-            event, event_n = secs, len(got)
+        if k:
+            events.append((secs, len(got)))
         wanted = any(w.gpu_class == "l40s-48gb" for w in state.queue.values())
         taken = any(isinstance(d, Place) and d.cls == "l40s-48gb" for d in got)
         assert taken or not wanted, "the freed GPU was not taken by a waiter for it"
         now, rest = settle(state, now)
         after = min([after, *rest])
+    event, event_n = sorted(events)[len(events) // 2]
     return StepFigures(n, n_nodes, first_s, len(first), settle_s, idle * 1e3, event * 1e3, event_n, after)
 
 
@@ -210,8 +213,8 @@ def step_report(quick: bool, runs: int, catalog: Catalog) -> None:
     sizes = [1_000, 10_000] if quick else [1_000, 10_000, 100_000, 100_000]
     spread = 10  # the last row again, in this many regions: an event re-decides only its own
     print()
-    print(f"admission state kept across cycles (tensora.admission_state.step), {n_nodes:,} nodes, "
-          f"best of {runs} for the event")
+    print(f"admission state kept across cycles (tensora.admission_state.step), {n_nodes:,} nodes; the event: "
+          f"the median of {max(runs, 5)} GPUs freed one by one")
     print(f"{'queued':>8} {'first s':>8} {'settle s':>16} {'idle ms':>8} {'event ms':>9} {'decisions':>9} "
           f"{'next s':>7} {'MiB':>6}")
     rows = []
@@ -232,10 +235,9 @@ def step_report(quick: bool, runs: int, catalog: Catalog) -> None:
     last = [f for f in rows if f.queued == big]
     print()
     print(f"{'target':<48} {'measured':>18} {'verdict':>8}")
-    for name, limit, got, unit in [
-        (f"cycle with no event, {big:,} queued <= {5 * scale:g} ms", 5 * scale, [f.idle_ms for f in last], "ms"),
-        (f"a GPU freed -> decisions, {big:,} queued <= {5 * scale:g} ms", 5 * scale, [f.event_ms for f in last],
-         "ms"),
+    for name, limit, got, unit in [  # an idle cycle and an event cost what changed, not what waits: not scaled
+        (f"cycle with no event, {big:,} queued <= 5 ms", 5, [f.idle_ms for f in last], "ms"),
+        (f"a GPU freed -> decisions, {big:,} queued <= 5 ms", 5, [f.event_ms for f in last], "ms"),
         (f"first full cycle, {big:,} x {n_nodes:,} <= {scale:g} s", scale, [f.first_s for f in last], "s"),
     ]:
         shown = " / ".join(f"{x:.3f}" for x in got) + f" {unit}"

@@ -55,6 +55,10 @@ from tensora.placement.quotas import Quotas
 from tensora.store import repo
 from tensora.store.rows import WorkloadRow
 
+REFRESH_S = 30.0
+"""How often a standing wait's figures are written when only they changed (a GPU freed that nobody waiting
+could use: ``0 GPU free`` becomes ``1 GPU free``). A decision that changes is written in its cycle."""
+
 WaitMark = tuple[str, float | None]
 """What a queued workload's row holds of its wait: (reason, fallback_eligible_at)."""
 
@@ -108,6 +112,8 @@ class Feed:
     backoff: dict[str, Queued] = field(default_factory=dict)
     """Queued slots waiting out a crash-loop back-off (``not_before``), by id."""
     waiting: int = 0
+    refreshed_at: float = float("-inf")
+    """When the standing waits' figures were last brought up to date in their rows."""
 
     def forget(self) -> None:
         """Drop the state: the next cycle rebuilds it from a full snapshot (a lost lease, a failed cycle)."""
@@ -197,16 +203,27 @@ class Feed:
             elif isinstance(e, Submitted) and e.workload.not_before > now:
                 self.backoff[e.workload.id] = e.workload
         self.admission, decisions = step(self.admission, events, now)
-        # one region: step re-decided it (and returned all of its decisions) or left its waits standing
+        # step decides again what could have changed (its offers among them: each is tried whenever its region
+        # is); the other waits stand, with their figures recounted when read
         decided = bool(decisions) or next(self.admission.decisions(), None) is None
-        if decided:
-            self.waiting = sum(1 for d in decisions if isinstance(d, Wait))
+        self.waiting = self.admission.waiting()
         to_apply = [d for d in decisions if self._changes_a_row(d)]
+        if now >= self.refreshed_at + REFRESH_S:
+            to_apply += self._refreshed({d.workload.id for d in to_apply})
+            self.refreshed_at = now
         need = {SlotRef.parse(d.workload.id).workload_id for d in to_apply}
         if decided:  # offers no longer made are withdrawn
             need |= self.offered - {SlotRef.parse(d.workload.id).workload_id for d in decisions
                                     if isinstance(d, RestartAvailable)}
         return Cycle(decisions, decided, to_apply, need, self.waiting, len(self.backoff))
+
+    def _refreshed(self, already: set[str]) -> list[Decision]:
+        """The standing waits whose figures (free GPUs, requesters waiting, the owner's use) moved since their
+        row was written: a wait is decided again only when its decision could change, so a count alone is
+        brought up to date here, every ``REFRESH_S`` (a pass over the waits: ~5 us each)."""
+        assert self.admission is not None
+        return [d for d in self.admission.decisions()
+                if type(d) is Wait and d.workload.id not in already and self._changes_a_row(d)]
 
     def _changes_a_row(self, d: Decision) -> bool:
         if not isinstance(d, Wait):

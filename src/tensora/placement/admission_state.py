@@ -196,6 +196,7 @@ class AdmissionState:
         self.timers: list[tuple[float, str]] = []  # (when, workload id): fallback, starvation, back-off end
         self.standing: dict[str, dict[str, Decision]] = {}  # by region, by id: the waits and offers that stand
         self.offers: dict[str, set[str]] = {}  # by region: the ids of the restart offers that stand
+        self.n_waiting = 0  # the waits that stand, every region
         self.waited: Counter[tuple[str, str]] = Counter()  # standing waits for room, by (region, class asked)
         self.blocked: Counter[tuple[str, str, str]] = Counter()  # standing waits' (region, entry, class) blocked
         self.held_last: dict[tuple[str, str], bool] = {}  # a class held from fallbacks in its region's last cycle
@@ -221,6 +222,10 @@ class AdmissionState:
         for region in sorted(self.standing):
             for d in self.standing[region].values():
                 yield recount.wait(d) if type(d) is Wait else d
+
+    def waiting(self) -> int:
+        """How many waits stand now (every queued workload not backing off, once decided)."""
+        return self.n_waiting
 
     def quotas(self) -> OwnerQuotas:
         """The quotas as ``decide`` takes them, with each owner's use kept here as ``held``."""
@@ -303,12 +308,14 @@ class AdmissionState:
         d = self.standing.get(region, {}).pop(id, None)
         if type(d) is Wait:
             self._tally(region, d, -1)
+            self.n_waiting -= 1
 
     def _stand(self, region: str, d: Decision) -> None:
         self._unstand(region, d.workload.id)
         self.standing.setdefault(region, {})[d.workload.id] = d
         if type(d) is Wait:
             self._tally(region, d, 1)
+            self.n_waiting += 1
 
     def _tally(self, region: str, d: Wait, sign: int) -> None:
         """Count a wait in (1) or out (-1): waiting for room for its class (``waited``), and each fallback

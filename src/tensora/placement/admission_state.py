@@ -1,35 +1,40 @@
 """Admission kept across cycles: ``step(state, events, now) -> (state, decisions)``.
 
-:func:`tensora.admission.decide` starts from nothing every cycle: it sorts the whole queue and
-re-decides it against a copy of the whole fleet, even when nothing changed. The state here keeps
-what decide would rebuild (the queue, the running records, their replicas, the free capacity,
-each owner's quota use and turn) and is told what changed as events, so a cycle costs what changed:
+:func:`tensora.placement.admission.decide` starts from nothing every cycle: it sorts the whole queue and
+re-decides it against a copy of the whole fleet, even when nothing changed. The state here keeps what
+decide would rebuild (the queue, the running records, their replicas, the free capacity, each owner's
+quota use and turn) and is told what changed as events, so a cycle costs what changed:
 
-* **Capacity by deltas**: a replica placed or ended, a node added, removed or cordoned changes
-  the figures of one node and its region's totals (:meth:`Capacity.change` and friends), exactly
-  as a rebuild would count them.
-* **Parked until something could let it fit**: a region whose last cycle placed nothing is at a fixed
-  point; its waits stand (they are not re-decided, and ``step`` does not repeat them) until an event
-  could change one of them: capacity or a node of that region, a workload submitted or stopped there, a
-  fallback or starvation timer of one of its workloads coming due, or a change to an owner with
-  workloads there (a turn or a quota: an owner's turn and quota span regions). A cycle with no such
-  event reads one heap top and returns nothing.
-* **The same decisions**: a region that changed is re-decided by the passes of ``decide`` itself
-  (:func:`tensora.admission.run_cycle`), over its queue in the global priority order (owner turns count
-  every region), with each owner's quota use kept here. So every rule keeps every property it has
-  (anti-starvation holds, fallback order, move-back after primary requesters, RestartAvailable, quotas);
-  tests/test_admission_step.py checks, on random histories, that the state's decisions equal
-  ``decide`` run from scratch on the same world, cycle by cycle.
+* **Capacity by deltas**: a replica placed or ended, a node added, removed or cordoned changes the figures
+  of one node and its region's totals (:meth:`Capacity.change` and friends), exactly as a rebuild would
+  count them; the first-fit cursors and the heaps that find where a queue head holds are kept too, moved
+  back only where capacity grew.
+* **Lists in priority order** (kube-scheduler's queues, with their queueing hints as the anchor): per
+  region, the requesters of each class, and the listers of each fallback entry whose timer ran out.
+  A region with nothing new is not looked at: a cycle with no event reads one heap top.
+* **Decide the heads, prove the rest stands**: a region that changed runs ``decide``'s own passes
+  (:func:`tensora.placement.admission.run_cycle`) over the workloads that must be decided (new, timer due,
+  their owner's quota or use changed), the head of each list, and the movers one of whose preferred classes
+  has room; the others are told to it as counts (each class's requesters waiting for room, which hold it
+  from fallbacks). Then checks show that every workload left out keeps its decision (``_more``: a decided
+  requester found its class full, so every later one does too, capacity only shrinking within a cycle; a
+  decided lister found its fallback class full, or it has no room left; no class changed from held to not
+  held; no owner with a quota placed with a workload left out), or the heads are doubled (or the workloads
+  added) and the cycle is tried again from a checkpoint of the capacity. So one freed GPU in a region of
+  100,000 waiting decides a few dozen workloads, not the region.
+* **The same decisions**: the decisions made are ``decide``'s, and so is every wait that stands
+  (``decisions()``): tests/unit/test_admission_step.py checks, on random histories, that the state's
+  decisions equal ``decide`` run from scratch on the same world, cycle by cycle, with heads of one too
+  (where nearly every cycle needs the checks). Every rule keeps its properties (anti-starvation holds,
+  fallback order, move-back after primary requesters, RestartAvailable, quotas). A wait's figures (free GPUs
+  or vCPUs of a class it found full, requesters waiting for a class held from it, its owner's quota use)
+  are those at the end of the cycle in ``decide`` too, so a wait that stands is recounted when read.
 
 Decisions are assumed as they are made (kube-scheduler's *assume*): a ``Place`` moves its workload
 to the running records with its replica; a ``Promote`` marks the endpoint ``moving`` with its new
 replica. The caller reports what happens next as events (a replica that ends, a move finished as
-``Started``, a placement that failed as ``Stopped`` then ``Submitted``).
-
-The unit of re-deciding is a region: inside one, every class shares nodes with the CPU classes (idle
-CPU of GPU servers) and a wait's reason counts the region's free GPUs, so one freed GPU can change any
-wait of that region. ``step`` mutates and returns ``state`` (it is pure otherwise: no I/O, no clock);
-use the state it returns, not the one passed in.
+``Started``, a placement that failed as ``Stopped`` then ``Submitted``). ``step`` mutates and returns
+``state`` (it is pure otherwise: no I/O, no clock); use the state it returns, not the one passed in.
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ come with its GPUs, which ``running_gpus`` already bounds) is not placed on that
 holds its class against fallbacks, so it never keeps another owner waiting. A GPU class over quota may still
 fall back to a CPU class within ``running_cpu``. A move back replaces a replica: only what it adds counts.
 
+A wait's figures are those at the end of the cycle, after its places and promotes: ``waiting for
+l40s-48gb (0 GPU free, 1 needed)`` says what anyone reading it finds, even when the GPU was free at the
+moment the wait was tried and a later, smaller workload took it (:class:`Recount`).
+
 Priority order: with ``owner_fairness`` (the default, because a free cloud has no
 price to ration it), owners take turns: a workload's rank is how many workloads its
 owner already runs plus how many of its owner's are queued before it; then oldest

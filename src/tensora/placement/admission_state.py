@@ -199,6 +199,7 @@ class AdmissionState:
         self.owner_regions: dict[str, Counter[str]] = {}  # where an owner has queued or movers
         self.use: dict[str, list[float]] = {}  # each owner's (GPUs, vCPUs of CPU classes), from running
         self.timers: list[tuple[float, str]] = []  # (when, workload id): fallback, starvation, back-off end
+        self.later: list[tuple[float, str]] = []  # timers not on the heap yet
         self.standing: dict[str, dict[str, Decision]] = {}  # by region, by id: the waits and offers that stand
         self.offers: dict[str, set[str]] = {}  # by region: the ids of the restart offers that stand
         self.n_waiting = 0  # the waits that stand, every region
@@ -248,18 +249,20 @@ class AdmissionState:
             del regions[region]
 
     def _enqueue(self, w: Queued) -> None:
-        self._drop(w.id)
+        if w.id in self.queue or w.id in self.running:
+            self._drop(w.id)
         self.queue[w.id] = w
         self.by_region.setdefault(w.region, {})[w.id] = w
         bisect.insort(self.owner_keys.setdefault(w.owner, []), (w.queued_since, w.id))
         self._regions_of(w.owner, w.region, 1)
         self._dirty(w.region, w.id)
         self._turns(w.owner, above=(w.queued_since, w.id))  # one more queued before its later ones
+        later = self.later  # onto the heap at the next cycle, in one go (a first cycle submits the queue)
         if w.not_before > 0:
-            heapq.heappush(self.timers, (w.not_before, w.id))  # its back-off ends: it is a candidate again
+            later.append((w.not_before, w.id))  # its back-off ends: it is a candidate again
         if w.fallback:
-            heapq.heappush(self.timers, (w.queued_since + w.fallback_after_s, w.id))
-        heapq.heappush(self.timers, (_starving_from(w.queued_since, self.policy.starvation_after_s), w.id))
+            later.append((w.queued_since + w.fallback_after_s, w.id))
+        later.append((_starving_from(w.queued_since, self.policy.starvation_after_s), w.id))
 
     def _dirty(self, region: str, id: str) -> None:
         self.dirty.add(region)
@@ -527,6 +530,14 @@ class AdmissionState:
 
     def _due(self, now: float) -> list[str]:
         """The ids whose timers came due, off the heap (split in one pass when many are: a first cycle)."""
+        if self.later:
+            if len(self.later) > len(self.timers):
+                self.timers += self.later
+                heapq.heapify(self.timers)
+            else:
+                for t in self.later:
+                    heapq.heappush(self.timers, t)
+            self.later = []
         timers = self.timers
         if len(timers) > 64 and timers[len(timers) // 2][0] <= now:  # a rough sign that many are due
             due = [id for t, id in timers if t <= now]

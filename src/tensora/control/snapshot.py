@@ -43,36 +43,59 @@ def take(nodes: Sequence[Node], replicas: Iterable[ReplicaRow], workloads: Itera
     placed = [Placed(r.node, r.cls, r.workload_id) for r in replicas]
     capacity = Capacity([n for n in nodes if region is None or n.region == region], placed, catalog, reserves)
     rows = {w.id: w for w in workloads}
-    by_slot: dict[SlotRef, list[ReplicaRow]] = {}
+    by_workload: dict[str, list[ReplicaRow]] = {}
     for r in replicas:
-        by_slot.setdefault(r.ref, []).append(r)
+        by_workload.setdefault(r.workload_id, []).append(r)
     queue: list[Queued] = []
     running: list[Running] = []
     gone: list[WorkloadRow] = []
     for w in rows.values():
-        if w.deleted_at is not None:
-            continue
-        if w.state is WorkloadState.QUEUED and w.gpu_class not in catalog:  # the operator removed it
+        records = admission_records(w, by_workload.get(w.id, ()), catalog)
+        queue += records.queue
+        running += records.running
+        if records.gone:
             gone.append(w)
-            continue
-        fallback = () if w.placement == "requested" else w.fallback
-        for slot in range(w.replicas if w.kind is WorkloadKind.ENDPOINT else 1):
-            ref = SlotRef(w.id, slot)
-            held = by_slot.get(ref, [])
-            primary = next((r for r in held if r.role is ReplicaRole.PRIMARY and r.state is not ReplicaState.STOPPING),
-                           None)
-            if primary is None:
-                if w.state is WorkloadState.QUEUED or slot > 0:
-                    since = w.queued_since if w.queued_since is not None else w.created_at
-                    queue.append(Queued(str(ref), w.kind, w.gpu_class, w.owner, w.region, fallback,
-                                        w.fallback_after_s, since, w.model_params, w.model_bytes,
-                                        w.retry_at or 0.0))
-                continue
-            if w.state is WorkloadState.RUNNING and primary.state is ReplicaState.RUNNING:
-                moving = any(r.role is ReplicaRole.CANDIDATE for r in held)
-                running.append(Running(str(ref), w.kind, w.gpu_class, primary.cls, primary.node, w.owner, w.region,
-                                       w.fallback, w.model_params, w.model_bytes, moving))
     return Snapshot(capacity, queue, running, rows, gone)
+
+
+@dataclass(frozen=True, slots=True)
+class Records:
+    """What admission sees of one workload: its slots queued and running, or that its class is gone."""
+
+    queue: tuple[Queued, ...] = ()
+    running: tuple[Running, ...] = ()
+    gone: bool = False
+
+
+def admission_records(w: WorkloadRow, held: Iterable[ReplicaRow], catalog: Catalog) -> Records:
+    """``w``'s records as :func:`take` makes them; ``held``: its replicas that hold capacity (take's for the
+    whole fleet, ``tensora plan``'s for a workload that changed)."""
+    if w.deleted_at is not None:
+        return Records()
+    if w.state is WorkloadState.QUEUED and w.gpu_class not in catalog:  # the operator removed it
+        return Records(gone=True)
+    by_slot: dict[int, list[ReplicaRow]] = {}
+    for r in held:
+        by_slot.setdefault(r.slot, []).append(r)
+    fallback = () if w.placement == "requested" else w.fallback
+    queue: list[Queued] = []
+    running: list[Running] = []
+    for slot in range(w.replicas if w.kind is WorkloadKind.ENDPOINT else 1):
+        ref = SlotRef(w.id, slot)
+        on_slot = by_slot.get(slot, [])
+        primary = next((r for r in on_slot if r.role is ReplicaRole.PRIMARY and r.state is not ReplicaState.STOPPING),
+                       None)
+        if primary is None:
+            if w.state is WorkloadState.QUEUED or slot > 0:
+                since = w.queued_since if w.queued_since is not None else w.created_at
+                queue.append(Queued(str(ref), w.kind, w.gpu_class, w.owner, w.region, fallback,
+                                    w.fallback_after_s, since, w.model_params, w.model_bytes, w.retry_at or 0.0))
+            continue
+        if w.state is WorkloadState.RUNNING and primary.state is ReplicaState.RUNNING:
+            moving = any(r.role is ReplicaRole.CANDIDATE for r in on_slot)
+            running.append(Running(str(ref), w.kind, w.gpu_class, primary.cls, primary.node, w.owner, w.region,
+                                   w.fallback, w.model_params, w.model_bytes, moving))
+    return Records(tuple(queue), tuple(running))
 
 
 def owner_quotas(defaults: Quotas, stored: Mapping[str, Mapping[str, Any]], held: Iterable[HeldReplica],

@@ -16,7 +16,7 @@ parameters), from a seeded ``random.Random``: submissions spread over the first 
 the span), about a third stopped 5-60 minutes later.
 
 Run:  python bench/plan.py            (full run: 1k, 3k, 10k x 90 min, and 100k x 24 h)
-      python bench/plan.py --quick    (1k, 3k x 90 min, < 30 s, for a smoke test)
+      python bench/plan.py --quick    (200, 600 x 90 min, < 30 s, for a smoke test)
       python bench/plan.py --write DIR --workloads N --nodes M --span 90m   (only write the files)
 
 It always exits 0 (a benchmark, not a test), but asserts that the plan places some workloads and leaves
@@ -154,11 +154,11 @@ def main() -> int:
     if args.write:
         write_files(args.write, args.workloads, args.nodes, parse_duration(args.span))
         return 0
-    sizes = [(1_000, "90m"), (3_000, "90m")] if args.quick else [(1_000, "90m"), (3_000, "90m"), (10_000, "90m"),
+    sizes = [(200, "90m"), (600, "90m")] if args.quick else [(1_000, "90m"), (3_000, "90m"), (10_000, "90m"),
                                                                    (100_000, "24h")]
     print(f"plan benchmark ({'quick' if args.quick else 'full'}): one run per size")
     print(f"{'workloads':>9} {'nodes':>6} {'span':>5} {'process s':>9} {'replay s':>9} {'step s':>7} "
-          f"{'us/wl':>7} {'x 1k':>5} {'placed':>7} {'queued':>7}")
+          f"{'us/wl':>7} {'x 1st':>5} {'placed':>7} {'queued':>7}")
     rows: list[Figures] = []
     with tempfile.TemporaryDirectory() as tmp:
         for n, span in sizes:

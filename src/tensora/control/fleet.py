@@ -40,7 +40,7 @@ from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.errors import FleetError, ModelFileError
 from tensora.models.validator import read_model
-from tensora.placement.admission import Decision, Place, Policy, Promote, RestartAvailable
+from tensora.placement.admission import Attempt, Decision, Place, Policy, Promote, Queued, RestartAvailable, Wait
 from tensora.placement.admission_state import (
     AdmissionState,
     Event,
@@ -289,6 +289,9 @@ class _Replay:
         """Workloads reconciled every cycle, changed or not: a replica draining (it stops when its time
         is up) or a crash loop (it heals when a replica has run long enough)."""
         self.offers: dict[str, RestartAvailable] = {}  # the restart offers that stand, by workload id
+        self.waits: dict[str, tuple[_WaitKey, str, str | None]] = {}
+        """Each record's wait as last applied, its workload, and the reason apply wrote for it (None: a slot
+        after the first, whose wait writes nothing)."""
 
     def run(self) -> Replayed:
         workloads = self.workloads
@@ -334,18 +337,34 @@ class _Replay:
         events, gone = self._events()
         self.state, decisions = step(self.state, events, now)
         offers = self._offers(decisions)
-        # 3. apply: the decided workloads' rows, and those whose offer was withdrawn
-        decided = {SlotRef.parse(d.workload.id).workload_id for d in decisions} | (self.offers.keys() - offers.keys())
+        # 3. apply what would write something: the decided workloads' rows, and those whose offer was withdrawn
+        fresh = [d for d in decisions if not (isinstance(d, Wait) and self._written_before(d))]
+        decided = {SlotRef.parse(d.workload.id).workload_id for d in fresh} | (self.offers.keys() - offers.keys())
         self.offers = offers
         rows = {wid: self.ledger.workloads[wid] for wid in sorted(decided)}
-        applied = apply(self.ledger, decisions, rows, now, gone)
+        applied = apply(self.ledger, fresh, rows, now, gone)
         _effects(self.driver, self.models, applied.start, [])
+        for d in fresh:
+            if isinstance(d, Wait):
+                ref = SlotRef.parse(d.workload.id)
+                reason = self.ledger.workloads[ref.workload_id].reason if ref.slot == 0 else None
+                self.waits[d.workload.id] = ((d.workload, d.attempts, d.fallback_eligible_at), ref.workload_id, reason)
         for d in decisions:
             if isinstance(d, Place | Promote):
                 self.assumed.setdefault(SlotRef.parse(d.workload.id).workload_id, set()).add(d.workload.id)
                 self.written.add(SlotRef.parse(d.workload.id).workload_id)
         self.moments.add([*applied.later, *done.drains_end])
         return bool(done.transitions or done.start or done.stop or applied.start)
+
+    def _written_before(self, d: Wait) -> bool:
+        """``d`` is the wait applied last time for its record, and its row still shows what apply wrote then:
+        applying it again would write nothing (and its timer is a moment already)."""
+        was = self.waits.get(d.workload.id)
+        if was is None or was[0] != (d.workload, d.attempts, d.fallback_eligible_at):
+            return False
+        _, workload_id, reason = was
+        w = self.ledger.workloads[workload_id]
+        return reason is None or (w.reason == reason and w.fallback_eligible_at == d.fallback_eligible_at)
 
     def _observed(self, ids: set[str]) -> tuple[list[WorkloadRow], list[ReplicaRow], dict[str, ReplicaStatus]]:
         """Reconcile's inputs for workloads ``ids``: those holding replicas or asked to stop, every replica of
@@ -413,6 +432,7 @@ class _Replay:
 
 
 _NOTHING = _Told(snapshot.Records(), ())
+_WaitKey = tuple[Queued, tuple[Attempt, ...], float | None]
 
 
 def _refs(told: _Told) -> list[str]:

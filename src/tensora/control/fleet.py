@@ -270,6 +270,9 @@ class _Told:
 
 
 class _Replay:
+    """One replay: the simulated fleet, the rows, admission's kept state, and what changed since each step
+    of a cycle last looked."""
+
     def __init__(self, nodes: Sequence[Node], workloads: Sequence[PlannedWorkload], catalog: Catalog, at: float,
                  policy: Policy | None) -> None:
         self.workloads, self.catalog = workloads, catalog
@@ -295,23 +298,21 @@ class _Replay:
 
     def run(self) -> Replayed:
         workloads = self.workloads
-        submits = sorted(range(len(workloads)), key=lambda i: (workloads[i].submitted_at, i))
-        stops = sorted((i for i, pw in enumerate(workloads) if pw.stop_at is not None),
-                       key=lambda i: (workloads[i].stop_at, i))
-        self.moments.add([0.0, self.moments.at, *(pw.submitted_at for pw in workloads),
-                          *(pw.stop_at for pw in workloads if pw.stop_at is not None)])
+        submits = sorted((pw.submitted_at, i) for i, pw in enumerate(workloads))
+        stops = sorted((pw.stop_at, i) for i, pw in enumerate(workloads) if pw.stop_at is not None)
+        self.moments.add([0.0, self.moments.at, *(t for t, _ in submits), *(t for t, _ in stops)])
         next_submit = next_stop = 0
         while (now := self.moments.next()) is not None:
             self.clock.set(now)
             # 1. what the users did by now: submissions, then stops (the files' order among equals)
-            while next_submit < len(submits) and workloads[submits[next_submit]].submitted_at <= now:
-                self.ledger.add_workload(_submitted(workloads[submits[next_submit]]))
+            while next_submit < len(submits) and submits[next_submit][0] <= now:
+                self.ledger.add_workload(_submitted(workloads[submits[next_submit][1]]))
                 next_submit += 1
-            while next_stop < len(stops) and (pw := workloads[stops[next_stop]]).stop_at is not None \
-                    and pw.stop_at <= now:
-                w = self.ledger.workloads.get(pw.spec.name)
+            while next_stop < len(stops) and stops[next_stop][0] <= now:
+                at, i = stops[next_stop]
+                w = self.ledger.workloads.get(workloads[i].spec.name)
                 if w is not None and w.state not in _STOPPED:
-                    _stop(self.ledger, self.driver, w, now, f"stopped at {format_duration(pw.stop_at)}")
+                    _stop(self.ledger, self.driver, w, now, f"stopped at {format_duration(at)}")
                 next_stop += 1
             # 2. cycles until nothing changes
             for _ in range(MAX_CYCLES_PER_MOMENT):

@@ -143,7 +143,8 @@ class MemoryLedger:
 
     def take_touched(self) -> set[str]:
         """The workloads written since the last call (their row, or one of their replicas): what a cycle of
-        ``tensora plan`` re-reads, instead of every row."""
+        ``tensora plan`` re-reads, instead of every row. A wait's reason is not counted: only people read it,
+        and one freed GPU rewrites the reason of every wait of its region."""
         touched, self._touched = self._touched, set()
         return touched
 
@@ -195,7 +196,6 @@ class MemoryLedger:
             w = self.workloads.get(wid)
             if w is not None and w.state is WorkloadState.QUEUED:
                 self.workloads[wid] = w._replace(reason=reason, fallback_eligible_at=at)
-                self._touched.add(wid)
 
     def active(self) -> list[ReplicaRow]:
         """The replicas that hold capacity (the store's ``active_replicas``)."""

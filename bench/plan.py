@@ -18,6 +18,7 @@ the span), about a third stopped 5-60 minutes later.
 
 Run:  python bench/plan.py            (full run: 1k, 3k, 10k x 90 min, and 100k x 24 h)
       python bench/plan.py --quick    (200, 600 x 90 min, < 30 s, for a smoke test)
+      python bench/plan.py --up-to 10000   (the full run without the 100k x 24 h plan)
       python bench/plan.py --write DIR --workloads N --nodes M --span 90m   (only write the files)
 
 It always exits 0 (a benchmark, not a test), but asserts that the plan places some workloads and leaves
@@ -154,12 +155,14 @@ def main() -> int:
     parser.add_argument("--workloads", type=int, default=10_000)
     parser.add_argument("--nodes", type=int, default=1_000)
     parser.add_argument("--span", default="90m")
+    parser.add_argument("--up-to", type=int, help="leave out the sizes above this many workloads")
     args = parser.parse_args()
     if args.write:
         write_files(args.write, args.workloads, args.nodes, parse_duration(args.span))
         return 0
     sizes = [(200, "90m"), (600, "90m")] if args.quick else [(1_000, "90m"), (3_000, "90m"), (10_000, "90m"),
                                                                    (100_000, "24h")]
+    sizes = [(n, span) for n, span in sizes if args.up_to is None or n <= args.up_to]
     print(f"plan benchmark ({'quick' if args.quick else 'full'}): one run per size")
     print(f"{'workloads':>9} {'nodes':>6} {'span':>5} {'process s':>9} {'replay s':>9} {'in step':>7} "
           f"{'us/wl':>7} {'x 1st':>5} {'placed':>7} {'queued':>7}")

@@ -22,6 +22,15 @@ def test_admission_benchmark_quick_run() -> None:
 
 
 @pytest.mark.slow
+def test_plan_benchmark_quick_run() -> None:
+    out = subprocess.run([sys.executable, str(BENCH / "plan.py"), "--quick"], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["200"], ["600"])]
+    assert len(rows) == 2 and all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), out.stdout
+
+
+@pytest.mark.slow
 def test_api_benchmark_quick_run(tmp_path: Path) -> None:
     figures = tmp_path / "api.json"
     out = subprocess.run([sys.executable, str(BENCH / "api.py"), "--quick", "--duration", "1", "--direct-n", "50",

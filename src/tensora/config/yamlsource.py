@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import ValidationError
+from yaml.constructor import SafeConstructor
 
 from tensora.errors import ConfigError
 
@@ -22,13 +23,18 @@ PathKey = tuple[str | int, ...]
 
 
 class Lines:
-    """Path of a value in the document -> the line it starts on."""
+    """Path of a value in the document -> the line it starts on (found when first asked: only an error needs
+    one, and finding them costs more than reading a large file)."""
 
-    def __init__(self, lines: dict[PathKey, int]) -> None:
-        self._lines = lines
+    def __init__(self, lines: dict[PathKey, int] | Callable[[], dict[PathKey, int]]) -> None:
+        self._lines = lines if isinstance(lines, dict) else None
+        self._find = lines if callable(lines) else None
 
     def line(self, path: PathKey) -> int | None:
         """The line of ``path`` or of its nearest ancestor that has one."""
+        if self._lines is None:
+            assert self._find is not None
+            self._lines = self._find()
         for end in range(len(path), -1, -1):
             found = self._lines.get(tuple(path[:end]))
             if found is not None:
@@ -36,7 +42,8 @@ class Lines:
         return None
 
 
-def _construct(node: yaml.Node, path: PathKey, lines: dict[PathKey, int], source: str, error: type[E]) -> Any:
+def _construct(node: yaml.Node, path: PathKey, lines: dict[PathKey, int], source: str, error: type[E],
+               scalars: SafeConstructor) -> Any:
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
@@ -49,16 +56,25 @@ def _construct(node: yaml.Node, path: PathKey, lines: dict[PathKey, int], source
                     f"key {key!r} appears twice", source=source, line=key_node.start_mark.line + 1,
                     field=_dotted((*path, key)),
                 )
-            out[key] = _construct(value_node, (*path, key), lines, source, error)
+            out[key] = _construct(value_node, (*path, key), lines, source, error, scalars)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_construct(item, (*path, i), lines, source, error) for i, item in enumerate(node.value)]
-    # Scalars: let the safe loader resolve the tag (int, float, bool, null, str).
-    return yaml.safe_load(yaml.serialize(node))
+        return [_construct(item, (*path, i), lines, source, error, scalars) for i, item in enumerate(node.value)]
+    # Scalars: the tag the composer resolved (int, float, bool, null, str), built as the safe loader builds it.
+    return scalars.construct_object(node)
 
 
 def load_text(text: str, source: str, error: type[E]) -> tuple[Any, Lines]:
     """Parse YAML text; ``source`` names it in errors (a path or ``<default catalog>``)."""
+    try:
+        return yaml.load(text, Loader=_PlainLoader), Lines(lambda: _load_nodes(text, source, error)[1])
+    except (yaml.YAMLError, _NotPlain):
+        data, lines = _load_nodes(text, source, error)
+        return data, Lines(lines)
+
+
+def _load_nodes(text: str, source: str, error: type[E]) -> tuple[Any, dict[PathKey, int]]:
+    """The data and each value's line, from the node tree: the errors name the line of the problem."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
@@ -67,8 +83,34 @@ def load_text(text: str, source: str, error: type[E]) -> tuple[Any, Lines]:
         raise error(f"not valid YAML: {problem}", source=source, line=mark.line + 1 if mark else None) from None
     lines: dict[PathKey, int] = {}
     if node is None:
-        return None, Lines(lines)
-    return _construct(node, (), lines, source, error), Lines(lines)
+        return None, lines
+    return _construct(node, (), lines, source, error, SafeConstructor()), lines
+
+
+class _NotPlain(Exception):
+    """A document :class:`_PlainLoader` does not read as :func:`_construct` does."""
+
+
+_STR, _MAP, _SEQ = "tag:yaml.org,2002:str", "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
+
+
+class _PlainLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):  # type: ignore[misc]
+    """The safe loader (libyaml's where it is built in: a 100,000-workload plan file in a second, not a
+    minute), refusing what :func:`_construct` reads differently or reports: a key that is not a plain name
+    or appears twice, a merge key, a tagged mapping or list. What it refuses is read node by node."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        if isinstance(node, yaml.ScalarNode):
+            return super().construct_object(node, deep)
+        if node.tag != (_MAP if isinstance(node, yaml.MappingNode) else _SEQ):
+            raise _NotPlain
+        if isinstance(node, yaml.MappingNode):
+            keys = set()
+            for key, _ in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag != _STR or key.value in keys:
+                    raise _NotPlain
+                keys.add(key.value)
+        return super().construct_object(node, deep)
 
 
 def load(path: Path, error: type[E]) -> tuple[Any, Lines]:

@@ -21,7 +21,8 @@ optional ``stop_at`` (offsets such as ``0s``, ``2m``)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,14 +36,23 @@ from tensora.control.apply import apply
 from tensora.control.ledger import MemoryLedger
 from tensora.control.reconcile import reconcile
 from tensora.control.spec import WorkloadSpec, check_against
-from tensora.drivers.base import ReplicaSpec
+from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.errors import FleetError, ModelFileError
 from tensora.models.validator import read_model
-from tensora.placement.admission import Policy, decide
-from tensora.placement.capacity import Node
+from tensora.placement.admission import Attempt, Decision, Place, Policy, Promote, Queued, RestartAvailable, Wait
+from tensora.placement.admission_state import (
+    AdmissionState,
+    Event,
+    ReplicaPlaced,
+    Started,
+    Stopped,
+    Submitted,
+    step,
+)
+from tensora.placement.capacity import Node, Placed
 from tensora.placement.catalog import Catalog
-from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadState
+from tensora.placement.kinds import HOLDING, ReplicaRole, ReplicaState, SlotRef, WorkloadState
 from tensora.store.rows import ReplicaRow, WorkloadRow
 from tensora.units import format_duration, parse_duration, parse_memory
 
@@ -183,7 +193,11 @@ def plan(
 
     Time 0 is the start of the plan; clock times in reasons read as offsets (00:10:00 = 10m).
     """
-    replayed = replay(nodes, workloads, catalog, at, policy)
+    return report(workloads, replay(nodes, workloads, catalog, at, policy))
+
+
+def report(workloads: Sequence[PlannedWorkload], replayed: Replayed) -> list[PlanRow]:
+    """Each workload's row, from the rows after a replay."""
     ledger, offers = replayed.ledger, replayed.offers
     rows = []
     for pw in workloads:
@@ -197,8 +211,7 @@ def plan(
             reason = f"{reason}; {offers[w.id]}"
         queued = w.state is WorkloadState.QUEUED
         eligible = format_duration(w.fallback_eligible_at) if w.fallback_eligible_at is not None and queued else None
-        primary = [r for r in ledger.replicas.values()
-                   if r.workload_id == w.id and r.slot == 0 and r.role is ReplicaRole.PRIMARY]
+        primary = [r for r in ledger.replicas_of(w.id) if r.slot == 0 and r.role is ReplicaRole.PRIMARY]
         node = primary[-1].node if primary and w.placed_class is not None else None
         rows.append(PlanRow(spec.name, spec.kind.value, spec.gpu_class, w.placed_class, w.state.value, reason,
                             eligible, node, w.id in offers))
@@ -210,7 +223,7 @@ class Replayed:
     ledger: MemoryLedger
     """The rows after the replay: workloads by name, every replica, every event."""
     offers: dict[str, str]
-    """The restart offers admission made in the last cycle (workload -> reason): what the plan reports."""
+    """The restart offers that stand at the end (workload -> reason): what the plan reports."""
 
 
 def replay(
@@ -219,39 +232,213 @@ def replay(
 ) -> Replayed:
     """The state after replaying up to offset ``at``.
 
-    Each cycle is the controller's (``control.reconcile``, ``control.snapshot``, admission,
-    ``control.apply``) on a simulated fleet and clock, with the rows in memory: a move back starts a
-    candidate, which becomes the primary when ready while the old replica drains, as it does live.
+    Each cycle is the controller's (``control.reconcile``, admission, ``control.apply``) on a simulated
+    fleet and clock, with the rows in memory: a move back starts a candidate, which becomes the primary
+    when ready while the old replica drains, as it does live. Admission is kept across cycles
+    (``admission_state.step``) and told what changed, so a cycle costs what changed, not every workload.
     """
-    clock = FakeClock(0.0)
-    driver = SimulatedDriver(nodes, clock)
-    ledger = MemoryLedger()
-    moments = {0.0, at} | {pw.submitted_at for pw in workloads} | {
-        pw.stop_at for pw in workloads if pw.stop_at is not None
-    }
-    moments = {m for m in moments if m <= at}
-    done: set[float] = set()
-    models = {pw.spec.name: pw.spec.model for pw in workloads}
-    offers: dict[str, str] = {}
-    while moments - done:
-        now = min(moments - done)
-        done.add(now)
-        clock.set(now)
-        for pw in workloads:
-            w = ledger.workloads.get(pw.spec.name)
-            if w is None and pw.submitted_at <= now:
-                w = ledger.workloads[pw.spec.name] = _submitted(pw)
-            if w is not None and pw.stop_at is not None and pw.stop_at <= now and w.state not in _STOPPED:
-                _stop(ledger, driver, w, now, f"stopped at {format_duration(pw.stop_at)}")
-        for _ in range(MAX_CYCLES_PER_MOMENT):
-            later, changed, offers = _cycle(driver, ledger, catalog, models, now, policy)
-            moments.update(m for m in later if m <= at)
-            if not changed:
-                break
-    return Replayed(ledger, offers)
+    return _Replay(nodes, workloads, catalog, at, policy).run()
 
 
 _STOPPED = (WorkloadState.STOPPING, WorkloadState.STOPPED)
+
+
+class _Moments:
+    """The offsets still to visit up to ``at``, soonest first; each once."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.heap: list[float] = []
+        self.seen: set[float] = set()
+
+    def add(self, moments: Iterable[float]) -> None:
+        for m in moments:
+            if m <= self.at and m not in self.seen:
+                self.seen.add(m)
+                heapq.heappush(self.heap, m)
+
+    def next(self) -> float | None:
+        return heapq.heappop(self.heap) if self.heap else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Told:
+    """What admission was last told of a workload: its records and the replicas holding capacity."""
+
+    records: snapshot.Records
+    placed: tuple[Placed, ...]
+
+
+class _Replay:
+    """One replay: the simulated fleet, the rows, admission's kept state, and what changed since each step
+    of a cycle last looked."""
+
+    def __init__(self, nodes: Sequence[Node], workloads: Sequence[PlannedWorkload], catalog: Catalog, at: float,
+                 policy: Policy | None) -> None:
+        self.workloads, self.catalog = workloads, catalog
+        self.clock = FakeClock(0.0)
+        self.driver = SimulatedDriver(nodes, self.clock)
+        self.ledger = MemoryLedger()
+        self.state = AdmissionState(self.driver.nodes(), [], catalog, policy)
+        self.moments = _Moments(at)
+        self.models = {pw.spec.name: pw.spec.model for pw in workloads}
+        self.told: dict[str, _Told] = {}
+        self.assumed: dict[str, set[str]] = {}
+        """Workloads admission placed or promoted (their record ids): it assumed its decision, the truth
+        (the rows after apply) is told next cycle whatever it is."""
+        self.written: set[str] = set()  # workloads written since admission was last told
+        self.again: set[str] = set()  # workloads written since the last reconcile
+        self.watched: set[str] = set()
+        """Workloads reconciled every cycle, changed or not: a replica draining (it stops when its time
+        is up) or a crash loop (it heals when a replica has run long enough)."""
+        self.offers: dict[str, RestartAvailable] = {}  # the restart offers that stand, by workload id
+        self.waits: dict[str, tuple[_WaitKey, str, str | None]] = {}
+        """Each record's wait as last applied, its workload, and the reason apply wrote for it (None: a slot
+        after the first, whose wait writes nothing)."""
+
+    def run(self) -> Replayed:
+        workloads = self.workloads
+        submits = sorted((pw.submitted_at, i) for i, pw in enumerate(workloads))
+        stops = sorted((pw.stop_at, i) for i, pw in enumerate(workloads) if pw.stop_at is not None)
+        self.moments.add([0.0, self.moments.at, *(t for t, _ in submits), *(t for t, _ in stops)])
+        next_submit = next_stop = 0
+        while (now := self.moments.next()) is not None:
+            self.clock.set(now)
+            # 1. what the users did by now: submissions, then stops (the files' order among equals)
+            while next_submit < len(submits) and submits[next_submit][0] <= now:
+                self.ledger.add_workload(_submitted(workloads[submits[next_submit][1]]))
+                next_submit += 1
+            while next_stop < len(stops) and stops[next_stop][0] <= now:
+                at, i = stops[next_stop]
+                w = self.ledger.workloads.get(workloads[i].spec.name)
+                if w is not None and w.state not in _STOPPED:
+                    _stop(self.ledger, self.driver, w, now, f"stopped at {format_duration(at)}")
+                next_stop += 1
+            # 2. cycles until nothing changes
+            for _ in range(MAX_CYCLES_PER_MOMENT):
+                if not self.cycle(now):
+                    break
+        return Replayed(self.ledger, {wid: d.reason for wid, d in self.offers.items()})
+
+    def _written(self) -> None:
+        written = self.ledger.take_touched()
+        self.written |= written
+        self.again |= written
+
+    def cycle(self, now: float) -> bool:
+        """One controller cycle on the simulated fleet, over what changed; whether anything moved."""
+        # 1. observe and reconcile the workloads whose rows or replicas changed
+        self._written()
+        ids = self.again | self.watched | {self.ledger.replicas[i].workload_id for i in self.driver.changed()}
+        self.again = set()
+        done = reconcile(self.ledger, *self._observed(ids), now)
+        _effects(self.driver, self.models, done.start, done.stop)
+        # 2. admission, told what changed
+        self._written()
+        events, gone = self._events()
+        self.state, decisions = step(self.state, events, now)
+        offers = self._offers(decisions)
+        # 3. apply what would write something: the decided workloads' rows, and those whose offer was withdrawn
+        fresh = [d for d in decisions if not (isinstance(d, Wait) and self._written_before(d))]
+        decided = {SlotRef.parse(d.workload.id).workload_id for d in fresh} | (self.offers.keys() - offers.keys())
+        self.offers = offers
+        rows = {wid: self.ledger.workloads[wid] for wid in sorted(decided)}
+        applied = apply(self.ledger, fresh, rows, now, gone)
+        _effects(self.driver, self.models, applied.start, [])
+        for d in fresh:
+            if isinstance(d, Wait):
+                ref = SlotRef.parse(d.workload.id)
+                reason = self.ledger.workloads[ref.workload_id].reason if ref.slot == 0 else None
+                self.waits[d.workload.id] = ((d.workload, d.attempts, d.fallback_eligible_at), ref.workload_id, reason)
+        for d in decisions:
+            if isinstance(d, Place | Promote):
+                self.assumed.setdefault(SlotRef.parse(d.workload.id).workload_id, set()).add(d.workload.id)
+                self.written.add(SlotRef.parse(d.workload.id).workload_id)
+        self.moments.add([*applied.later, *done.drains_end])
+        return bool(done.transitions or done.start or done.stop or applied.start)
+
+    def _written_before(self, d: Wait) -> bool:
+        """``d`` is the wait applied last time for its record, and its row still shows what apply wrote then:
+        applying it again would write nothing (and its timer is a moment already)."""
+        was = self.waits.get(d.workload.id)
+        if was is None or was[0] != (d.workload, d.attempts, d.fallback_eligible_at):
+            return False
+        _, workload_id, reason = was
+        w = self.ledger.workloads[workload_id]
+        return reason is None or (w.reason == reason and w.fallback_eligible_at == d.fallback_eligible_at)
+
+    def _observed(self, ids: set[str]) -> tuple[list[WorkloadRow], list[ReplicaRow], dict[str, ReplicaStatus]]:
+        """Reconcile's inputs for workloads ``ids``: those holding replicas or asked to stop, every replica of
+        theirs that holds capacity, and what the driver shows of each."""
+        asked: list[WorkloadRow] = []
+        replicas: list[ReplicaRow] = []
+        observed: dict[str, ReplicaStatus] = {}
+        for wid in sorted(ids):
+            w = self.ledger.workloads[wid]
+            held = [r for r in self.ledger.replicas_of(wid) if r.state in HOLDING]
+            if not held and w.state is not WorkloadState.STOPPING:
+                continue
+            asked.append(w)
+            replicas += held
+            for r in held:
+                seen = self.driver.status(r.id)
+                if seen is not None:
+                    observed[r.id] = seen
+        return asked, replicas, observed
+
+    def _events(self) -> tuple[list[Event], list[WorkloadRow]]:
+        """What changed since admission was last told, as its events: for each workload written whose records
+        or replicas differ from what was told (or whose decision admission assumed), its records and replicas
+        anew. Also the workloads whose class left the catalog (apply fails them)."""
+        events: list[Event] = []
+        gone: list[WorkloadRow] = []
+        for wid in sorted(self.written):
+            w = self.ledger.workloads[wid]
+            held = [r for r in self.ledger.replicas_of(wid) if r.state in HOLDING]
+            self._watch(w, held)
+            records = snapshot.admission_records(w, held, self.catalog) if w.state in snapshot.LIVE \
+                else snapshot.Records()
+            if records.gone:
+                gone.append(w)
+            now = _Told(records, tuple(Placed(r.node, r.cls, str(r.ref)) for r in held))
+            was = self.told.get(wid, _NOTHING)
+            assumed = self.assumed.pop(wid, set())
+            if now == was and not assumed:
+                continue
+            refs = {*_refs(was), *_refs(now), *assumed}
+            events += [Stopped(ref) for ref in sorted(refs)]
+            events += [ReplicaPlaced(p) for p in now.placed]
+            events += [Submitted(q) for q in records.queue]
+            events += [Started(r) for r in records.running]
+            if now == _NOTHING:
+                self.told.pop(wid, None)
+            else:
+                self.told[wid] = now
+        self.written = set()
+        return events, gone
+
+    def _watch(self, w: WorkloadRow, held: Sequence[ReplicaRow]) -> None:
+        if w.failures > 0 or any(r.role is ReplicaRole.DRAINING for r in held):
+            self.watched.add(w.id)
+        else:
+            self.watched.discard(w.id)
+
+    def _offers(self, decisions: Sequence[Decision]) -> dict[str, RestartAvailable]:
+        """The restart offers that stand after a step (by workload id). A step says again every wait and
+        offer of the regions it re-decided, and nothing of the others, nor of a region re-decided to
+        nothing: with no offer standing before, the step's own are all; else the state's (one pass over what
+        stands, while an offer does: the state does not say which regions it re-decided)."""
+        standing = decisions if not self.offers else list(self.state.decisions())
+        return {SlotRef.parse(d.workload.id).workload_id: d for d in standing if isinstance(d, RestartAvailable)}
+
+
+_NOTHING = _Told(snapshot.Records(), ())
+_WaitKey = tuple[Queued, tuple[Attempt, ...], float | None]
+
+
+def _refs(told: _Told) -> list[str]:
+    return [*(q.id for q in told.records.queue), *(r.id for r in told.records.running),
+            *(p.workload for p in told.placed)]
 
 
 def _submitted(pw: PlannedWorkload) -> WorkloadRow:
@@ -268,31 +455,10 @@ def _stop(ledger: MemoryLedger, driver: SimulatedDriver, w: WorkloadRow, now: fl
     replicas stopped at once: the next reconcile sees them gone and frees their capacity."""
     ledger.update_workload(w.id, {"state": WorkloadState.STOPPING, "updated_at": now, "restart_available": False,
                                   "reason": reason})
-    for r in ledger.active():
-        if r.workload_id == w.id:
+    for r in ledger.replicas_of(w.id):
+        if r.state in HOLDING:
             ledger.update_replica(r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
             driver.stop(r.id)
-
-
-def _cycle(driver: SimulatedDriver, ledger: MemoryLedger, catalog: Catalog, models: dict[str, str | None],
-           now: float, policy: Policy | None) -> tuple[list[float], bool, dict[str, str]]:
-    """One controller cycle on the simulated fleet: moments worth revisiting, whether anything moved, and
-    the restart offers made."""
-    # observe and reconcile
-    observed = {s.id: s for s in driver.observe()}
-    replicas = ledger.active()
-    held = {r.workload_id for r in replicas}
-    asked = [w for w in ledger.workloads.values() if w.id in held or w.state is WorkloadState.STOPPING]
-    done = reconcile(ledger, asked, replicas, observed, now)
-    _effects(driver, models, done.start, done.stop)
-    # snapshot, decide (no quotas: the plan has no owners' settings), apply
-    snap = snapshot.take(driver.nodes(), ledger.active(),
-                         [w for w in ledger.workloads.values() if w.state in snapshot.LIVE], catalog)
-    applied = apply(ledger, decide(snap.queue, snap.capacity, snap.running, now, policy), snap.workloads, now,
-                    snap.gone)
-    _effects(driver, models, applied.start, [])
-    changed = bool(done.transitions or done.start or done.stop or applied.start)
-    return [*applied.later, *done.drains_end], changed, applied.offers
 
 
 def _effects(driver: SimulatedDriver, models: dict[str, str | None],

@@ -124,6 +124,29 @@ class MemoryLedger:
     restart_reasons: dict[str, str] = field(default_factory=dict)
     """The one column a cycle writes that ``WorkloadRow`` does not hold."""
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    _of: dict[str, list[str]] = field(init=False, default_factory=dict)
+    """Each workload's replica ids, oldest first (``tensora plan`` reads a workload's, not every one)."""
+    _touched: set[str] = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
+        for r in self.replicas.values():
+            self._of.setdefault(r.workload_id, []).append(r.id)
+
+    def add_workload(self, w: WorkloadRow) -> None:
+        """Record a new workload (what ``POST /v1/workloads`` inserts)."""
+        self.workloads[w.id] = w
+        self._touched.add(w.id)
+
+    def replicas_of(self, workload_id: str) -> list[ReplicaRow]:
+        """The workload's replicas, every state, oldest first."""
+        return [self.replicas[i] for i in self._of.get(workload_id, ())]
+
+    def take_touched(self) -> set[str]:
+        """The workloads written since the last call (their row, or one of their replicas): what a cycle of
+        ``tensora plan`` re-reads, instead of every row. A wait's reason is not counted: only people read it,
+        and one freed GPU rewrites the reason of every wait of its region."""
+        touched, self._touched = self._touched, set()
+        return touched
 
     def new_replica_id(self) -> str:
         return f"rp-{next(self._ids)}"
@@ -138,15 +161,19 @@ class MemoryLedger:
             self.restart_reasons[workload_id] = str(values["restart_reason"])
         self.workloads[workload_id] = w._replace(**{k: v for k, v in values.items()  # type: ignore[arg-type]
                                                     if k in _WORKLOAD_FIELDS})
+        self._touched.add(workload_id)
         return True
 
     def update_replica(self, replica_id: str, values: Values) -> None:
         r = self.replicas[replica_id]
         self.replicas[replica_id] = r._replace(**{k: v for k, v in values.items()  # type: ignore[arg-type]
                                                   if k in _REPLICA_FIELDS})
+        self._touched.add(r.workload_id)
 
     def insert_replica(self, r: ReplicaRow, w: WorkloadRow, now: float) -> None:
         self.replicas[r.id] = r
+        self._of.setdefault(r.workload_id, []).append(r.id)
+        self._touched.add(r.workload_id)
 
     def close_segment(self, replica_id: str, now: float) -> None:
         pass  # the plan accounts no usage

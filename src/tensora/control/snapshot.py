@@ -100,6 +100,23 @@ def admit(w: WorkloadRow, held: Sequence[ReplicaRow], catalog: Catalog, queue: l
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class Records:
+    """What admission sees of one workload: its slots queued and running, or that its class is gone."""
+
+    queue: tuple[Queued, ...] = ()
+    running: tuple[Running, ...] = ()
+    gone: bool = False
+
+
+def admission_records(w: WorkloadRow, held: Iterable[ReplicaRow], catalog: Catalog) -> Records:
+    """:func:`admit` as a value (``tensora plan`` compares a changed workload's records with those it told)."""
+    queue: list[Queued] = []
+    running: list[Running] = []
+    kept = admit(w, list(held), catalog, queue, running)
+    return Records(tuple(queue), tuple(running), gone=not kept)
+
+
 def slots(w: WorkloadRow) -> int:
     """How many replica slots the workload has (an endpoint's ``replicas``; one for notebooks and VMs)."""
     return w.replicas if w.kind is WorkloadKind.ENDPOINT else 1

@@ -2,11 +2,13 @@
 without hardware, and a driver for tests that need faults on demand.
 
 Replicas become ``running`` ``start_delay_s`` after ``start`` and ``stopped`` after
-``stop``, on the driver's clock. ``fail`` and ``set_schedulable`` inject faults.
+``stop``, on the driver's clock. ``fail`` and ``set_schedulable`` inject faults. ``changed`` and
+``status`` let a caller (``tensora plan``) look only at the replicas whose state changed, not every one.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -37,6 +39,8 @@ class SimulatedDriver:
         self._clock = clock or FakeClock()
         self._delays = start_delay_s
         self._replicas: dict[str, _Replica] = {}
+        self._changed: set[str] = set()
+        self._starting: list[tuple[float, str]] = []  # (ready_at, id), soonest first
         self.released: list[str] = []
 
     def _delay(self, kind: WorkloadKind) -> float:
@@ -54,7 +58,10 @@ class SimulatedDriver:
             return self._status(self._replicas[spec.id])
         delay = self._delay(spec.kind)
         state = ReplicaState.RUNNING if delay <= 0 else ReplicaState.STARTING
-        self._replicas[spec.id] = _Replica(spec, state, self._clock.now() + delay)
+        replica = self._replicas[spec.id] = _Replica(spec, state, self._clock.now() + delay)
+        if state is ReplicaState.STARTING:
+            heapq.heappush(self._starting, (replica.ready_at, spec.id))
+        self._changed.add(spec.id)
         return self._status(self._replicas[spec.id])
 
     def specs(self) -> list[ReplicaSpec]:
@@ -65,6 +72,7 @@ class SimulatedDriver:
         replica = self._replicas[replica_id]
         if replica.state is not ReplicaState.FAILED:
             replica.state = ReplicaState.STOPPED
+        self._changed.add(replica_id)
         return self._status(replica)
 
     def release(self, workload_id: str) -> None:
@@ -77,17 +85,37 @@ class SimulatedDriver:
         return 0
 
     def observe(self) -> Sequence[ReplicaStatus]:
-        now = self._clock.now()
-        for replica in self._replicas.values():
-            if replica.state is ReplicaState.STARTING and now >= replica.ready_at:
-                replica.state = ReplicaState.RUNNING
+        self._ripen()
         return [self._status(r) for r in self._replicas.values()]
+
+    def changed(self) -> set[str]:
+        """The replicas whose state changed since the last call (started, ready, stopped, failed)."""
+        self._ripen()
+        changed, self._changed = self._changed, set()
+        return changed
+
+    def status(self, replica_id: str) -> ReplicaStatus | None:
+        """One replica as ``observe`` shows it; None: never started here."""
+        self._ripen()
+        replica = self._replicas.get(replica_id)
+        return self._status(replica) if replica is not None else None
+
+    def _ripen(self) -> None:
+        """Replicas whose start delay has run out are running."""
+        now = self._clock.now()
+        while self._starting and self._starting[0][0] <= now:
+            ready_at, id = heapq.heappop(self._starting)
+            replica = self._replicas[id]
+            if replica.state is ReplicaState.STARTING and replica.ready_at == ready_at:
+                replica.state = ReplicaState.RUNNING
+                self._changed.add(id)
 
     # -- faults and fleet changes ----------------------------------------------------
 
     def fail(self, replica_id: str, detail: str = "simulated failure") -> None:
         replica = self._replicas[replica_id]
         replica.state, replica.detail = ReplicaState.FAILED, detail
+        self._changed.add(replica_id)
 
     def set_schedulable(self, node: str, schedulable: bool) -> None:
         self._nodes[node] = replace(self._nodes[node], schedulable=schedulable)
@@ -101,6 +129,7 @@ class SimulatedDriver:
         for replica in self._replicas.values():
             if replica.spec.node == name and replica.state is not ReplicaState.STOPPED:
                 replica.state, replica.detail = ReplicaState.FAILED, f"node {name} lost"
+                self._changed.add(replica.spec.id)
 
     @staticmethod
     def _status(r: _Replica) -> ReplicaStatus:

@@ -424,11 +424,9 @@ class _Replay:
             self.watched.discard(w.id)
 
     def _offers(self, decisions: Sequence[Decision]) -> dict[str, RestartAvailable]:
-        """The restart offers that stand after a step (by workload id). A step says again every wait and
-        offer of the regions it re-decided, and nothing of the others, nor of a region re-decided to
-        nothing: with no offer standing before, the step's own are all; else the state's (one pass over what
-        stands, while an offer does: the state does not say which regions it re-decided)."""
-        standing = decisions if not self.offers else list(self.state.decisions())
+        """The restart offers that stand after a step (by workload id): with no offer standing before, the
+        step's own are all; else the state's (a step says an offer again only where it decided its mover)."""
+        standing = decisions if not self.offers else self.state.offers()
         return {SlotRef.parse(d.workload.id).workload_id: d for d in standing if isinstance(d, RestartAvailable)}
 
 

@@ -403,7 +403,8 @@ def run_cycle(
     # each owner's quota use as its records will say next cycle: a move back's new replica replaces the old one
     # only when the move ends, so what pass 3 counts is not kept
     use = Ledger(quotas, (), cap.catalog)
-    use.use = {o: list(u) for o, u in ledger.use.items()}
+    if quotas is not None:
+        use.use = {o: list(u) for o, u in ledger.use.items()}
 
     # 3. move back: endpoints are promoted, notebooks and VMs are offered a restart
     for r in sorted(movers() if movers is not None else running, key=lambda r: r.id):

@@ -201,7 +201,7 @@ class AdmissionState:
         self.timers: list[tuple[float, str]] = []  # (when, workload id): fallback, starvation, back-off end
         self.later: list[tuple[float, str]] = []  # timers not on the heap yet
         self.standing: dict[str, dict[str, Decision]] = {}  # by region, by id: the waits and offers that stand
-        self.offers: dict[str, set[str]] = {}  # by region: the ids of the restart offers that stand
+        self.offered: dict[str, set[str]] = {}  # by region: the ids of the restart offers that stand
         self.n_waiting = 0  # the waits that stand, every region
         self.waited: Counter[tuple[str, str]] = Counter()  # standing waits for room, by (region, class asked)
         self.blocked: Counter[tuple[str, str, str]] = Counter()  # standing waits' (region, entry, class) blocked
@@ -233,10 +233,21 @@ class AdmissionState:
         """How many waits stand now (every queued workload not backing off, once decided)."""
         return self.n_waiting
 
-    def quotas(self) -> OwnerQuotas:
-        """The quotas as ``decide`` takes them, with each owner's use kept here as ``held``."""
+    def quotas(self) -> OwnerQuotas | None:
+        """The quotas as ``decide`` takes them, with each owner's use kept here as ``held`` (None: no owner has
+        a quota, and none is counted)."""
+        if self.default_quota is None and not self.quota_by_owner:
+            return None
         return OwnerQuotas(self.default_quota, self.quota_by_owner,
                            {o: (u[0], u[1]) for o, u in self.use.items()})
+
+    def offers(self) -> list[RestartAvailable]:
+        """The restart offers that stand now, every region."""
+        out = []
+        for region, ids in sorted(self.offered.items()):
+            standing = self.standing.get(region, {})
+            out += [d for id in sorted(ids) if type(d := standing.get(id)) is RestartAvailable]
+        return out
 
     # -- records --------------------------------------------------------------------------
 
@@ -581,7 +592,7 @@ class AdmissionState:
                 out: list[Running] = []
                 for region in regions:
                     movers = self.movers.get(region, {})
-                    ids = set(movers) if region in self.whole else {id for id in self.offers.get(region, ())
+                    ids = set(movers) if region in self.whole else {id for id in self.offered.get(region, ())
                                                                       if id in movers}
                     if region not in self.whole:
                         for (r, entry), who in self.prefers.items():
@@ -711,7 +722,7 @@ class AdmissionState:
         """Keep the cycle's waits and offers; assume its placements (what was placed is running next cycle,
         and its region and owner change)."""
         for region in regions:
-            for id in self.offers.pop(region, set()) & tried:  # every mover tried is decided again
+            for id in self.offered.pop(region, set()) & tried:  # every mover tried is decided again
                 self.standing.get(region, {}).pop(id, None)
             for key in [k for k in self.held_last if k[0] == region]:
                 del self.held_last[key]
@@ -732,7 +743,7 @@ class AdmissionState:
             else:
                 self._stand(d.workload.region, d)
                 if type(d) is RestartAvailable:
-                    self.offers.setdefault(d.workload.region, set()).add(d.workload.id)
+                    self.offered.setdefault(d.workload.region, set()).add(d.workload.id)
 
 
 def _waited(d: Decision | None) -> bool:

@@ -318,7 +318,16 @@ class _Replay:
             for _ in range(MAX_CYCLES_PER_MOMENT):
                 if not self.cycle(now):
                     break
+        self._recount()
         return Replayed(self.ledger, {wid: d.reason for wid, d in self.offers.items()})
+
+    def _recount(self) -> None:
+        """The waits that stand, with their figures of now in their rows (what the report shows): a wait is
+        decided again only when its decision could change, so a count alone (a class's requesters waiting,
+        its free GPUs) may have moved since its row was written."""
+        waits = [d for d in self.state.decisions() if isinstance(d, Wait) and SlotRef.parse(d.workload.id).slot == 0]
+        ids = {SlotRef.parse(d.workload.id).workload_id for d in waits}
+        apply(self.ledger, waits, {wid: self.ledger.workloads[wid] for wid in ids}, self.moments.at, [])
 
     def _written(self) -> None:
         written = self.ledger.take_touched()

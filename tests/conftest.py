@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tensora.store.db import Database
 from tests.support.services import PgCluster, pg_cluster
 
 
@@ -26,3 +27,12 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return str(tmp_path / "tensora.db")
     cluster: PgCluster = request.getfixturevalue("pg")
     return cluster.new_database()
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    """A store at ``db_url``, migrated to the newest schema."""
+    database = Database(db_url)
+    database.migrate()
+    yield database
+    database.dispose()

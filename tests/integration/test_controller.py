@@ -25,13 +25,6 @@ from tests.support.stack import GI, T0, fleet
 CATALOG = default_catalog()
 
 
-@pytest.fixture
-def db(db_url: str) -> Any:
-    database = Database(db_url)
-    database.migrate()
-    yield database
-    database.dispose()
-
 
 def make(db: Database, clock: FakeClock, driver: Any = None, holder: str = "a", start_delay_s: float = 0.0,
          ) -> tuple[Controller, SimulatedDriver]:

@@ -10,7 +10,7 @@ lease rebuild the state once; a PostgreSQL transaction that commits after a late
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,13 +35,6 @@ from tests.support.stack import T0, fleet
 
 CATALOG = default_catalog()
 
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Database]:
-    database = Database(db_url)
-    database.migrate()
-    yield database
-    database.dispose()
 
 
 @dataclass

@@ -8,7 +8,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,13 +221,6 @@ def test_sweep_removes_only_stale_temp_files(tmp_path: Path) -> None:
 
 
 # -- sandbox uids --------------------------------------------------------------------------
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Database]:
-    database = Database(db_url)
-    database.migrate()
-    yield database
-    database.dispose()
 
 
 def uid(db: Database, owner: str, **kw: Any) -> int:

@@ -19,14 +19,6 @@ from tensora.store.db import Database, normalize_url
 from tensora.store.models import Base
 
 
-@pytest.fixture
-def db(db_url: str) -> Any:
-    database = Database(db_url)
-    database.migrate()
-    yield database
-    database.dispose()
-
-
 def test_migrations_create_exactly_the_models(db: Database) -> None:
     with db.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)

@@ -3,7 +3,7 @@ and the migration down and up again."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy import Connection, inspect
@@ -15,13 +15,6 @@ from tensora.store.rows import ReplicaRow
 
 T0 = 1_700_000_000.0
 
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Database]:
-    database = Database(db_url)
-    database.migrate()
-    yield database
-    database.dispose()
 
 
 def _workload(conn: Connection, wid: str, region: str = "local", state: str = "queued") -> None:

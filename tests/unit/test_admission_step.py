@@ -156,7 +156,8 @@ def queued_st(id: str, now: float) -> st.SearchStrategy[Queued]:
         since = now - draw(st.sampled_from([0, 0, 30, 200, 700]))
         return Queued(id, kind, cls, draw(st.sampled_from("abc")), draw(st.sampled_from(REGIONS)), fallback,
                       draw(st.sampled_from([0, 60, 600])), since,
-                      int(params) if params else None, int(params) * 2 if params else None)
+                      int(params) if params else None, int(params) * 2 if params else None,
+                      draw(st.sampled_from([0.0, 0.0, 0.0, now + 30, now + 200])))  # backing off, for a while
     return build()
 
 

@@ -161,6 +161,8 @@ _WAITED = (Outcome.NO_CAPACITY, Outcome.NO_NODE)
 _BLOCKED = (Outcome.NO_CAPACITY, Outcome.NO_NODE, Outcome.HELD_FOR_REQUESTERS)
 """What a fallback attempt on a class found that every later one finds too, this cycle."""
 _FIRST_PREFIX = 4
+_MAX_TRIES = 64
+"""Tries of one cycle before its regions are decided whole (a bound, not a tuning)."""
 """How many of each list's head a cycle decides first; doubled for a list that needs more."""
 
 
@@ -192,6 +194,7 @@ class AdmissionState:
         self.queue: dict[str, Queued] = {}
         self.by_region: dict[str, dict[str, Queued]] = {}
         self.owner_keys: dict[str, list[tuple[float, str]]] = {}  # each owner's queued, oldest first
+        self.backing: set[str] = set()  # queued ids that may be backing off: in no owner's turns yet
         self.running: dict[str, Running] = {}
         self.movers: dict[str, dict[str, Running]] = {}  # by region: on a fallback class, not moving
         self.prefers: dict[tuple[str, str], set[str]] = {}  # (region, class or cpu) -> movers that prefer it
@@ -264,16 +267,22 @@ class AdmissionState:
             self._drop(w.id)
         self.queue[w.id] = w
         self.by_region.setdefault(w.region, {})[w.id] = w
-        bisect.insort(self.owner_keys.setdefault(w.owner, []), (w.queued_since, w.id))
         self._regions_of(w.owner, w.region, 1)
         self._dirty(w.region, w.id)
-        self._turns(w.owner, above=(w.queued_since, w.id))  # one more queued before its later ones
         later = self.later  # onto the heap at the next cycle, in one go (a first cycle submits the queue)
-        if w.not_before > 0:
-            later.append((w.not_before, w.id))  # its back-off ends: it is a candidate again
+        if w.not_before > 0:  # it may be backing off: it takes its turn when its timer ends (as if absent till then)
+            self.backing.add(w.id)
+            later.append((w.not_before, w.id))
+        else:
+            self._take_turn(w)
         if w.fallback:
             later.append((w.queued_since + w.fallback_after_s, w.id))
         later.append((_starving_from(w.queued_since, self.policy.starvation_after_s), w.id))
+
+    def _take_turn(self, w: Queued) -> None:
+        """``w`` counts in its owner's turns (one more queued before its owner's later ones)."""
+        bisect.insort(self.owner_keys.setdefault(w.owner, []), (w.queued_since, w.id))
+        self._turns(w.owner, above=(w.queued_since, w.id))
 
     def _dirty(self, region: str, id: str) -> None:
         self.dirty.add(region)
@@ -302,14 +311,17 @@ class AdmissionState:
         w = self.queue.pop(id, None)
         if w is not None:
             del self.by_region[w.region][id]
-            keys = self.owner_keys[w.owner]
-            del keys[bisect.bisect_left(keys, (w.queued_since, w.id))]
             self._regions_of(w.owner, w.region, -1)
             self._unlist(w)
             self._unstand(w.region, id)
             self.dirty.add(w.region)
-            if turns:
-                self._turns(w.owner, above=(w.queued_since, w.id))
+            if id in self.backing:
+                self.backing.discard(id)
+            else:
+                keys = self.owner_keys[w.owner]
+                del keys[bisect.bisect_left(keys, (w.queued_since, w.id))]
+                if turns:
+                    self._turns(w.owner, above=(w.queued_since, w.id))
         r = self.running.pop(id, None)
         if r is not None:
             self.owner_running[r.owner] -= 1
@@ -502,6 +514,9 @@ class AdmissionState:
             w = self.queue.get(id)
             if w is not None:
                 self._dirty(w.region, id)
+                if id in self.backing and w.not_before <= now:
+                    self.backing.discard(id)
+                    self._take_turn(w)
         # 2. an owner's quota or use changed (the ledger spans regions): each of its workloads is decided
         #    again, in every region it waits or moves in
         for owner in self.touched:
@@ -565,6 +580,7 @@ class AdmissionState:
         the checks show the rest keeps its decision (:meth:`_more`)."""
         prefix: dict[tuple[int, str, str], int] = {}
         extra: dict[str, set[str]] = {}
+        tries = 0
         while True:
             self.whole |= regions - self.decided
             roomy: dict[tuple[str, str], bool] = {}
@@ -606,10 +622,13 @@ class AdmissionState:
                 self.cap.checkpoint()  # (decided whole with no quota, nothing can call for another try)
             out = run_cycle(ordered, self.cap, (), now, self.policy, self.quotas(), also, counted,
                             room_for_fallbacks, movers)
-            wider = self._more(regions, chosen, out, counted, prefix, extra, roomy)
+            wider = self._more(regions, chosen, out, counted, prefix, extra, roomy, now)
             if wider is None:
                 break
             self.cap.rollback()
+            tries += 1
+            if tries >= _MAX_TRIES:  # each try widens what is decided, so this is never reached; if it were,
+                self.whole |= wider  # deciding the regions whole ends it (their checks are skipped)
             regions = wider
         self.cap.commit()
         self._settle(regions, out, counted, tried)
@@ -656,7 +675,7 @@ class AdmissionState:
 
     def _more(self, regions: set[str], chosen: Mapping[str, Queued], out: Sequence[Decision],
               counted: Mapping[tuple[str, str], int], prefix: dict[tuple[int, str, str], int],
-              extra: dict[str, set[str]], roomy: Mapping[tuple[str, str], bool]) -> set[str] | None:
+              extra: dict[str, set[str]], roomy: Mapping[tuple[str, str], bool], now: float) -> set[str] | None:
         """None when every workload left out keeps its decision; else the regions to try again, with longer
         heads (``prefix``) or more workloads (``extra``). A workload left out keeps its decision when:
 
@@ -712,7 +731,7 @@ class AdmissionState:
             wider |= set(self.owner_regions.get(owner, ()))
             for _, id in self.owner_keys.get(owner, ()):
                 w = self.queue[id]
-                if id not in chosen and w.region in regions and w.region not in self.whole:
+                if id not in chosen and w.region in regions and w.region not in self.whole and w.not_before <= now:
                     extra.setdefault(w.region, set()).add(id)
                     again = True
         return wider if again or wider != regions else None

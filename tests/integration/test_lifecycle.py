@@ -32,10 +32,10 @@ from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.store import repo
 from tensora.store.db import Database
 from tests.integration.test_api import Api, api, created, iso, own_model, settle
-from tests.integration.test_controller import CATALOG, db, events, get, make, replicas, submit, view
+from tests.integration.test_controller import CATALOG, events, get, make, replicas, submit, view
 from tests.support.stack import GI, T0, fleet
 
-__all__ = ["api", "db"]  # the fixtures: the store on SQLite and PostgreSQL; a server over it
+__all__ = ["api"]  # the fixture: a server over the store (the store itself: tests/conftest.py's db)
 
 
 def crash(c: Controller, driver: SimulatedDriver, wid: str, why: str = "exit code 1", slot: int = 0) -> None:

@@ -197,21 +197,28 @@ def events_st(draw: st.DrawFn, world: World, now: float, serial: list[int]) -> l
     return out
 
 
-@st.composite
-def history(draw: st.DrawFn) -> None:
-    world = World(policy=draw(st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)])))
-    nodes = draw(st.lists(node_st, max_size=5, unique_by=lambda n: n.name))
-    world.nodes = {n.name: n for n in nodes}
-    state = AdmissionState(nodes, [], CATALOG, world.policy)
-    now, serial = 1000.0, [0]
-    first = [Submitted(draw(queued_st(f"w{i}", now))) for i in range(draw(st.integers(0, 12)))]
-    serial[0] = len(first)
-    check_cycle(world, state, list(first), now)
-    for _ in range(draw(st.integers(1, 12))):
-        now += draw(st.sampled_from([0, 1, 30, 60, 120, 600]))
-        # a copy of the world answers what the events may name; check_cycle applies them to the real one
-        probe = World(dict(world.nodes), list(world.placed), dict(world.running), dict(world.queue))
-        check_cycle(world, state, events_st(draw, probe, now, serial), now)
+def history(nodes: int = 5, queued: int = 12, rounds: int = 12, batches: int = 1,
+            quotas: tuple[Quotas | None, ...] = (None,)) -> st.SearchStrategy[None]:
+    """Random histories: up to ``nodes`` nodes, ``queued`` first submissions, ``rounds`` cycles of ``batches``
+    batches of events each, a default quota drawn from ``quotas``; each cycle is checked as it is drawn."""
+    @st.composite
+    def build(draw: st.DrawFn) -> None:
+        world = World(policy=draw(st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)])))
+        drawn = draw(st.lists(node_st, max_size=nodes, unique_by=lambda n: n.name))
+        world.nodes = {n.name: n for n in drawn}
+        world.default = draw(st.sampled_from(quotas))
+        state = AdmissionState(drawn, [], CATALOG, world.policy, OwnerQuotas(world.default))
+        now, serial = 1000.0, [0]
+        first = [Submitted(draw(queued_st(f"w{i}", now))) for i in range(draw(st.integers(0, queued)))]
+        serial[0] = len(first)
+        check_cycle(world, state, list(first), now)
+        for _ in range(draw(st.integers(1, rounds))):
+            now += draw(st.sampled_from([0, 1, 30, 60, 120, 600]))
+            # a copy of the world answers what the events may name; check_cycle applies them to the real one
+            probe = World(dict(world.nodes), list(world.placed), dict(world.running), dict(world.queue))
+            events = [e for _ in range(batches) for e in events_st(draw, probe, now, serial)]
+            check_cycle(world, state, events, now)
+    return build()
 
 
 @settings(max_examples=300, deadline=None)
@@ -220,29 +227,11 @@ def test_step_decides_what_decide_decides(_: None) -> None:
     """The check is inside the strategy: each cycle of a drawn history is compared as it is drawn."""
 
 
-@st.composite
-def long_history(draw: st.DrawFn) -> None:
-    """Longer queues, more nodes, an owner quota for all or none, two batches of events a cycle: the lists'
-    heads and the checks that widen them get exercised (with heads of one, in the test below)."""
-    world = World(policy=draw(st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)])))
-    nodes = draw(st.lists(node_st, max_size=8, unique_by=lambda n: n.name))
-    world.nodes = {n.name: n for n in nodes}
-    world.default = draw(st.sampled_from([None, Quotas(running_gpus=1, running_cpu=16)]))
-    state = AdmissionState(nodes, [], CATALOG, world.policy, OwnerQuotas(world.default))
-    now, serial = 1000.0, [0]
-    first = [Submitted(draw(queued_st(f"w{i}", now))) for i in range(draw(st.integers(0, 40)))]
-    serial[0] = len(first)
-    check_cycle(world, state, list(first), now)
-    for _ in range(draw(st.integers(1, 20))):
-        now += draw(st.sampled_from([0, 1, 30, 60, 120, 600]))
-        probe = World(dict(world.nodes), list(world.placed), dict(world.running), dict(world.queue))
-        check_cycle(world, state, events_st(draw, probe, now, serial) + events_st(draw, probe, now, serial), now)
-
-
 @settings(max_examples=60, deadline=None)
-@given(long_history())
+@given(history(nodes=8, queued=40, rounds=20, batches=2, quotas=(None, Quotas(running_gpus=1, running_cpu=16))))
 def test_step_deciding_one_head_at_a_time_still_decides_what_decide_decides(_: None) -> None:
-    """With each list's head one long, almost every cycle needs the checks to widen what it decides."""
+    """Longer queues, more nodes, an owner quota for all or none, two batches of events a cycle, and each
+    list's head one long: almost every cycle needs the checks to widen what it decides."""
 
 
 @pytest.fixture(autouse=True)

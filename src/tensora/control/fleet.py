@@ -405,8 +405,7 @@ class _Replay:
             w = self.ledger.workloads[wid]
             held = [r for r in self.ledger.replicas_of(wid) if r.state in HOLDING]
             self._watch(w, held)
-            records = snapshot.admission_records(w, held, self.catalog) if w.state in snapshot.LIVE \
-                else snapshot.Records()
+            records = snapshot.admission_records(w, held, self.catalog)  # nothing for a workload not live
             if records.gone:
                 gone.append(w)
             now = _Told(records, tuple(Placed(r.node, r.cls, str(r.ref)) for r in held))

@@ -427,11 +427,6 @@ class Capacity:
         """The regions that have nodes."""
         return {r for r, members in self._by_region.items() if members}
 
-    def release(self) -> None:
-        """End a cycle on this copy: its holds go, what it took stays (a rebuild's figures)."""
-        self.excluded = set()
-        self._scan = {}
-
     def add_node(self, node: Node, placed: Iterable[ComputeClass] = ()) -> int:
         """Add ``node`` (with what is already placed on it); returns its index. Indices never move:
         a removed node keeps its slot, so the order of a region's nodes comes from their names."""

@@ -450,6 +450,24 @@ def test_a_freed_gpu_decides_the_heads_of_a_long_queue_not_the_queue() -> None:
     assert len(list(state.decisions())) == len(world.queue)  # the rest stand (check_cycle: as decide says)
 
 
+def test_a_submission_where_every_class_is_full_decides_it_and_the_first_requester() -> None:
+    """The same long queue, settled: L40S and the CPU the listers took are full. One more submitted: only it and
+    the L40S list's first (who may hold a node when it starves) are decided; no lister's head is, since the
+    cycle began with no room in any class they list."""
+    world = World(nodes={f"g{i}": gpu_node(f"g{i}") for i in range(4)})
+    state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
+    queue = [Submitted(w(f"q{i:03d}", owner=f"o{i % 7}", since=i, fallback=("cpu",) if i % 3 else (), after=60))
+             for i in range(200)]
+    check_cycle(world, state, queue, 100)
+    while check_cycle(world, state, [], 101):
+        pass
+    got = check_cycle(world, state, [Submitted(w("new", owner="o0", since=102, fallback=("cpu",), after=0))], 102)
+    first = min(state.reqs["local"]["l40s-48gb"])[2]
+    assert first != "new"  # its owner runs some: its turn comes late
+    assert sorted(d.workload.id for d in got) == ["new", first]
+    assert all(type(d) is Wait for d in got)
+
+
 def test_a_wait_shows_what_is_free_after_the_cycle() -> None:
     """The older workload wants 16 vCPUs where 8 are free (a 16-vCPU node runs another's 8); a newer one
     takes 4 of them in the same cycle. The wait says 4 free (what anyone reading it finds), not the 8 there

@@ -580,6 +580,7 @@ class AdmissionState:
         the checks show the rest keeps its decision (:meth:`_more`)."""
         prefix: dict[tuple[int, str, str], int] = {}
         extra: dict[str, set[str]] = {}
+        closed: dict[tuple[str, str], bool] = {}
         tries = 0
         while True:
             self.whole |= regions - self.decided
@@ -594,7 +595,7 @@ class AdmissionState:
                             if cls is not None and (region, cls.name) not in roomy:
                                 roomy[(region, cls.name)] = self.cap.find(region, cls) is not None
 
-            chosen, also = self._select(regions, prefix, extra, now)
+            chosen, also = self._select(regions, prefix, extra, closed, now)
             ordered = sorted(chosen.values(), key=self._prio)
             tried: set[str] = set()
 
@@ -640,10 +641,32 @@ class AdmissionState:
         return any(cls is not None and not counted.get((region, cls.name), 0) and self.cap.find(region, cls) is not None
                    for cls in classes)
 
+    def _closed(self, region: str, entry: str, closed: dict[tuple[str, str], bool]) -> bool:
+        """Whether every class ``entry`` stands for had no room in ``region`` when the cycle began (kept in
+        ``closed``: a try again starts from the same capacity). Room only shrinks within a cycle, so then no
+        workload of its list is placed there this cycle, decided or not."""
+        key = (region, entry)
+        found = closed.get(key)
+        if found is None:
+            classes = self.catalog.cpu_classes if entry == CPU_WORD else [self.catalog.get(entry)]
+            found = closed[key] = all(cls is None or self.cap.find(region, cls) is None for cls in classes)
+        return found
+
+    def _head(self, kind: int, region: str, name: str, prefix: dict[tuple[int, str, str], int],
+              closed: dict[tuple[str, str], bool]) -> int:
+        """How much of a list's head to decide: ``_FIRST_PREFIX`` where its class has room; where it has none,
+        only a requesters' list's first (the one that may hold a node, if it starves) and no lister (each
+        finds it full again)."""
+        n = prefix.get((kind, region, name))
+        if n is None:
+            n = prefix[(kind, region, name)] = (1 - kind) if self._closed(region, name, closed) else _FIRST_PREFIX
+        return n
+
     def _select(self, regions: set[str], prefix: dict[tuple[int, str, str], int], extra: dict[str, set[str]],
-                now: float) -> tuple[dict[str, Queued], Counter[tuple[str, str]]]:
+                closed: dict[tuple[str, str], bool], now: float) -> tuple[dict[str, Queued], Counter[tuple[str, str]]]:
         """The workloads to decide: a whole region's every one; elsewhere those that must be (new, timer due,
-        quota use changed), and the head of each list. ``also``: the others waiting for room, per class."""
+        quota use changed), and the head of each list (:meth:`_head`). ``also``: the others waiting for room,
+        per class."""
         chosen: dict[str, Queued] = {}
         also: Counter[tuple[str, str]] = Counter()
         for region in regions:
@@ -660,7 +683,7 @@ class AdmissionState:
                     picked[id] = w
             for kind, lists in ((0, self.reqs), (1, self.listers)):
                 for name, lst in lists.get(region, {}).items():
-                    for p in lst[: prefix.get((kind, region, name), _FIRST_PREFIX)]:
+                    for p in lst[: self._head(kind, region, name, prefix, closed)]:
                         picked[p[2]] = queued[p[2]]
             standing = self.standing.get(region, {})
             for (r, cls), n in self.waited.items():
@@ -713,7 +736,7 @@ class AdmissionState:
                     # none decided found it full: fine if none left out did either (they never try it here)
                     if self.blocked[(region, entry, c)] - sum(_blocked(standing.get(p[2]), c, entry)
                                                                for p in lst[:n]) > 0:
-                        prefix[(1, region, entry)], again = 2 * n, True
+                        prefix[(1, region, entry)], again = max(1, 2 * n), True
                         break
             for cls in {c for r, c in counted if r == region} | {c for r, c in self.held_last if r == region}:
                 if (counted.get((region, cls), 0) > 0) == self.held_last.get((region, cls), False):

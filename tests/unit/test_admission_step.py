@@ -248,8 +248,7 @@ def test_a_cycle_with_nothing_new_decides_nothing() -> None:
     state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
     first = check_cycle(world, state, [Submitted(w("a", since=0)), Submitted(w("b", since=1))], 10)
     assert [type(d) for d in first] == [Place, Wait]
-    assert [type(d) for d in check_cycle(world, state, [], 11)] == [Wait]  # the place changed the world
-    assert check_cycle(world, state, [], 12) == []  # a fixed point: b's wait stands
+    assert check_cycle(world, state, [], 11) == []  # a's place was decided with: b's wait stands
     assert [d.reason for d in state.decisions()] == ["waiting for l40s-48gb (0 GPU free, 1 needed); "
                                                      "no fallback accepted"]
 
@@ -277,8 +276,7 @@ def test_a_timer_coming_due_re_decides_with_no_event() -> None:
     world = World(nodes={"g1": gpu_node("g1"), "c1": Node("c1", "local", 16, 64 * GI)})
     state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
     check_cycle(world, state, [Submitted(w("a", since=0)), Submitted(w("b", fallback=("cpu",), after=600))], 10)
-    assert [type(d) for d in check_cycle(world, state, [], 11)] == [Wait]  # a's place changed the world
-    assert check_cycle(world, state, [], 12) == check_cycle(world, state, [], 119) == []
+    assert check_cycle(world, state, [], 11) == check_cycle(world, state, [], 119) == []
     assert [type(d) for d in check_cycle(world, state, [], 120)] == [Wait]  # b starves: it holds a node
     assert check_cycle(world, state, [], 599) == []
     got = check_cycle(world, state, [], 600)
@@ -313,7 +311,15 @@ def _figures(c: Capacity) -> dict[str, object]:
         "candidates": {(r, cls.name): [c.nodes[i].name for i in c.candidates(r, cls)]
                        for r in REGIONS for cls in CATALOG.values()},
         "unhostable": {(r, cls.name): c.unhostable(r, cls) for r in REGIONS for cls in CATALOG.values()},
+        "no room": _no_room(c),
     }
+
+
+def _no_room(c: Capacity) -> dict[tuple[str, str], bool]:
+    """Where no node fits a class, read as a cycle reads it (its own cursors, then the end of the cycle)."""
+    out = {(r, cls.name): c.no_room(r, cls) for r in REGIONS for cls in CATALOG.values()}
+    c.commit()
+    return out
 
 
 @settings(max_examples=150, deadline=None)
@@ -466,6 +472,21 @@ def test_a_submission_where_every_class_is_full_decides_it_and_the_first_request
     assert first != "new"  # its owner runs some: its turn comes late
     assert sorted(d.workload.id for d in got) == ["new", first]
     assert all(type(d) is Wait for d in got)
+
+
+def test_the_state_holds_what_it_assumed_and_nothing_else() -> None:
+    """A caller reading back a placement the state assumed need not tell it again: ``holds`` says so only for
+    exactly the running record and replica the state keeps."""
+    world = World(nodes={"g1": gpu_node("g1")})
+    state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
+    (place,) = check_cycle(world, state, [Submitted(w("a", since=0))], 10)
+    assert type(place) is Place
+    running, replica = running_from(place), Placed(place.node, place.cls, "a")
+    assert state.holds(["a"], [], [running], [replica])
+    assert not state.holds(["a"], [], [running], [])  # its replica is missing
+    assert not state.holds(["a"], [], [replace(running, moving=True)], [replica])
+    assert not state.holds(["a"], [place.workload], [], [])  # still queued: no
+    assert not state.holds(["a", "b"], [], [running], [replica, Placed("g1", "l40s-48gb", "b")])
 
 
 def test_a_wait_shows_what_is_free_after_the_cycle() -> None:

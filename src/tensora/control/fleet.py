@@ -414,10 +414,12 @@ class _Replay:
             if now == was and not assumed:
                 continue
             refs = {*_refs(was), *_refs(now), *assumed}
-            events += [Stopped(ref) for ref in sorted(refs)]
-            events += [ReplicaPlaced(p) for p in now.placed]
-            events += [Submitted(q) for q in records.queue]
-            events += [Started(r) for r in records.running]
+            # what admission assumed may be so already: then telling it again would change nothing
+            if not (assumed and self.state.holds(refs, records.queue, records.running, now.placed)):
+                events += [Stopped(ref) for ref in sorted(refs)]
+                events += [ReplicaPlaced(p) for p in now.placed]
+                events += [Submitted(q) for q in records.queue]
+                events += [Started(r) for r in records.running]
             if now == _NOTHING:
                 self.told.pop(wid, None)
             else:

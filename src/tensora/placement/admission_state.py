@@ -13,15 +13,16 @@ quota use and turn) and is told what changed as events, so a cycle costs what ch
   region, the requesters of each class, and the listers of each fallback entry whose timer ran out.
   A region with nothing new is not looked at: a cycle with no event reads one heap top.
 * **Decide the heads, prove the rest stands**: a region that changed runs ``decide``'s own passes
-  (:func:`tensora.placement.admission.run_cycle`) over the workloads that must be decided (new, timer due,
-  their owner's quota or use changed), the head of each list, and the movers one of whose preferred classes
-  has room; the others are told to it as counts (each class's requesters waiting for room, which hold it
-  from fallbacks). Then checks show that every workload left out keeps its decision (``_more``: a decided
-  requester found its class full, so every later one does too, capacity only shrinking within a cycle; a
-  decided lister found its fallback class full, or it has no room left; no class changed from held to not
-  held; no owner with a quota placed with a workload left out), or the heads are doubled (or the workloads
-  added) and the cycle is tried again from a checkpoint of the capacity. So one freed GPU in a region of
-  100,000 waiting decides a few dozen workloads, not the region.
+  (:func:`tensora.placement.admission.run_cycle`) over the workloads that must be decided (new, timer due, their
+  owner's quota or use changed), the head of each list (of a list whose class had no room when the cycle began,
+  or was held from fallbacks, only the requester that may hold a node, and no lister), and the movers one of
+  whose preferred classes has room; the others are told to it as counts (each class's requesters waiting for
+  room, which hold it from fallbacks). Then checks show that every workload left out keeps its decision
+  (``_more``: a decided requester found its class full, so every later one does too, capacity only shrinking
+  within a cycle; a decided lister found its fallback class full, or it has no room left; no class changed from
+  held to not held; no owner with a quota placed with a workload left out), or the heads are doubled (or the
+  workloads added) and the cycle is tried again from a checkpoint of the capacity. So one freed GPU in a region
+  of 100,000 waiting decides a few dozen workloads, not the region.
 * **The same decisions**: the decisions made are ``decide``'s, and so is every wait that stands
   (``decisions()``): tests/unit/test_admission_step.py checks, on random histories, that the state's
   decisions equal ``decide`` run from scratch on the same world, cycle by cycle, with heads of one too
@@ -251,6 +252,20 @@ class AdmissionState:
             standing = self.standing.get(region, {})
             out += [d for id in sorted(ids) if type(d := standing.get(id)) is RestartAvailable]
         return out
+
+    def holds(self, ids: Iterable[str], queue: Sequence[Queued], running: Sequence[Running],
+              placed: Sequence[Placed]) -> bool:
+        """Whether this state holds for ``ids`` exactly these queued and running records and replicas: what
+        telling them again (``Stopped`` each, then the rest) would leave, so there is nothing to tell (a
+        caller that reads back what this state assumed)."""
+        queued = {w.id: w for w in queue}
+        runs = {r.id: r for r in running}
+        for id in ids:
+            if self.queue.get(id) != queued.get(id) or self.running.get(id) != runs.get(id):
+                return False
+            if sorted(self.replicas.get(id, ()), key=repr) != sorted((p for p in placed if p.workload == id), key=repr):
+                return False
+        return True
 
     # -- records --------------------------------------------------------------------------
 
@@ -580,7 +595,7 @@ class AdmissionState:
         the checks show the rest keeps its decision (:meth:`_more`)."""
         prefix: dict[tuple[int, str, str], int] = {}
         extra: dict[str, set[str]] = {}
-        closed: dict[tuple[str, str], bool] = {}
+        closed: dict[tuple[int, str, str], bool] = {}
         tries = 0
         while True:
             self.whole |= regions - self.decided
@@ -641,29 +656,36 @@ class AdmissionState:
         return any(cls is not None and not counted.get((region, cls.name), 0) and self.cap.find(region, cls) is not None
                    for cls in classes)
 
-    def _closed(self, region: str, entry: str, closed: dict[tuple[str, str], bool]) -> bool:
-        """Whether every class ``entry`` stands for had no room in ``region`` when the cycle began (kept in
-        ``closed``: a try again starts from the same capacity). Room only shrinks within a cycle, so then no
-        workload of its list is placed there this cycle, decided or not."""
-        key = (region, entry)
+    def _closed(self, kind: int, region: str, entry: str, closed: dict[tuple[int, str, str], bool]) -> bool:
+        """Whether no workload of a list can be placed by what ``entry`` stands for this cycle, decided or not:
+        every class it names had no room in ``region`` when the cycle began (room only shrinks within a
+        cycle), or, for fallback listers, was held for its requesters in the region's last cycle (the checks
+        see to it that it still is: a class that stops being held has its listers all decided). Kept in
+        ``closed``: a try again starts from the same capacity."""
+        key = (kind, region, entry)
         found = closed.get(key)
         if found is None:
             classes = self.catalog.cpu_classes if entry == CPU_WORD else [self.catalog.get(entry)]
-            found = closed[key] = all(cls is None or self.cap.find(region, cls) is None for cls in classes)
+            held = self.held_last if kind == 1 else {}
+            found = closed[key] = all(cls is None or held.get((region, cls.name), False)
+                                      or self.cap.no_room(region, cls) for cls in classes)
         return found
 
-    def _head(self, kind: int, region: str, name: str, prefix: dict[tuple[int, str, str], int],
-              closed: dict[tuple[str, str], bool]) -> int:
-        """How much of a list's head to decide: ``_FIRST_PREFIX`` where its class has room; where it has none,
+    def _head(self, kind: int, region: str, name: str, size: int, prefix: dict[tuple[int, str, str], int],
+              closed: dict[tuple[int, str, str], bool]) -> int:
+        """How much of a list (of ``size``) to decide: ``_FIRST_PREFIX``, or where it is closed (:meth:`_closed`)
         only a requesters' list's first (the one that may hold a node, if it starves) and no lister (each
-        finds it full again)."""
+        finds its class full or held again)."""
         n = prefix.get((kind, region, name))
         if n is None:
-            n = prefix[(kind, region, name)] = (1 - kind) if self._closed(region, name, closed) else _FIRST_PREFIX
+            shorter = 1 - kind
+            n = _FIRST_PREFIX if size <= shorter or not self._closed(kind, region, name, closed) else shorter
+            prefix[(kind, region, name)] = n
         return n
 
     def _select(self, regions: set[str], prefix: dict[tuple[int, str, str], int], extra: dict[str, set[str]],
-                closed: dict[tuple[str, str], bool], now: float) -> tuple[dict[str, Queued], Counter[tuple[str, str]]]:
+                closed: dict[tuple[int, str, str], bool],
+                now: float) -> tuple[dict[str, Queued], Counter[tuple[str, str]]]:
         """The workloads to decide: a whole region's every one; elsewhere those that must be (new, timer due,
         quota use changed), and the head of each list (:meth:`_head`). ``also``: the others waiting for room,
         per class."""
@@ -683,7 +705,7 @@ class AdmissionState:
                     picked[id] = w
             for kind, lists in ((0, self.reqs), (1, self.listers)):
                 for name, lst in lists.get(region, {}).items():
-                    for p in lst[: self._head(kind, region, name, prefix, closed)]:
+                    for p in lst[: self._head(kind, region, name, len(lst), prefix, closed)]:
                         picked[p[2]] = queued[p[2]]
             standing = self.standing.get(region, {})
             for (r, cls), n in self.waited.items():
@@ -774,6 +796,13 @@ class AdmissionState:
                 self.held_last[key] = True
         self.decided |= regions
         self.whole -= regions
+        # a workload placed on its own class was decided with what it takes: its region needs no other cycle
+        # for it (its owner's turns that moved, and its quota use, are the next cycle's to look at). One placed
+        # on a fallback did hold its class from others this cycle, and no longer will: the next looks again.
+        dirty = set(self.dirty)
+        for d in out:
+            if (type(d) is Place and d.fallback) or type(d) is Promote:
+                dirty.add(d.workload.region)
         for d in out:
             if type(d) is Place:  # one more running, one fewer queued before its later ones
                 self._start(running_from(d), turns=False)
@@ -786,6 +815,7 @@ class AdmissionState:
                 self._stand(d.workload.region, d)
                 if type(d) is RestartAvailable:
                     self.offered.setdefault(d.workload.region, set()).add(d.workload.id)
+        self.dirty = dirty
 
 
 def _waited(d: Decision | None) -> bool:

@@ -282,6 +282,14 @@ class Capacity:
             self._cursor[key] = first if first >= 0 else n
         return cands[pos] if pos < n else None
 
+    def no_room(self, region: str, cls: ComputeClass) -> bool:
+        """Whether no node of ``region`` fits one ``cls`` now (:meth:`find` found none). Where the lasting
+        cursor is past every candidate, that is known without a look: it is moved back wherever capacity grew."""
+        at = self._cursor.get((region, cls.name))
+        if at is not None and at >= len(self.candidates(region, cls)):
+            return True
+        return self.find(region, cls) is None
+
     def free(self, region: str, cls: ComputeClass) -> Free:
         """Free GPUs of the class's model (GPU class) or vCPUs usable by CPU classes, in a region."""
         if cls.gpu_model is None:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import ipaddress
 import itertools
+import math
 import select
 import socket
 import ssl
@@ -360,9 +361,44 @@ class Pool:
             self.idle.pop().close(abort=True)
 
 
-def _late(head: asyncio.Future[None]) -> None:
-    if not head.done():
-        head.set_exception(TimeoutError())
+class Lateness:
+    """The response heads awaited, each with the loop time it is late at: one loop timer, at the earliest of them,
+    rather than one per request (a ``call_later`` and its ``cancel`` were the costliest step left of a request,
+    and nearly every one was cancelled). A late head gets ``TimeoutError``; the timer, once it has gone off,
+    is set again at the earliest still awaited."""
+
+    def __init__(self) -> None:
+        self.due: dict[asyncio.Future[None], float] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.at = math.inf  # when ``timer`` goes off
+
+    def add(self, loop: asyncio.AbstractEventLoop, head: asyncio.Future[None], timeout: float) -> None:
+        if loop is not self.loop:  # a client used on another loop (tests): what the last one awaited is gone
+            self.due, self.loop, self.timer, self.at = {}, loop, None, math.inf
+        at = loop.time() + timeout
+        self.due[head] = at
+        if at < self.at:
+            self._arm(loop, at)
+
+    def remove(self, head: asyncio.Future[None]) -> None:
+        self.due.pop(head, None)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.at = at
+        self.timer = loop.call_at(at, self._fire, loop)
+
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer, self.at = None, math.inf
+        now = loop.time()
+        for head in [h for h, at in self.due.items() if at <= now]:
+            del self.due[head]
+            if not head.done():
+                head.set_exception(TimeoutError())
+        if self.due:
+            self._arm(loop, min(self.due.values()))
 
 
 class Client:
@@ -375,6 +411,7 @@ class Client:
         self.pools: dict[tuple[str, str, int], Pool] = {}
         self._bases: dict[str, tuple[Pool, str, str]] = {}
         self._heads: dict[tuple[str, str], tuple[Pool, bytes]] = {}  # (base URL, path) -> its pool, its head's start
+        self.lateness = Lateness()
 
     def _pool(self, base_url: str) -> tuple[Pool, str, str]:
         found = self._bases.get(base_url)
@@ -419,7 +456,7 @@ class Client:
                 if fresh:
                     raise UpstreamError("reset", "the upstream closed the connection")
                 continue
-            late = conn.loop.call_later(head_timeout, _late, resp.head)  # not asyncio.timeout: a third of the cost
+            self.lateness.add(conn.loop, resp.head, head_timeout)  # not asyncio.timeout, nor a timer each: see Lateness
             try:
                 await resp.head
             except TimeoutError:
@@ -429,7 +466,7 @@ class Client:
                 conn.close()  # after the request went out: maybe read and worked on, never sent again here
                 raise
             finally:
-                late.cancel()
+                self.lateness.remove(resp.head)
             return resp
 
     def close(self) -> None:

@@ -8,12 +8,16 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tensora.gateway.breaker import Policy
+from tensora.gateway import chain
+from tensora.gateway.breaker import Breaker, Policy
 from tensora.gateway.call import Call, Options, Served
+from tensora.gateway.chain import Backend, ServedBy
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable, table_from_json
-from tensora.gateway.walk import Walk
+from tensora.gateway.walk import Walk, _Tiers
 from tests.support.doubles import HandClock
 from tests.support.fakeupstream import FakeUpstream, Step, ok, sse, status
 
@@ -166,3 +170,45 @@ def test_the_breakers_of_backends_gone_from_the_route_table_are_forgotten() -> N
                 b"Bearer k", False)
     asyncio.run(w.run(call))
     assert sent.status == 200 and set(w.breakers) == {"my-llm/c1"} and w.ejected == {}
+
+
+# -- the plan kept per turn is chain.order's ------------------------------------------------------------------
+
+
+def _backend(tier: int, i: int, peer: bool) -> Backend:
+    return Backend(f"t{tier}/b{i}", f"http://10.0.0.{tier}:1/b{i}/v1", "/m", "m", ServedBy.REPLICA, "wl", "eu",
+                   peer=peer)
+
+
+_BREAKER = st.one_of(st.none(), st.builds(  # none yet, or one with an open_until / busy_until before or after now
+    lambda o, b: Breaker(open_until=o, busy_until=b),
+    st.one_of(st.none(), st.floats(990, 1010)), st.one_of(st.none(), st.floats(990, 1010))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 4), min_size=1, max_size=5), turn=st.integers(0, 10_000),
+       states=st.lists(_BREAKER, min_size=20, max_size=20))
+def test_the_walks_plan_is_chain_orders_whatever_the_breakers_say(sizes: list[int], turn: int,
+                                                                   states: list[Breaker | None]) -> None:
+    """The walk keeps a plan per turn of the rotation for when no breaker is open or limited; with or without
+    those, its plan is the one ``chain.order`` makes from each breaker's ``retry_at`` and ``limited_until``."""
+    tiers = [[_backend(t, i, peer=t == len(sizes) - 1) for i in range(n)] for t, n in enumerate(sizes)]
+    w, _ = walk({}, HandClock(1000.0))
+    keys = [b.key for tier in tiers for b in tier]
+    w.breakers = {k: s for k, s in zip(keys, states, strict=False) if s is not None}
+    w._turn = turn
+    now = 1000.0
+    assert w._plan(_Tiers(tiers), now) == chain.order(tiers, w._open_until(now), turn, w._limited_until(now))
+
+
+ALONE = {  # name -> (tier sizes, the keys that are their tier's only backend)
+    "one replica, then a CPU fallback": ([1, 1, 0], {"t0/b0", "t1/b0"}),
+    "two replicas: neither": ([2, 0], set()),
+    "a single peer is a tier of one too (the walk asks b.peer)": ([0, 1], {"t1/b0"}),
+}
+
+
+@pytest.mark.parametrize(("sizes", "alone"), ALONE.values(), ids=ALONE.keys())
+def test_the_backends_alone_in_their_tier_are_known_once(sizes: list[int], alone: set[str]) -> None:
+    tiers = [[_backend(t, i, peer=t == len(sizes) - 1) for i in range(n)] for t, n in enumerate(sizes)]
+    assert _Tiers(tiers).alone == alone

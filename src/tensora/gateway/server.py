@@ -40,6 +40,7 @@ App = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]],
                 Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, phrase) for code, phrase in _REASONS.items()}
 
 
 _LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, then close
@@ -61,7 +62,8 @@ class Limits:
 
 
 def _status_line(status: int) -> bytes:
-    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+    line = _STATUS_LINES.get(status)
+    return line if line is not None else b"HTTP/1.1 %d Unknown\r\n" % status
 
 
 class _Refuse(Exception):
@@ -87,6 +89,7 @@ class _Conn(asyncio.Protocol):
         self.server = server
         self.lim = server.limits
         self.transport: asyncio.Transport | None = None
+        self.peer: Any = None  # the client's address: the scope's "client", asked of the transport once
         self.parser = httptools.HttpRequestParser(self)
         self.req = _Request()
         self.size = 0
@@ -112,6 +115,7 @@ class _Conn(asyncio.Protocol):
                                                                           self.lim.retry_after_s])
             return
         nodelay(transport)
+        self.peer = transport.get_extra_info("peername")
         transport.set_write_buffer_limits(high=self.lim.write_buffer_bytes)  # type: ignore[attr-defined]
         self.lost = loop.create_future()
         self.deadline = self.server.now + self.lim.idle_timeout_s
@@ -309,11 +313,11 @@ class _Conn(asyncio.Protocol):
         path, _, query = req.url.partition(b"?")
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
                  "method": req.method.decode("latin-1"), "path": path.decode("latin-1"), "raw_path": path,
-                 "query_string": query, "headers": req.headers, "server": self.server.bound,
-                 "client": self.transport.get_extra_info("peername") if self.transport else None}
+                 "query_string": query, "headers": req.headers, "server": self.server.bound, "client": self.peer}
         body = req.body[0] if len(req.body) == 1 else b"".join(req.body)
         sent_body = False
-        state: dict[str, Any] = {"head": None, "chunked": False, "done": False, "wrote": False}
+        head: tuple[int, list[tuple[bytes, bytes]]] | None = None  # the status and headers, until the body's first part
+        chunked = done = wrote = False
 
         async def receive() -> dict[str, Any]:
             nonlocal sent_body
@@ -325,44 +329,45 @@ class _Conn(asyncio.Protocol):
             return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
-            if self.closed or state["done"]:
+            nonlocal head, chunked, done, wrote
+            if self.closed or done:
                 return
             t = self.transport
             assert t is not None
             if message["type"] == "http.response.start":
-                state["head"] = (message["status"], message.get("headers", []))
+                head = (message["status"], message.get("headers", []))
                 return
             data = message.get("body", b"")
             more = message.get("more_body", False)
-            if state["head"] is not None:
-                status, headers = state["head"]
-                state["head"], state["wrote"] = None, True
-                lines = [_status_line(status)]
+            if head is not None:
+                status, headers = head
+                head, wrote = None, True
                 has_length = False
-                for k, v in headers:
-                    has_length = has_length or k == b"content-length"
-                    lines += [k, b": ", v, b"\r\n"]
+                for k, _v in headers:
+                    if k == b"content-length":
+                        has_length = True
+                        break
+                lines = [_status_line(status), *[b"%s: %s\r\n" % kv for kv in headers]]
                 if more:
                     if not has_length:
-                        state["chunked"] = True
+                        chunked = True
                         lines.append(b"transfer-encoding: chunked\r\n")
                 elif not has_length:
                     lines.append(b"content-length: %d\r\n" % len(data))
                 if not req.keep_alive:
                     lines.append(b"connection: close\r\n")
                 lines.append(b"\r\n")
-                head = b"".join(lines)
-                if state["chunked"]:
-                    t.write(head + (b"%x\r\n%s\r\n" % (len(data), data) if data else b"")
-                            + (b"" if more else b"0\r\n\r\n"))
+                if chunked:
+                    lines += [b"%x\r\n%s\r\n" % (len(data), data) if data else b"", b"" if more else b"0\r\n\r\n"]
                 else:
-                    t.write(head + data)
-            elif state["chunked"]:
+                    lines.append(data)
+                t.write(b"".join(lines))
+            elif chunked:
                 t.write((b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + (b"" if more else b"0\r\n\r\n"))
             elif data:
                 t.write(data)
             if not more:
-                state["done"] = True
+                done = True
             if self.drain is not None:  # the client is not reading: hold the app until it does
                 await self.drain
 
@@ -372,10 +377,10 @@ class _Conn(asyncio.Protocol):
             return
         except Exception:
             log.exception("the gateway app failed on %s %s", scope["method"], scope["path"])
-            self._abort(state["wrote"])
+            self._abort(wrote)
             return
-        if not state["done"] and not self.closed:  # the app ended without finishing: do not leave it hanging
-            self._abort(state["wrote"])
+        if not done and not self.closed:  # the app ended without finishing: do not leave it hanging
+            self._abort(wrote)
             return
         if not req.keep_alive and self.transport is not None:
             self.transport.close()

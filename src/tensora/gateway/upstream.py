@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 import ipaddress
 import itertools
+import math
+import select
 import socket
 import ssl
 from collections import deque
@@ -70,6 +72,7 @@ class Upstream(Protocol):
 
 _END = object()
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int once: the enum's ``|`` per request showed in profiles
+_POLL = getattr(select, "poll", None)  # not on Windows: a peek there
 _HIGH, _LOW = 256 << 10, 64 << 10  # body bytes queued unread: stop reading the upstream / read again
 
 
@@ -188,7 +191,11 @@ class _Conn(asyncio.Protocol):
     def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop, sock: socket.socket | None = None) -> None:
         self.pool = pool
         self.loop = loop
-        self.sock = sock  # ours, for the liveness peek before a kept-alive connection is used again
+        self.sock = sock  # ours, for the liveness check before a kept-alive connection is used again
+        self.poll: Any = None  # on the socket, made once: ``unused`` asks it rather than peeks
+        if sock is not None and _POLL is not None:
+            self.poll = _POLL()
+            self.poll.register(sock, select.POLLIN)  # data or EOF; an error or a hangup is always reported
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.resp: Response | None = None
@@ -265,11 +272,14 @@ class _Conn(asyncio.Protocol):
         return self.resp
 
     def unused(self) -> bool:
-        """Is this idle connection still open, with nothing unasked-for waiting on it? One non-blocking
-        peek: a close the upstream sent while it idled may not have reached ``connection_lost`` yet, and
-        a request written to it would fail in a way that cannot be told from a failure after its work."""
+        """Is this idle connection still open, with nothing unasked-for waiting on it? A close the upstream sent
+        while it idled may not have reached ``connection_lost`` yet, and a request written to it would fail in a
+        way that cannot be told from a failure after its work. One non-blocking ``poll`` of the socket (a third
+        of a peek's cost: no exception when it is quiet), or a peek where there is no ``poll``."""
         if self.closed or self.sock is None or self.transport is None or self.transport.is_closing():
             return False
+        if self.poll is not None:
+            return not self.poll.poll(0)  # no event: open, and quiet; else closed (EOF), reset, or unasked bytes
         try:
             self.sock.recv(1, _PEEK)
         except BlockingIOError:
@@ -351,9 +361,44 @@ class Pool:
             self.idle.pop().close(abort=True)
 
 
-def _late(head: asyncio.Future[None]) -> None:
-    if not head.done():
-        head.set_exception(TimeoutError())
+class Lateness:
+    """The response heads awaited, each with the loop time it is late at: one loop timer, at the earliest of them,
+    rather than one per request (a ``call_later`` and its ``cancel`` were the costliest step left of a request,
+    and nearly every one was cancelled). A late head gets ``TimeoutError``; the timer, once it has gone off,
+    is set again at the earliest still awaited."""
+
+    def __init__(self) -> None:
+        self.due: dict[asyncio.Future[None], float] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.at = math.inf  # when ``timer`` goes off
+
+    def add(self, loop: asyncio.AbstractEventLoop, head: asyncio.Future[None], timeout: float) -> None:
+        if loop is not self.loop:  # a client used on another loop (tests): what the last one awaited is gone
+            self.due, self.loop, self.timer, self.at = {}, loop, None, math.inf
+        at = loop.time() + timeout
+        self.due[head] = at
+        if at < self.at:
+            self._arm(loop, at)
+
+    def remove(self, head: asyncio.Future[None]) -> None:
+        self.due.pop(head, None)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.at = at
+        self.timer = loop.call_at(at, self._fire, loop)
+
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer, self.at = None, math.inf
+        now = loop.time()
+        for head in [h for h, at in self.due.items() if at <= now]:
+            del self.due[head]
+            if not head.done():
+                head.set_exception(TimeoutError())
+        if self.due:
+            self._arm(loop, min(self.due.values()))
 
 
 class Client:
@@ -365,6 +410,8 @@ class Client:
         self.tls = tls  # for https:// upstreams; None: the system's trusted CAs, certificates checked
         self.pools: dict[tuple[str, str, int], Pool] = {}
         self._bases: dict[str, tuple[Pool, str, str]] = {}
+        self._heads: dict[tuple[str, str], tuple[Pool, bytes]] = {}  # (base URL, path) -> its pool, its head's start
+        self.lateness = Lateness()
 
     def _pool(self, base_url: str) -> tuple[Pool, str, str]:
         found = self._bases.get(base_url)
@@ -381,14 +428,23 @@ class Client:
         found = self._bases[base_url] = (pool, f"{host}:{port}", u.path.rstrip("/"))
         return found
 
+    def _head(self, base_url: str, path: str) -> tuple[Pool, bytes]:
+        """The pool for ``base_url``, and what every request to ``path`` there begins with, up to its length:
+        made once, not per request."""
+        found = self._heads.get((base_url, path))
+        if found is None:
+            pool, hostport, prefix = self._pool(base_url)
+            found = self._heads[(base_url, path)] = (pool, (
+                f"POST {prefix}{path} HTTP/1.1\r\nhost: {hostport}\r\ncontent-type: application/json\r\n"
+                "content-length: ").encode("latin-1"))
+        return found
+
     async def post(self, base_url: str, path: str, body: bytes, headers: list[tuple[str, str]],
                    head_timeout: float) -> Response:
         """Send; return once the response head is in (within ``head_timeout``)."""
-        pool, hostport, prefix = self._pool(base_url)
-        lines = [f"POST {prefix}{path} HTTP/1.1\r\nhost: {hostport}\r\ncontent-type: application/json\r\n"
-                 f"content-length: {len(body)}\r\n"]
-        lines += [f"{k}: {v}\r\n" for k, v in headers]
-        data = "".join(lines).encode("latin-1") + b"\r\n" + body
+        pool, head = self._head(base_url, path)
+        extra = "".join([f"{k}: {v}\r\n" for k, v in headers]).encode("latin-1")
+        data = b"%s%d\r\n%s\r\n%s" % (head, len(body), extra, body)
         while True:  # ends: each turn takes an idle connection off the pool, or makes the last, fresh one
             conn = pool.take()  # open and quiet when taken (see ``_Conn.unused``)
             fresh = conn is None
@@ -400,7 +456,7 @@ class Client:
                 if fresh:
                     raise UpstreamError("reset", "the upstream closed the connection")
                 continue
-            late = conn.loop.call_later(head_timeout, _late, resp.head)  # not asyncio.timeout: a third of the cost
+            self.lateness.add(conn.loop, resp.head, head_timeout)  # not asyncio.timeout, nor a timer each: see Lateness
             try:
                 await resp.head
             except TimeoutError:
@@ -410,7 +466,7 @@ class Client:
                 conn.close()  # after the request went out: maybe read and worked on, never sent again here
                 raise
             finally:
-                late.cancel()
+                self.lateness.remove(resp.head)
             return resp
 
     def close(self) -> None:
@@ -419,3 +475,4 @@ class Client:
                 pool.close()
         self.pools.clear()
         self._bases.clear()
+        self._heads.clear()

@@ -44,11 +44,11 @@ class Walk:
         self.breakers: dict[str, Breaker] = {}
         self.ejected: dict[str, Backend] = {}  # whose breakers opened: what ``probe.Prober`` probes
         self._turn = 0
-        self._tiers_cache: dict[tuple[str, bool], list[list[Backend]]] = {}
+        self._tiers_cache: dict[tuple[str, bool], _Tiers] = {}
         self._tiers_version: str | None = None
         self.tracing: Tracing | None = None  # a span per attempt when set (``tracing``)
 
-    def _tiers(self, endpoint: EndpointRoute, table: RouteTable, hopped: bool) -> list[list[Backend]]:
+    def _tiers(self, endpoint: EndpointRoute, table: RouteTable, hopped: bool) -> _Tiers:
         """``chain.tiers`` for this endpoint, kept until the route table changes."""
         if table.version != self._tiers_version:
             self._tiers_cache.clear()
@@ -57,8 +57,15 @@ class Walk:
         key = (endpoint.id, hopped)
         found = self._tiers_cache.get(key)
         if found is None:
-            found = self._tiers_cache[key] = chain.tiers(endpoint, table, self.o.peers, hopped=hopped)
+            found = self._tiers_cache[key] = _Tiers(chain.tiers(endpoint, table, self.o.peers, hopped=hopped))
         return found
+
+    def _plan(self, t: _Tiers, now: float) -> chain.Plan:
+        """``chain.order`` of these tiers for this turn. While none of their backends' breakers is open or holds
+        a 429's wait running (``clear``), that is the rotation alone, made once per turn of the cycle (``t.plans``)."""
+        if t.plans and t.clear(self.breakers, now):
+            return t.plans[self._turn % len(t.plans)]
+        return chain.order(t.tiers, self._open_until(now), self._turn, self._limited_until(now))
 
     def _forget(self, table: RouteTable) -> None:
         """The breakers of backends gone from the route table go with them: else every replica that ever was
@@ -113,7 +120,7 @@ class Walk:
         deadline = call.deadline = start + self.o.deadline_s
         self._turn += 1
         tiers = self._tiers(call.endpoint, call.table, call.hopped)
-        plan = chain.order(tiers, self._open_until(start), self._turn, self._limited_until(start))
+        plan = self._plan(tiers, start)
         attempts = call.attempts
         attempts += [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
         attempts += [f"{b.key}:rate_limited" for b in plan.limited]
@@ -144,7 +151,7 @@ class Walk:
                 continue
             ttft = min(b.ttft_s or self.o.ttft_s, deadline - now)
             try:
-                served = await self._attempt(call, b, ttft, alone=_alone(tiers, b))
+                served = await self._attempt(call, b, ttft, alone=not b.peer and b.key in tiers.alone)
             except Failed as f:
                 attempts.append(f"{b.key}:{f.kind}")
                 self._failed(b, breaker, f, hints)
@@ -304,6 +311,32 @@ def retry_after(header: Callable[[bytes], bytes | None]) -> float | None:
     return None
 
 
-def _alone(tiers: list[list[Backend]], b: Backend) -> bool:
-    """Is ``b`` the only backend of its tier? A peer gateway never is: it makes its own retries."""
-    return not b.peer and any(len(t) == 1 and t[0].key == b.key for t in tiers)
+class _Tiers:
+    """An endpoint's tiers (``chain.tiers``) and what the walk reads of them on every request, made once:
+    every backend's key, the keys alone in a tier (``_attempt``: a peer gateway never is, it makes its own
+    retries), and ``chain.order``'s plan for each turn of the rotation while no breaker is open or limited."""
+
+    __slots__ = ("alone", "keys", "plans", "tiers")
+
+    _MAX_PLANS = 64  # turns in a cycle of the rotation worth keeping a plan each for
+
+    def __init__(self, tiers: list[list[Backend]]) -> None:
+        self.tiers = tiers
+        self.keys = tuple(b.key for t in tiers for b in t)
+        self.alone = frozenset(t[0].key for t in tiers if len(t) == 1)
+        cycle = math.lcm(1, *(len(t) for t in tiers[:-1] if t))  # the last tier (peers) is not rotated
+        self.plans = [chain.order(tiers, _never, turn) for turn in range(cycle)] if cycle <= self._MAX_PLANS else []
+
+    def clear(self, breakers: dict[str, Breaker], now: float) -> bool:
+        """Would ``chain.order`` skip none of these backends now: no breaker open (``Breaker.retry_at``), no 429's
+        wait running (``Breaker.limited_until``)?"""
+        for k in self.keys:
+            b = breakers.get(k)
+            if b is not None and ((b.open_until is not None and now < b.open_until)
+                                  or (b.busy_until is not None and now < b.busy_until)):
+                return False
+        return True
+
+
+def _never(key: str) -> float | None:
+    return None

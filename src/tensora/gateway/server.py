@@ -347,7 +347,7 @@ class _Conn(asyncio.Protocol):
                     if k == b"content-length":
                         has_length = True
                         break
-                lines = [_status_line(status), *[b"%s: %s\r\n" % kv for kv in headers]]
+                lines = [_status_line(status), *[b"%s: %s\r\n" % (k, v) for k, v in headers]]
                 if more:
                     if not has_length:
                         chunked = True

@@ -602,9 +602,12 @@ class AdmissionState:
             roomy: dict[tuple[str, str], bool] = {}
 
             def room_for_fallbacks(regions: set[str] = regions, roomy: dict[tuple[str, str], bool] = roomy) -> None:
-                """After the first pass: which fallback classes have room left (it only shrinks from there)."""
+                """After the first pass: which fallback classes have room left (it only shrinks from there), for
+                the lists with listers left out (the checks ask only of those)."""
                 for region in regions - self.whole:
-                    for entry in self.listers.get(region, {}):
+                    for entry, lst in self.listers.get(region, {}).items():
+                        if prefix.get((1, region, entry), _FIRST_PREFIX) >= len(lst):
+                            continue
                         classes = self.catalog.cpu_classes if entry == CPU_WORD else [self.catalog.get(entry)]
                         for cls in classes:
                             if cls is not None and (region, cls.name) not in roomy:

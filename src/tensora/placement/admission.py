@@ -39,8 +39,10 @@ first (``queued_since``), then id. Without it, plain FIFO by ``queued_since``.
 
 from __future__ import annotations
 
+import gc
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from operator import attrgetter, itemgetter
@@ -357,9 +359,29 @@ def decide(
 ) -> list[Decision]:
     """Decide placements for one cycle; ``capacity`` is left unchanged (a copy is used)."""
     policy = policy or Policy()
-    running = list(running)
-    queue = [w for w in queue if w.not_before <= now]  # backing off: as if absent (owner turns too)
-    return run_cycle(_priority_order(queue, running, policy), capacity.copy(), running, now, policy, quotas)
+    with collector_paused():
+        running = list(running)
+        queue = [w for w in queue if w.not_before <= now]  # backing off: as if absent (owner turns too)
+        return run_cycle(_priority_order(queue, running, policy), capacity.copy(), running, now, policy, quotas)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for one cycle, then as it was.
+
+    A cycle over a large queue allocates hundreds of thousands of objects that outlive it (its decisions,
+    a kept state's records) and no reference cycle. The collector, triggered by allocations, walks every
+    object of the process each time its oldest generation is due: six full walks in the first cycle of
+    100,000 queued (bench/admission.py), about a third of its CPU. Reference counting frees what the cycle
+    drops either way; what it keeps is walked once, by the first collection after. The gateway does the
+    same for its start-up (``tensora.gateway.server.quiet_gc``)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def run_cycle(

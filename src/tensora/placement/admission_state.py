@@ -59,6 +59,7 @@ from tensora.placement.admission import (
     RestartAvailable,
     Running,
     Wait,
+    collector_paused,
     preferred_over,
     run_cycle,
     share,
@@ -791,6 +792,7 @@ def step(state: AdmissionState, events: Sequence[Event], now: float) -> tuple[Ad
     The decisions are those ``decide`` makes for the workloads re-decided (every Place and Promote, and
     the waits and offers decided again); elsewhere the waits of :meth:`AdmissionState.decisions` stand, and
     equal what ``decide`` would say."""
-    for event in events:
-        state.apply(event)
-    return state, state.cycle(now)
+    with collector_paused():
+        for event in events:
+            state.apply(event)
+        return state, state.cycle(now)

@@ -287,15 +287,9 @@ class RestartAvailable:
 Decision = Place | Wait | Promote | RestartAvailable
 
 
-@dataclass(frozen=True, slots=True)
-class _Waiting:
-    """A wait of this cycle, built at its end (its figures are the cycle's last): ``at`` is its place in
-    the decisions."""
-
-    at: int
-    workload: Queued
-    attempts: Sequence[Attempt]
-    eligible_at: float | None
+_Waiting = tuple[int, Queued, Sequence[Attempt], float | None]
+"""A wait of a cycle, built at its end (its figures are the cycle's last): its place in the decisions, the
+workload, its attempts, when its fallback list may be tried."""
 
 
 class _Shared:
@@ -308,20 +302,30 @@ class _Shared:
         self.cap = cap
         self.made: dict[tuple[str, str, str | None], Attempt] = {}
         self.held_for: dict[tuple[str, str, str, int], Attempt] = {}
+        self.lists: dict[tuple[str, str, tuple[str, ...]], tuple[Attempt, tuple[Attempt, ...]]] = {}
 
     def full(self, region: str, cls: ComputeClass, entry: str | None = None) -> Attempt:
         """``cls`` has no room in ``region`` (``NO_NODE``: no node there could ever host it)."""
-        free = self.cap.free(region, cls)
         key = (region, cls.name, entry)
         made = self.made.get(key)
-        if made is not None and (made.free == free.free or made.outcome is Outcome.NO_NODE):
+        if made is not None and (made.outcome is Outcome.NO_NODE or made.free == self.cap.free_amount(region, cls)):
             return made
         if self.cap.unhostable(region, cls):
             made = Attempt(cls.name, Outcome.NO_NODE, entry=entry)
         else:
+            free = self.cap.free(region, cls)
             made = Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit, entry)
         self.made[key] = made
         return made
+
+    def not_tried(self, region: str, head: Attempt, fallback: tuple[str, ...]) -> tuple[Attempt, ...]:
+        """The attempts of a wait that found ``head`` and may not try its ``fallback`` yet (``head`` is kept
+        with them: the same object, not only an equal one)."""
+        key = (region, head.cls, fallback)
+        made = self.lists.get(key)
+        if made is None or made[0] is not head:
+            made = self.lists[key] = (head, (head, *_not_yet(fallback)))
+        return made[1]
 
     def held(self, region: str, cls: str, entry: str, n: int) -> Attempt:
         """``cls`` is held from fallbacks for its ``n`` requesters waiting."""
@@ -443,8 +447,8 @@ def run_cycle(
         if w.fallback and now >= w.queued_since + w.fallback_after_s:
             pending.append((i, w, [head]))
         else:  # its list is not tried (nothing taken): its wait is known now
-            waits.append(_Waiting(i, w, (head, *_not_yet(w.fallback)), None if not w.fallback else
-                                  w.queued_since + w.fallback_after_s))
+            waits.append((i, w, shared.not_tried(w.region, head, w.fallback),
+                          w.queued_since + w.fallback_after_s if w.fallback else None))
 
     for key, n in (also_waiting or {}).items():
         waiting_for[key] = waiting_for.get(key, 0) + n
@@ -459,7 +463,7 @@ def run_cycle(
         result = _try_list(cap, w, w.fallback, tried, waiting_for, full, seen, shared, policy, ledger,
                            take=True, skip=(w.gpu_class,))
         if result is None:
-            waits.append(_Waiting(i, w, tried, w.queued_since + w.fallback_after_s))
+            waits.append((i, w, tried, w.queued_since + w.fallback_after_s))
         else:
             cls, node = result
             place = out[i] = Place(w, cls.name, cap.nodes[node].name, tuple(tried), now, policy.timer_slack_s)
@@ -500,9 +504,8 @@ def run_cycle(
         if d.attempts[0].outcome in _WAITED and waiting_for.get(key):
             waiting_for[key] -= 1
     recount = Recount(cap, use, waiting_for)
-    for wt in waits:
-        w = wt.workload
-        out[wt.at] = Wait(w, recount.attempts(wt.attempts, w.region, w.owner), wt.eligible_at, now)
+    for i, w, made, eligible_at in waits:
+        out[i] = Wait(w, recount.attempts(made, w.region, w.owner), eligible_at, now)
     return [*cast(list[Decision], out), *moves]
 
 
@@ -521,6 +524,7 @@ class Recount:
     def __init__(self, cap: Capacity, ledger: Ledger, waiting_for: Mapping[tuple[str, str], int]) -> None:
         self.cap, self.ledger, self.waiting_for = cap, ledger, waiting_for
         self.done: dict[tuple[int, str, str], tuple[Attempt, Attempt]] = {}
+        self.lists: dict[tuple[int, str, str], tuple[tuple[Attempt, ...], tuple[Attempt, ...]]] = {}
 
     def wait(self, d: Wait) -> Wait:
         w = d.workload
@@ -528,7 +532,15 @@ class Recount:
         return d if attempts == d.attempts else Wait(w, attempts, d.fallback_eligible_at, d.now)
 
     def attempts(self, attempts: Sequence[Attempt], region: str, owner: str) -> tuple[Attempt, ...]:
-        return tuple([self.attempt(a, region, owner) for a in attempts])
+        """``attempts`` recounted; a tuple (shared by many waits: :class:`_Shared`) is recounted once per
+        region and owner, and kept with its answer so that its id is not reused meanwhile."""
+        if type(attempts) is not tuple:
+            return tuple([self.attempt(a, region, owner) for a in attempts])
+        key = (id(attempts), region, owner)
+        done = self.lists.get(key)
+        if done is None:
+            done = self.lists[key] = (attempts, tuple([self.attempt(a, region, owner) for a in attempts]))
+        return done[1]
 
     def attempt(self, a: Attempt, region: str, owner: str) -> Attempt:
         outcome = a.outcome

@@ -288,6 +288,12 @@ class Capacity:
             return Free(self._region_cpu.get(region, 0.0), cls.cpu, "vCPU")
         return Free(self._region_gpus.get((region, cls.gpu_model), 0), cls.gpu_count, "GPU")
 
+    def free_amount(self, region: str, cls: ComputeClass) -> float:
+        """``free(region, cls).free`` alone: asked once per waiting workload, where a ``Free`` is not needed."""
+        if cls.gpu_model is None:
+            return self._region_cpu.get(region, 0.0)
+        return self._region_gpus.get((region, cls.gpu_model), 0)
+
     def summary(self, region: str) -> list[ClassCapacity]:
         """For every class in the catalog: how many instances fit in ``region`` now, per node."""
         out = []

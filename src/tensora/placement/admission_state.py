@@ -259,9 +259,11 @@ class AdmissionState:
         regions = self.owner_regions.get(owner)
         if regions is None:
             regions = self.owner_regions[owner] = Counter()
-        regions[region] += n
-        if regions[region] <= 0:
-            del regions[region]
+        left = regions.get(region, 0) + n
+        if left > 0:
+            regions[region] = left
+        else:
+            regions.pop(region, None)
 
     def _enqueue(self, w: Queued) -> None:
         if w.id in self.queue or w.id in self.running:
@@ -337,7 +339,8 @@ class AdmissionState:
                 self._turns(r.owner, below=HIGH)
 
     def _unstand(self, region: str, id: str) -> None:
-        d = self.standing.get(region, {}).pop(id, None)
+        standing = self.standing.get(region)
+        d = standing.pop(id, None) if standing is not None else None
         if type(d) is Wait:
             self._tally(region, d, -1)
             self.n_waiting -= 1
@@ -361,8 +364,8 @@ class AdmissionState:
 
     def _turns(self, owner: str, below: Key = LOW, above: Key = HIGH) -> None:
         """The owner's queued workloads with a key < ``below`` or > ``above`` change turn."""
-        was = self.turns.get(owner, (LOW, HIGH))
-        self.turns[owner] = (max(was[0], below), min(was[1], above))
+        lo, hi = self.turns.get(owner, (LOW, HIGH))
+        self.turns[owner] = (below if below > lo else lo, above if above < hi else hi)
 
     def _count(self, r: Running, sign: int) -> None:
         cls = self.catalog.get(r.placed_class)
@@ -459,7 +462,7 @@ class AdmissionState:
     def _prio(self, w: Queued) -> Prio:
         if not self.policy.owner_fairness:
             return (0, w.queued_since, w.id)
-        turn = self.owner_running[w.owner] + bisect.bisect_left(self.owner_keys[w.owner], (w.queued_since, w.id))
+        turn = self.owner_running.get(w.owner, 0) + bisect.bisect_left(self.owner_keys[w.owner], (w.queued_since, w.id))
         return (turn, w.queued_since, w.id)
 
     def _lists_of(self, w: Queued) -> list[list[Prio]]:

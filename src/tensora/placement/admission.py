@@ -524,7 +524,9 @@ class Recount:
     def __init__(self, cap: Capacity, ledger: Ledger, waiting_for: Mapping[tuple[str, str], int]) -> None:
         self.cap, self.ledger, self.waiting_for = cap, ledger, waiting_for
         self.done: dict[tuple[int, str, str], tuple[Attempt, Attempt]] = {}
-        self.lists: dict[tuple[int, str, str], tuple[tuple[Attempt, ...], tuple[Attempt, ...]]] = {}
+        # (a tuple, its region, "") -> (the tuple, recounted; None: it holds an owner's quota, so see owned)
+        self.lists: dict[tuple[int, str, str], tuple[tuple[Attempt, ...], tuple[Attempt, ...] | None]] = {}
+        self.owned: dict[tuple[int, str, str], tuple[tuple[Attempt, ...], tuple[Attempt, ...]]] = {}
 
     def wait(self, d: Wait) -> Wait:
         w = d.workload
@@ -533,14 +535,25 @@ class Recount:
 
     def attempts(self, attempts: Sequence[Attempt], region: str, owner: str) -> tuple[Attempt, ...]:
         """``attempts`` recounted; a tuple (shared by many waits: :class:`_Shared`) is recounted once per
-        region and owner, and kept with its answer so that its id is not reused meanwhile."""
+        region (and owner, if it holds an owner's quota), and kept with its answer so that its id is not
+        reused meanwhile."""
         if type(attempts) is not tuple:
-            return tuple([self.attempt(a, region, owner) for a in attempts])
-        key = (id(attempts), region, owner)
+            return self._each(attempts, region, owner)
+        key = (id(attempts), region, "")
         done = self.lists.get(key)
         if done is None:
-            done = self.lists[key] = (attempts, tuple([self.attempt(a, region, owner) for a in attempts]))
-        return done[1]
+            mine = any(a.outcome is Outcome.OWNER_QUOTA for a in attempts)
+            done = self.lists[key] = (attempts, None if mine else self._each(attempts, region, owner))
+        if done[1] is not None:
+            return done[1]
+        key = (id(attempts), region, owner)
+        owned = self.owned.get(key)
+        if owned is None:
+            owned = self.owned[key] = (attempts, self._each(attempts, region, owner))
+        return owned[1]
+
+    def _each(self, attempts: Sequence[Attempt], region: str, owner: str) -> tuple[Attempt, ...]:
+        return tuple([self.attempt(a, region, owner) for a in attempts])
 
     def attempt(self, a: Attempt, region: str, owner: str) -> Attempt:
         outcome = a.outcome

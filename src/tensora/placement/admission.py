@@ -39,10 +39,14 @@ first (``queued_since``), then id. Without it, plain FIFO by ``queued_since``.
 
 from __future__ import annotations
 
+import gc
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from operator import attrgetter, itemgetter
+from typing import cast
 
 from tensora.placement.capacity import Capacity
 from tensora.placement.catalog import CPU_WORD, Catalog, ComputeClass
@@ -283,10 +287,67 @@ class RestartAvailable:
 Decision = Place | Wait | Promote | RestartAvailable
 
 
-@dataclass(slots=True)
-class _Pending:
-    workload: Queued
-    attempts: list[Attempt] = field(default_factory=list)
+_Waiting = tuple[int, Queued, Sequence[Attempt], float | None]
+"""A wait of a cycle, built at its end (its figures are the cycle's last): its place in the decisions, the
+workload, its attempts, when its fallback list may be tried."""
+
+
+class _Shared:
+    """The attempts that many workloads of a cycle make alike, one object each while its figures stay: a
+    class found full (or on no node), by region and entry, while its free figure stays; a class held for its
+    requesters, while their count stays. Thousands of waits behind a full class share one, and
+    :class:`Recount` recounts it once."""
+
+    def __init__(self, cap: Capacity) -> None:
+        self.cap = cap
+        self.made: dict[tuple[str, str, str | None], Attempt] = {}
+        self.held_for: dict[tuple[str, str, str, int], Attempt] = {}
+        self.lists: dict[tuple[str, str, tuple[str, ...]], tuple[Attempt, tuple[Attempt, ...]]] = {}
+
+    def full(self, region: str, cls: ComputeClass, entry: str | None = None) -> Attempt:
+        """``cls`` has no room in ``region`` (``NO_NODE``: no node there could ever host it)."""
+        key = (region, cls.name, entry)
+        made = self.made.get(key)
+        if made is not None and (made.outcome is Outcome.NO_NODE or made.free == self.cap.free_amount(region, cls)):
+            return made
+        if self.cap.unhostable(region, cls):
+            made = Attempt(cls.name, Outcome.NO_NODE, entry=entry)
+        else:
+            free = self.cap.free(region, cls)
+            made = Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit, entry)
+        self.made[key] = made
+        return made
+
+    def not_tried(self, region: str, head: Attempt, fallback: tuple[str, ...]) -> tuple[Attempt, ...]:
+        """The attempts of a wait that found ``head`` and may not try its ``fallback`` yet (``head`` is kept
+        with them: the same object, not only an equal one)."""
+        key = (region, head.cls, fallback)
+        made = self.lists.get(key)
+        if made is None or made[0] is not head:
+            made = self.lists[key] = (head, (head, *_not_yet(fallback)))
+        return made[1]
+
+    def held(self, region: str, cls: str, entry: str, n: int) -> Attempt:
+        """``cls`` is held from fallbacks for its ``n`` requesters waiting."""
+        key = (region, cls, entry, n)
+        made = self.held_for.get(key)
+        if made is None:
+            made = self.held_for[key] = Attempt(cls, Outcome.HELD_FOR_REQUESTERS, entry=entry, detail=f"{n} waiting")
+        return made
+
+
+_NOT_YET: dict[tuple[str, ...], tuple[Attempt, ...]] = {}
+
+
+def _not_yet(fallback: tuple[str, ...]) -> tuple[Attempt, ...]:
+    """A fallback list not tried yet, as attempts: shared (attempts are values, and a fleet has a handful of
+    lists; the first 4,096 seen are kept)."""
+    found = _NOT_YET.get(fallback)
+    if found is None:
+        found = tuple(Attempt(entry, Outcome.NOT_ELIGIBLE_YET, entry=entry) for entry in fallback)
+        if len(_NOT_YET) < 4096:
+            _NOT_YET[fallback] = found
+    return found
 
 
 # -- the decision ------------------------------------------------------------------
@@ -302,9 +363,29 @@ def decide(
 ) -> list[Decision]:
     """Decide placements for one cycle; ``capacity`` is left unchanged (a copy is used)."""
     policy = policy or Policy()
-    running = list(running)
-    queue = [w for w in queue if w.not_before <= now]  # backing off: as if absent (owner turns too)
-    return run_cycle(_priority_order(queue, running, policy), capacity.copy(), running, now, policy, quotas)
+    with collector_paused():
+        running = list(running)
+        queue = [w for w in queue if w.not_before <= now]  # backing off: as if absent (owner turns too)
+        return run_cycle(_priority_order(queue, running, policy), capacity.copy(), running, now, policy, quotas)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for one cycle, then as it was.
+
+    A cycle over a large queue allocates hundreds of thousands of objects that outlive it (its decisions,
+    a kept state's records) and no reference cycle. The collector, triggered by allocations, walks every
+    object of the process each time its oldest generation is due: six full walks in the first cycle of
+    100,000 queued (bench/admission.py), about a third of its CPU. Reference counting frees what the cycle
+    drops either way; what it keeps is walked once, by the first collection after. The gateway does the
+    same for its start-up (``tensora.gateway.server.quiet_gc``)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def run_cycle(
@@ -335,41 +416,39 @@ def run_cycle(
     waiting_for: dict[tuple[str, str], int] = {}
     full: set[tuple[str, str]] = set()  # (region, class) where find found nothing this cycle
     seen: dict[tuple[str, int, str], list[ComputeClass] | Attempt] = {}  # the word cpu, expanded
+    out: list[Decision | None] = [None] * len(ordered)  # in ordered's order; a wait's slot is filled last
+    waits: list[_Waiting] = []
+    shared = _Shared(cap)
+    classes = cap.catalog
 
-    # 1. requested class first, for everyone
-    pending: list[_Pending] = []
-    placed: dict[str, Place] = {}
-    for w in ordered:
-        state = _Pending(w)
-        cls = cap.catalog.get(w.gpu_class)
+    # 1. requested class first, for everyone; a workload whose fallback list may not be tried yet is done here
+    pending: list[tuple[int, Queued, list[Attempt]]] = []
+    for i, w in enumerate(ordered):
+        cls = classes.get(w.gpu_class)
         if cls is None:
-            state.attempts.append(Attempt(w.gpu_class, Outcome.UNKNOWN_CLASS))
-            pending.append(state)
-            continue
-        over = ledger.over(w.owner, cls)
-        if over is not None:  # holds no node and no class: its owner's quota, not capacity, keeps it waiting
-            state.attempts.append(over)
-            pending.append(state)
-            continue
-        key = (w.region, cls.name)
-        node = None if key in full else cap.find(w.region, cls)
-        if node is not None:
-            cap.take(node, cls)
-            ledger.add(w.owner, cls)
-            free = cap.free(w.region, cls)
-            attempt = Attempt(cls.name, Outcome.FIT, free.free + free.need, free.need, free.unit)
-            placed[w.id] = Place(w, cls.name, cap.nodes[node].name, (attempt,), now)
-            continue
-        free = cap.free(w.region, cls)
-        if cap.unhostable(w.region, cls):
-            state.attempts.append(Attempt(cls.name, Outcome.NO_NODE))
+            head = Attempt(w.gpu_class, Outcome.UNKNOWN_CLASS)
+        elif quotas is not None and (over := ledger.over(w.owner, cls)) is not None:
+            head = over  # holds no node and no class: its owner's quota, not capacity, keeps it waiting
         else:
-            state.attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit))
-        full.add(key)  # capacity only shrinks within a cycle: no later workload fits this class here
-        if not waiting_for.get(key) and now - w.queued_since >= policy.starvation_after_s:
-            cap.hold(w.region, cls)
-        waiting_for[key] = waiting_for.get(key, 0) + 1
-        pending.append(state)
+            key = (w.region, cls.name)
+            node = None if key in full else cap.find(w.region, cls)
+            if node is not None:
+                cap.take(node, cls)
+                ledger.add(w.owner, cls)
+                free = cap.free(w.region, cls)
+                attempt = Attempt(cls.name, Outcome.FIT, free.free + free.need, free.need, free.unit)
+                out[i] = Place(w, cls.name, cap.nodes[node].name, (attempt,), now)
+                continue
+            head = shared.full(w.region, cls)
+            full.add(key)  # capacity only shrinks within a cycle: no later workload fits this class here
+            if not waiting_for.get(key) and now - w.queued_since >= policy.starvation_after_s:
+                cap.hold(w.region, cls)
+            waiting_for[key] = waiting_for.get(key, 0) + 1
+        if w.fallback and now >= w.queued_since + w.fallback_after_s:
+            pending.append((i, w, [head]))
+        else:  # its list is not tried (nothing taken): its wait is known now
+            waits.append((i, w, shared.not_tried(w.region, head, w.fallback),
+                          w.queued_since + w.fallback_after_s if w.fallback else None))
 
     for key, n in (also_waiting or {}).items():
         waiting_for[key] = waiting_for.get(key, 0) + n
@@ -379,27 +458,17 @@ def run_cycle(
         after_first()
 
     # 2. fallback lists, for those whose timer has run out
-    waits: dict[str, Wait] = {}
-    for state in pending:
-        w = state.workload
-        eligible_at = w.queued_since + w.fallback_after_s if w.fallback else None
-        if eligible_at is None or now < eligible_at:
-            for entry in w.fallback:
-                state.attempts.append(Attempt(entry, Outcome.NOT_ELIGIBLE_YET, entry=entry))
-            waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
-            continue
-        result = _try_list(cap, w, w.fallback, state.attempts, waiting_for, full, seen, policy, ledger,
-                           take=True, skip={w.gpu_class})
+    fell_back: list[Place] = []
+    for i, w, tried in pending:
+        result = _try_list(cap, w, w.fallback, tried, waiting_for, full, seen, shared, policy, ledger,
+                           take=True, skip=(w.gpu_class,))
         if result is None:
-            waits[w.id] = Wait(w, tuple(state.attempts), eligible_at, now)
+            waits.append((i, w, tried, w.queued_since + w.fallback_after_s))
         else:
             cls, node = result
-            placed[w.id] = Place(w, cls.name, cap.nodes[node].name, tuple(state.attempts), now,
-                                 policy.timer_slack_s)
+            place = out[i] = Place(w, cls.name, cap.nodes[node].name, tuple(tried), now, policy.timer_slack_s)
+            fell_back.append(place)
 
-    decisions: list[Decision] = []
-    for w in ordered:
-        decisions.append(placed.get(w.id) or waits[w.id])
     # each owner's quota use as its records will say next cycle: a move back's new replica replaces the old one
     # only when the move ends, so what pass 3 counts is not kept
     use = Ledger(quotas, (), cap.catalog)
@@ -407,6 +476,7 @@ def run_cycle(
         use.use = {o: list(u) for o, u in ledger.use.items()}
 
     # 3. move back: endpoints are promoted, notebooks and VMs are offered a restart
+    moves: list[Decision] = []
     for r in sorted(movers() if movers is not None else running, key=lambda r: r.id):
         if not r.on_fallback or r.moving:
             continue
@@ -418,23 +488,25 @@ def run_cycle(
             r.id, r.kind, r.gpu_class, r.owner, r.region, r.fallback, 0.0, 0.0, r.model_params, r.model_bytes
         )
         is_endpoint = r.kind == WorkloadKind.ENDPOINT
-        result = _try_list(cap, as_queued, targets, attempts, waiting_for, full, seen, policy, ledger,
+        result = _try_list(cap, as_queued, targets, attempts, waiting_for, full, seen, shared, policy, ledger,
                            take=is_endpoint, skip={r.placed_class}, replaces=cap.catalog.get(r.placed_class))
         if result is None:
             continue
         cls, node = result
         if is_endpoint:
-            decisions.append(Promote(r, cls.name, cap.nodes[node].name, tuple(attempts)))
+            moves.append(Promote(r, cls.name, cap.nodes[node].name, tuple(attempts)))
         else:
-            decisions.append(RestartAvailable(r, cls.name, tuple(attempts)))
+            moves.append(RestartAvailable(r, cls.name, tuple(attempts)))
     # 4. a wait says what holds now: the region's figures after this cycle's places and promotes; a requester
     #    placed on a fallback waits no longer (until now it held its class from fallbacks and move-backs)
-    for d in placed.values():
+    for d in fell_back:
         key = (d.workload.region, d.workload.gpu_class)
-        if d.fallback and d.attempts[0].outcome in _WAITED and waiting_for.get(key):
+        if d.attempts[0].outcome in _WAITED and waiting_for.get(key):
             waiting_for[key] -= 1
     recount = Recount(cap, use, waiting_for)
-    return [recount.wait(d) if type(d) is Wait else d for d in decisions]
+    for i, w, made, eligible_at in waits:
+        out[i] = Wait(w, recount.attempts(made, w.region, w.owner), eligible_at, now)
+    return [*cast(list[Decision], out), *moves]
 
 
 _WAITED = (Outcome.NO_CAPACITY, Outcome.NO_NODE)
@@ -451,23 +523,50 @@ class Recount:
 
     def __init__(self, cap: Capacity, ledger: Ledger, waiting_for: Mapping[tuple[str, str], int]) -> None:
         self.cap, self.ledger, self.waiting_for = cap, ledger, waiting_for
-        self.done: dict[tuple[Attempt, str, str], Attempt] = {}
+        self.done: dict[tuple[int, str, str], tuple[Attempt, Attempt]] = {}
+        # (a tuple, its region, "") -> (the tuple, recounted; None: it holds an owner's quota, so see owned)
+        self.lists: dict[tuple[int, str, str], tuple[tuple[Attempt, ...], tuple[Attempt, ...] | None]] = {}
+        self.owned: dict[tuple[int, str, str], tuple[tuple[Attempt, ...], tuple[Attempt, ...]]] = {}
 
     def wait(self, d: Wait) -> Wait:
         w = d.workload
-        attempts = tuple([self.attempt(a, w.region, w.owner) for a in d.attempts])
+        attempts = self.attempts(d.attempts, w.region, w.owner)
         return d if attempts == d.attempts else Wait(w, attempts, d.fallback_eligible_at, d.now)
+
+    def attempts(self, attempts: Sequence[Attempt], region: str, owner: str) -> tuple[Attempt, ...]:
+        """``attempts`` recounted; a tuple (shared by many waits: :class:`_Shared`) is recounted once per
+        region (and owner, if it holds an owner's quota), and kept with its answer so that its id is not
+        reused meanwhile."""
+        if type(attempts) is not tuple:
+            return self._each(attempts, region, owner)
+        key = (id(attempts), region, "")
+        done = self.lists.get(key)
+        if done is None:
+            mine = any(a.outcome is Outcome.OWNER_QUOTA for a in attempts)
+            done = self.lists[key] = (attempts, None if mine else self._each(attempts, region, owner))
+        if done[1] is not None:
+            return done[1]
+        key = (id(attempts), region, owner)
+        owned = self.owned.get(key)
+        if owned is None:
+            owned = self.owned[key] = (attempts, self._each(attempts, region, owner))
+        return owned[1]
+
+    def _each(self, attempts: Sequence[Attempt], region: str, owner: str) -> tuple[Attempt, ...]:
+        return tuple([self.attempt(a, region, owner) for a in attempts])
 
     def attempt(self, a: Attempt, region: str, owner: str) -> Attempt:
         outcome = a.outcome
         if outcome is not Outcome.NO_CAPACITY and outcome is not Outcome.HELD_FOR_REQUESTERS \
                 and outcome is not Outcome.OWNER_QUOTA:
             return a
-        key = (a, region, owner if outcome is Outcome.OWNER_QUOTA else "")
+        # by identity: the waits of a cycle share their attempts (:class:`_Shared`), and hashing one by value
+        # costs more than recounting it; ``a`` is kept with its answer, so its id is not reused meanwhile
+        key = (id(a), region, owner if outcome is Outcome.OWNER_QUOTA else "")
         done = self.done.get(key)
         if done is None:
-            done = self.done[key] = self._recount(a, region, owner)
-        return done
+            done = self.done[key] = (a, self._recount(a, region, owner))
+        return done[1]
 
     def _recount(self, a: Attempt, region: str, owner: str) -> Attempt:
         # Attempt(...) rather than dataclasses.replace: a cycle recounts every wait it decides, and replace
@@ -484,7 +583,7 @@ class Recount:
 
 
 def _priority_order(queue: Iterable[Queued], running: Sequence[Running], policy: Policy) -> list[Queued]:
-    items = sorted(queue, key=lambda w: (w.queued_since, w.id))
+    items = sorted(queue, key=attrgetter("queued_since", "id"))
     if not policy.owner_fairness:
         return items
     seen: dict[str, int] = {}
@@ -494,9 +593,9 @@ def _priority_order(queue: Iterable[Queued], running: Sequence[Running], policy:
     for w in items:
         rank = seen.get(w.owner, 0)
         seen[w.owner] = rank + 1
-        ranked.append((rank, w.queued_since, w.id, w))
-    ranked.sort(key=lambda t: (t[0], t[1], t[2]))
-    return [t[3] for t in ranked]
+        ranked.append((rank, w))
+    ranked.sort(key=itemgetter(0))  # stable: within a rank, still by (queued_since, id)
+    return [t[1] for t in ranked]
 
 
 def preferred_over(r: Running) -> tuple[str, ...]:
@@ -550,11 +649,12 @@ def _try_list(
     waiting_for: dict[tuple[str, str], int],
     full: set[tuple[str, str]],
     seen: dict[tuple[str, int, str], list[ComputeClass] | Attempt],
+    shared: _Shared,
     policy: Policy,
     ledger: Ledger,
     *,
     take: bool,
-    skip: frozenset[str] | set[str] = frozenset(),
+    skip: Collection[str] = (),
     replaces: ComputeClass | None = None,
 ) -> tuple[ComputeClass, int] | None:
     """Try ``entries`` in order; record an attempt for each class tried; take the first fit."""
@@ -576,20 +676,21 @@ def _try_list(
         for cls in expanded:
             if cls.name in skip:
                 continue
-            outcome = _eligible(cls, w, entry, waiting_for, policy) or ledger.over(w.owner, cls, entry, replaces)
+            outcome = _eligible(cls, w, entry, waiting_for, shared, policy) \
+                or ledger.over(w.owner, cls, entry, replaces)
             if outcome is not None:
                 attempts.append(outcome)
                 continue
             if cap.unhostable(w.region, cls):
-                attempts.append(Attempt(cls.name, Outcome.NO_NODE, entry=entry))
+                attempts.append(shared.full(w.region, cls, entry))
                 continue
             key = (w.region, cls.name)
             node = None if key in full else cap.find(w.region, cls)
-            free = cap.free(w.region, cls)
             if node is None:
                 full.add(key)
-                attempts.append(Attempt(cls.name, Outcome.NO_CAPACITY, free.free, free.need, free.unit, entry))
+                attempts.append(shared.full(w.region, cls, entry))
                 continue
+            free = cap.free(w.region, cls)
             attempts.append(Attempt(cls.name, Outcome.FIT, free.free, free.need, free.unit, entry))
             if take:
                 cap.take(node, cls)
@@ -606,12 +707,13 @@ def _model_too_large(w: Queued, policy: Policy, entry: str, cls: str = CPU_WORD)
 
 
 def _eligible(
-    cls: ComputeClass, w: Queued, entry: str, waiting_for: dict[tuple[str, str], int], policy: Policy
+    cls: ComputeClass, w: Queued, entry: str, waiting_for: dict[tuple[str, str], int], shared: _Shared,
+    policy: Policy,
 ) -> Attempt | None:
     """Why ``cls`` may not be used as a substitute for ``w`` (None: it may)."""
-    if waiting_for.get((w.region, cls.name)):
-        return Attempt(cls.name, Outcome.HELD_FOR_REQUESTERS, entry=entry,
-                       detail=f"{waiting_for[(w.region, cls.name)]} waiting")
+    n = waiting_for.get((w.region, cls.name))
+    if n:
+        return shared.held(w.region, cls.name, entry, n)
     if cls.is_cpu and w.kind == WorkloadKind.ENDPOINT:
         too_large = _model_too_large(w, policy, entry, cls.name)
         if too_large is not None:

@@ -60,6 +60,7 @@ from tensora.placement.admission import (
     RestartAvailable,
     Running,
     Wait,
+    collector_paused,
     preferred_over,
     run_cycle,
     share,
@@ -273,9 +274,11 @@ class AdmissionState:
         regions = self.owner_regions.get(owner)
         if regions is None:
             regions = self.owner_regions[owner] = Counter()
-        regions[region] += n
-        if regions[region] <= 0:
-            del regions[region]
+        left = regions.get(region, 0) + n
+        if left > 0:
+            regions[region] = left
+        else:
+            regions.pop(region, None)
 
     def _enqueue(self, w: Queued) -> None:
         if w.id in self.queue or w.id in self.running:
@@ -351,7 +354,8 @@ class AdmissionState:
                 self._turns(r.owner, below=HIGH)
 
     def _unstand(self, region: str, id: str) -> None:
-        d = self.standing.get(region, {}).pop(id, None)
+        standing = self.standing.get(region)
+        d = standing.pop(id, None) if standing is not None else None
         if type(d) is Wait:
             self._tally(region, d, -1)
             self.n_waiting -= 1
@@ -375,8 +379,8 @@ class AdmissionState:
 
     def _turns(self, owner: str, below: Key = LOW, above: Key = HIGH) -> None:
         """The owner's queued workloads with a key < ``below`` or > ``above`` change turn."""
-        was = self.turns.get(owner, (LOW, HIGH))
-        self.turns[owner] = (max(was[0], below), min(was[1], above))
+        lo, hi = self.turns.get(owner, (LOW, HIGH))
+        self.turns[owner] = (below if below > lo else lo, above if above < hi else hi)
 
     def _count(self, r: Running, sign: int) -> None:
         cls = self.catalog.get(r.placed_class)
@@ -473,7 +477,7 @@ class AdmissionState:
     def _prio(self, w: Queued) -> Prio:
         if not self.policy.owner_fairness:
             return (0, w.queued_since, w.id)
-        turn = self.owner_running[w.owner] + bisect.bisect_left(self.owner_keys[w.owner], (w.queued_since, w.id))
+        turn = self.owner_running.get(w.owner, 0) + bisect.bisect_left(self.owner_keys[w.owner], (w.queued_since, w.id))
         return (turn, w.queued_since, w.id)
 
     def _lists_of(self, w: Queued) -> list[list[Prio]]:
@@ -570,7 +574,8 @@ class AdmissionState:
         return self._decide(regions, now)
 
     def _due(self, now: float) -> list[str]:
-        """The ids whose timers came due, off the heap (split in one pass when many are: a first cycle)."""
+        """The ids whose timers came due, off the heap (split in one pass when many are: a first cycle, where
+        most workloads' two or three timers are all due, each id then given once)."""
         if self.later:
             if len(self.later) > len(self.timers):
                 self.timers += self.later
@@ -581,7 +586,7 @@ class AdmissionState:
             self.later = []
         timers = self.timers
         if len(timers) > 64 and timers[len(timers) // 2][0] <= now:  # a rough sign that many are due
-            due = [id for t, id in timers if t <= now]
+            due = list(dict.fromkeys([id for t, id in timers if t <= now]))
             self.timers = [x for x in timers if x[0] > now]
             heapq.heapify(self.timers)
             return due
@@ -847,6 +852,7 @@ def step(state: AdmissionState, events: Sequence[Event], now: float) -> tuple[Ad
     The decisions are those ``decide`` makes for the workloads re-decided (every Place and Promote, and
     the waits and offers decided again); elsewhere the waits of :meth:`AdmissionState.decisions` stand, and
     equal what ``decide`` would say."""
-    for event in events:
-        state.apply(event)
-    return state, state.cycle(now)
+    with collector_paused():
+        for event in events:
+            state.apply(event)
+        return state, state.cycle(now)

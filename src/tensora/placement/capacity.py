@@ -136,6 +136,7 @@ class Capacity:
         self._cursor: dict[tuple[str, str], int] = {}
         self._scan: dict[tuple[str, str], int] = {}  # this cycle's, past held nodes too
         self._candidates: dict[tuple[str, str], list[int]] = {}
+        self._room: dict[str, list[tuple[int, float, int, float | None]]] = {}  # for CPU classes' candidates
         self._unhostable: dict[tuple[str, str], bool] = {}
         self._pos: dict[tuple[str, str], dict[int, int]] = {}  # a candidate's position, for _grew
         self._best: dict[tuple[str, str], list[tuple[float, float, str, int]]] = {}  # for hold
@@ -198,17 +199,9 @@ class Capacity:
         return max(0, int(min(counts)))
 
     def _could_ever_host(self, node: Node, cls: ComputeClass) -> bool:
-        if not node.schedulable:
-            return False
-        if cls.gpu_model is None:
-            cores = node.cores
-            if cores is not None and cls.cpu > cores:
-                return False
-            reserve_cpu = sum(c * self.reserves[m].cpu for m, c in node.gpus.items() if m in self.reserves)
-            reserve_mem = sum(c * self.reserves[m].memory for m, c in node.gpus.items() if m in self.reserves)
-            return node.cpu - reserve_cpu >= cls.cpu and node.memory - reserve_mem >= cls.memory
-        return (
-            node.gpus.get(cls.gpu_model, 0) >= cls.gpu_count and node.cpu >= cls.cpu and node.memory >= cls.memory
+        """For a GPU class (a CPU class: :meth:`_cpu_room`)."""
+        return node.schedulable and (
+            node.gpus.get(cls.gpu_model or "", 0) >= cls.gpu_count and node.cpu >= cls.cpu and node.memory >= cls.memory
         )
 
     def unhostable(self, region: str, cls: ComputeClass) -> bool:
@@ -232,11 +225,28 @@ class Capacity:
         found = self._candidates.get(key)
         if found is None:
             nodes = self.nodes
-            found = [i for i in self._by_region.get(region, ()) if self._could_ever_host(nodes[i], cls)]
             if cls.gpu_model is None:
+                found = [i for i, cpu, mem, cores in self._cpu_room(region)
+                         if cpu >= cls.cpu and mem >= cls.memory and (cores is None or cls.cpu <= cores)]
                 found.sort(key=lambda i: (nodes[i].has_gpus, nodes[i].name))
+            else:
+                found = [i for i in self._by_region.get(region, ()) if self._could_ever_host(nodes[i], cls)]
             self._candidates[key] = found
         return found
+
+    def _cpu_room(self, region: str) -> list[tuple[int, float, int, float | None]]:
+        """Each schedulable node of ``region`` as (index, vCPUs and memory CPU classes could ever use there,
+        its cores): what :meth:`_could_ever_host` asks of a CPU class, worked out once for all of them."""
+        room = self._room.get(region)
+        if room is None:
+            room = self._room[region] = []
+            for i in self._by_region.get(region, ()):
+                node = self.nodes[i]
+                if node.schedulable:
+                    gpus = [(c, self.reserves[m]) for m, c in node.gpus.items() if m in self.reserves]
+                    room.append((i, node.cpu - sum(c * r.cpu for c, r in gpus),
+                                 node.memory - sum(c * r.memory for c, r in gpus), node.cores))
+        return room
 
     def find(self, region: str, cls: ComputeClass) -> int | None:
         """The first node (in :meth:`candidates` order) where one ``cls`` fits, else None.
@@ -247,8 +257,10 @@ class Capacity:
         resources, held or not, and is moved back only where capacity grew (:meth:`change`), so a state
         kept across cycles starts each one there, not at its region's first node.
         """
-        cands = self.candidates(region, cls)
         key = (region, cls.name)
+        cands = self._candidates.get(key)
+        if cands is None:
+            cands = self.candidates(region, cls)
         pos = self._scan.get(key)
         fresh = pos is None
         if pos is None:
@@ -295,6 +307,12 @@ class Capacity:
         if cls.gpu_model is None:
             return Free(self._region_cpu.get(region, 0.0), cls.cpu, "vCPU")
         return Free(self._region_gpus.get((region, cls.gpu_model), 0), cls.gpu_count, "GPU")
+
+    def free_amount(self, region: str, cls: ComputeClass) -> float:
+        """``free(region, cls).free`` alone: asked once per waiting workload, where a ``Free`` is not needed."""
+        if cls.gpu_model is None:
+            return self._region_cpu.get(region, 0.0)
+        return self._region_gpus.get((region, cls.gpu_model), 0)
 
     def summary(self, region: str) -> list[ClassCapacity]:
         """For every class in the catalog: how many instances fit in ``region`` now, per node."""
@@ -481,6 +499,7 @@ class Capacity:
         self._pos = {k: v for k, v in self._pos.items() if k[0] != region}
         self._best = {k: v for k, v in self._best.items() if k[0] != region}
         self._candidates = {k: v for k, v in self._candidates.items() if k[0] != region}
+        self._room = {k: v for k, v in self._room.items() if k != region}
         self._unhostable = {k: v for k, v in self._unhostable.items() if k[0] != region}
 
     def copy(self) -> Capacity:
@@ -497,6 +516,7 @@ class Capacity:
         other._cursor = {}
         other._scan = {}
         other._candidates = self._candidates
+        other._room = self._room
         other._unhostable = self._unhostable
         other._pos = self._pos
         other._best = {}

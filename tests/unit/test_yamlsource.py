@@ -3,7 +3,12 @@ gives, data, lines and errors alike, on documents of every shape it could read d
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tensora.config import yamlsource
 from tensora.errors import ConfigError
@@ -20,6 +25,11 @@ DOCS = {
     "an explicit string tag": "a: !!str 123\n",
     "empty": "",
     "a comment only": "# nothing\n",
+    "a document marker only": "---\n",
+    "quoted scalars that read as numbers": "a: ['1', \"2.5\", 'yes', 'null']\n'3': x\n",
+    "a quoted merge key": "'<<': {x: 1}\n",
+    "a non-specific tag": "a: ! 12\n",
+    "lists of lists": "a:\n- [1, [2, [3, {b: c}]]]\n- []\n- {}\n",
 }
 
 
@@ -46,3 +56,16 @@ def test_errors_name_the_line_as_before(text: str, message: str) -> None:
     with pytest.raises(Exception) as got:
         yamlsource.load_text(text, "doc.yaml", ConfigError)
     assert message in str(got.value)
+
+
+plain_data = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20)
+
+
+@given(plain_data, st.booleans())
+def test_the_fast_read_reads_what_the_safe_loader_reads(data: Any, flow: bool) -> None:
+    """A plain document (names as keys, no tags) is read from the events, never refused to the node read."""
+    text = yaml.safe_dump(data, default_flow_style=flow, allow_unicode=True)
+    assert yamlsource._read_plain(text) == yaml.safe_load(text) == yamlsource._load_nodes(text, "d", ConfigError)[0]

@@ -1,5 +1,6 @@
 """The commands that run Tensora on this machine or work offline: up, serve, gateway, node,
-runtime, plan, model-size, dev. They parse arguments, call the library and print."""
+runtime, plan, model-size, dev. They parse arguments, call the library and print; each imports the library
+it calls, so that a command (and ``--help``) loads only its own."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ from rich.table import Table
 from tensora.cli.common import Output, app, out
 from tensora.cli.common import check_output as _check_output
 from tensora.cli.common import fail as _fail
-from tensora.config.catalog import load_catalog
-from tensora.control.fleet import load_nodes, load_workloads, plan
 from tensora.errors import ConfigError, ModelFileError, StoreUnavailable, TensoraError
 from tensora.models.validator import check_cpu, read_model
 from tensora.units import format_memory, parse_duration
@@ -33,6 +32,9 @@ def plan_command(
     catalog: CatalogFile = None,
 ) -> None:
     """Capacity planning: where each workload is placed at --at on the simulated fleet, and why."""
+    from tensora.config.catalog import load_catalog
+    from tensora.control.fleet import load_nodes, load_workloads, plan
+
     _check_output(output)
     try:
         moment = parse_duration(at)

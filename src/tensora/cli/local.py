@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from tensora.cli.common import Output, app, out
+from tensora.cli.common import Output, app, json_text, out
 from tensora.cli.common import check_output as _check_output
 from tensora.cli.common import fail as _fail
 from tensora.errors import ConfigError, ModelFileError, StoreUnavailable, TensoraError
@@ -46,7 +46,7 @@ def plan_command(
     except ConfigError as exc:
         raise _fail(exc) from None
     if output == "json":
-        sys.stdout.write(json.dumps({"workloads": [r.as_json() for r in rows]}, indent=2) + "\n")
+        sys.stdout.write(json_text({"workloads": [r.as_json() for r in rows]}) + "\n")
         return
     table = Table(title=f"Placement at {at}", title_justify="left")
     for column in ("name", "kind", "requested", "placed", "state", "reason"):

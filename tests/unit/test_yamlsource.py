@@ -20,6 +20,7 @@ DOCS = {
     "a key that is null": "null: 1\n",
     "a merge key": "base: &b {x: 1}\nitem:\n  <<: *b\n  y: 2\n",
     "an anchor and its alias": "a: &x [1, 2]\nb: *x\n",
+    "an alias of a mapping, and of a scalar as a key": "a: &m {b: &k c}\nd: [*m, *m]\n*k : 1\n",
     "a tagged set": "a: !!set {x, y}\n",
     "an ordered map": "a: !!omap [x: 1, y: 2]\n",
     "an explicit string tag": "a: !!str 123\n",
@@ -48,6 +49,8 @@ ERRORS = {
     "not yaml": ("a: [\n", "doc.yaml:2: not valid YAML"),
     "two documents": ("a: 1\n---\nb: 2\n", "doc.yaml:2: not valid YAML"),
     "an unknown tag": ("a: !nope 1\n", "could not determine a constructor"),
+    "an undefined alias": ("a: 1\nb: *x\n", "doc.yaml:2: not valid YAML: found undefined alias"),
+    "an anchor twice": ("a: &x 1\nb: &x [2]\nc: *x\n", "doc.yaml:2: not valid YAML: second occurrence"),
 }
 
 

@@ -104,7 +104,8 @@ def _read_plain(text: str) -> Any:
     a scalar resolved once per distinct text (with libyaml's parser, a 10,000-workload plan file in a fifth of
     a second; the safe loader took four times that, the pure-Python one a minute). It refuses
     (:class:`_NotPlain`) what :func:`_construct` reads differently or reports, which is then read node by
-    node: a key that is not a plain name or appears twice, a merge key, an alias, a tag, several documents."""
+    node: a key that is not a plain name or appears twice, a merge key, a tag, an anchor twice, an undefined
+    alias, several documents."""
     parser = _Parser(text)
     try:
         parser.get_event()  # the stream's start
@@ -122,8 +123,10 @@ def _read_plain(text: str) -> Any:
 
 def _build(parser: _Parser) -> Any:
     """The document's value, from its events: the containers open, each mapping with the key it waits on.
-    A plain scalar is resolved once per distinct text; a quoted one is its text."""
+    A plain scalar is resolved once per distinct text; a quoted one is its text. An alias is its anchor's
+    value, the same object, as the safe loader makes it."""
     plain: dict[str, Any] = {}
+    anchors: dict[str, Any] = {}
     open_: list[dict[str, Any] | list[Any]] = []
     keys: list[Any] = []  # a mapping's key to come (_NO_KEY) or to set; None for a list
     next_event = parser.get_event
@@ -139,17 +142,23 @@ def _build(parser: _Parser) -> Any:
                 value = plain.get(value, _UNSEEN)
                 if value is _UNSEEN:
                     value = plain[event.value] = _scalar(parser, event)
+            if event.anchor is not None:
+                _anchor(anchors, event.anchor, value)
         elif kind is mapping or kind is sequence:
             if event.tag is not None or (keys and keys[-1] is _NO_KEY):  # a tag, or a key that is not a name
                 raise _NotPlain
             open_.append({} if kind is mapping else [])
             keys.append(_NO_KEY if kind is mapping else None)
+            if event.anchor is not None:
+                _anchor(anchors, event.anchor, open_[-1])
             continue
         elif kind is yaml.MappingEndEvent or kind is yaml.SequenceEndEvent:
             value = open_.pop()
             keys.pop()
-        else:  # an alias: the same object twice
-            raise _NotPlain
+        else:  # an alias
+            value = anchors.get(event.anchor, _UNSEEN)
+            if value is _UNSEEN:
+                raise _NotPlain  # composing says why
         if not open_:
             return value
         top, key = open_[-1], keys[-1]
@@ -162,6 +171,12 @@ def _build(parser: _Parser) -> Any:
         else:
             top[key] = value
             keys[-1] = _NO_KEY
+
+
+def _anchor(anchors: dict[str, Any], anchor: str, value: Any) -> None:
+    if anchor in anchors:
+        raise _NotPlain  # an anchor twice: composing says why
+    anchors[anchor] = value
 
 
 def _scalar(parser: _Parser, event: yaml.ScalarEvent) -> Any:

@@ -5,14 +5,18 @@ which API URLs are this machine's (where ``tensora login`` looks for the local a
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tensora.cli.common import Col, api_error_text, emit, fields, flag_for, table, width_for
+from tensora.cli.common import Col, api_error_text, emit, fields, flag_for, json_text, table, width_for
 from tensora.cli.create import CREATE_FLAGS, ENDPOINT_FLAGS
 from tensora.cli.keys import KEY_FLAGS
 from tensora.cli.profile import is_loopback
@@ -143,3 +147,28 @@ LOOPBACK = {
 @pytest.mark.parametrize(("url", "want"), LOOPBACK.values(), ids=LOOPBACK.keys())
 def test_is_loopback(url: str, want: bool) -> None:
     assert is_loopback(url) is want
+
+
+json_docs = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20)
+
+JSON_CASES = {
+    "a plan's row": {"workloads": [{"name": "a", "placed_class": None, "restart_available": False, "node": "n-1"}]},
+    "empty containers": {"a": [], "b": {}, "c": [[], {}]},
+    "accents": {"reason": "placé"},
+    "a line separator": {"reason": "a\u2028b"},
+    "delete": {"reason": "a\x7fb"},
+    "controls and quotes": {"reason": "a\x01\"\\\n\t"},
+}
+
+
+@pytest.mark.parametrize("doc", JSON_CASES.values(), ids=JSON_CASES.keys())
+def test_json_text_is_what_json_writes(doc: Any) -> None:
+    assert json_text(doc) == json.dumps(doc, indent=2)
+
+
+@given(json_docs)
+def test_json_text_is_what_json_writes_of_any_document(doc: Any) -> None:
+    assert json_text(doc) == json.dumps(doc, indent=2)

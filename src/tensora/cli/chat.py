@@ -29,7 +29,6 @@ import typer
 from tensora.cli.common import API_ERROR, TIMEOUT, UNREACHABLE, app, err, fail, out
 from tensora.cli.profile import Target
 from tensora.cli.root import target
-from tensora.sdk import APIError, Client
 
 OK = "ok"
 OUTCOMES = {  # X-Tensora-Attempts outcomes (the gateway's upstream error kinds), in words
@@ -199,6 +198,8 @@ class Placements:
         self.off = False
 
     def get(self, a: Answered) -> Placement | None:
+        from tensora.sdk import APIError, Client
+
         served = a.attempts[-1] if a.attempts else None
         if self.off or served is None or served.backend.startswith("peer:") or a.served_by not in ("replica", "cpu"):
             return self.known

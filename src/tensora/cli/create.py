@@ -23,9 +23,6 @@ from tensora.cli.root import (
     wait_running,
     warn,
 )
-from tensora.sdk import (
-    APIError,
-)
 from tensora.units import parse_duration
 
 GpuClass = Annotated[str, typer.Option("--gpu-class", help="the class asked for, e.g. l40s-48gb (tensora catalog)")]
@@ -66,6 +63,8 @@ def _spec(items: Sequence[str] | None) -> dict[str, Any] | None:
 def _create(ctx: typer.Context, kind: str, name: str, gpu_class: str, fallback: str, fallback_after: str | None,
             wait: bool, timeout: str, output: str, flags: Mapping[str, str], **more: Any) -> None:
     """``more`` goes to the API as is: ``model`` and ``image`` are names in the caller's files."""
+    from tensora.sdk import APIError
+
     check_output(output)
     try:
         timeout_s = parse_duration(timeout)

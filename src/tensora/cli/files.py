@@ -11,7 +11,6 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from tensora.cli.common import Output, app, check_output, emit, err, fail, out, table
 from tensora.cli.root import dump, local_time, session
-from tensora.sdk import Client
 from tensora.storage import FileList, FileOut, format_bytes
 
 files_app = typer.Typer(help="Your files: models (a directory of safetensors files) and disk images, named "
@@ -26,6 +25,8 @@ def upload(ctx: typer.Context,
                                                       "name), e.g. tiny or images/debian.qcow2")] = None,
            output: Output = "table") -> None:
     """Upload a file or a model directory, with a progress bar; re-uploading a name replaces it."""
+    from tensora.sdk import Client
+
     check_output(output)
     if not local.exists():
         raise fail(f"{local}: no such file or directory")

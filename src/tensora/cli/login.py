@@ -19,12 +19,6 @@ from tensora.cli.common import (
     out,
 )
 from tensora.errors import ConfigError
-from tensora.sdk import (
-    APIConnectionError,
-    APIError,
-    Client,
-)
-from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL
 
 
 @app.command("login", rich_help_panel="Use Tensora")
@@ -37,6 +31,9 @@ def login_command(ctx: typer.Context,
     from --api-key / TENSORA_API_KEY, --key-file, else (with the API on this machine) the admin key
     tensora up wrote in its data dir (TENSORA_DATA_DIR, else the default), else a prompt (stdin
     when not a terminal)."""
+    from tensora.sdk import APIConnectionError, APIError, Client
+    from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL
+
     o = ctx.find_root().obj or {}
     api_url = o.get("api_url") or DEFAULT_API_URL
     key = o.get("api_key")

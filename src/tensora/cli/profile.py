@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 import platformdirs
 
 from tensora.errors import ConfigError
-from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL
 
 
 def config_path() -> Path:
@@ -52,6 +51,8 @@ def _read(path: Path) -> dict[str, Any]:
 
 def resolve(api_url: str | None, api_key: str | None, gateway_url: str | None, profile: str | None) -> Target:
     """Flags (already merged with env by typer) over the profile over the defaults."""
+    from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL  # the SDK only where a command calls it
+
     path = config_path()
     data = _read(path)
     name = profile or data.get("current") or "default"

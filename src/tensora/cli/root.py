@@ -1,6 +1,7 @@
 """The root of the commands over the control API, through the SDK only: the global options, the session, how
 a workload prints and how --wait follows it. The command groups (one module each) parse, call ``tensora.sdk`` and
-print a table (or ``-o json``)."""
+print a table (or ``-o json``). The SDK (httpx, the API's schemas) is imported by the functions that call it: the
+offline commands (``tensora plan``) and ``--help`` start without it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import shlex
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.text import Text
@@ -30,16 +31,10 @@ from tensora.cli.common import (
     fields,
 )
 from tensora.errors import ConfigError
-from tensora.sdk import (
-    APIConnectionError,
-    APIError,
-    APITimeoutError,
-    Client,
-    WaitTimeoutError,
-    Workload,
-    WorkloadEndedError,
-)
 from tensora.storage import NOT_FOUND
+
+if TYPE_CHECKING:
+    from tensora.sdk import APIError, Client, Workload
 
 POLL_S = 0.5  # --wait: how often the state is read (one cheap GET)
 
@@ -95,6 +90,8 @@ def upload_hint(exc: APIError, names: Mapping[str, str], flags: Mapping[str, str
 def session(ctx: typer.Context, flags: Mapping[str, str] | None = None) -> Iterator[Client]:
     """A client for the resolved target; SDK errors become messages and exit codes, and an API
     field named in an error becomes the flag of ``flags`` (API field -> flag) that set it."""
+    from tensora.sdk import APIConnectionError, APIError, APITimeoutError, Client
+
     t = target(ctx)
     if not t.api_key:
         raise fail("no API key: set TENSORA_API_KEY, pass --api-key, or run tensora login "
@@ -160,6 +157,8 @@ def warn(w: Workload) -> None:
 
 def wait_running(c: Client, w: Workload, timeout_s: float) -> Workload:
     """Follow the workload until it runs: a spinner on a terminal, a line per change otherwise."""
+    from tensora.sdk import WaitTimeoutError, WorkloadEndedError
+
     def line(x: Workload) -> Text:  # a Text: a reason is shown as is, never read as markup
         return Text(f"{x.name}: {x.state}: {x.reason}")
 

@@ -31,8 +31,9 @@ from tensora.control.events import (
     render,
 )
 from tensora.control.housekeeping import due
-from tensora.control.ledger import Ledger, MemoryLedger, StoreLedger
+from tensora.control.ledger import Ledger, MemoryLedger
 from tensora.control.reconcile import reconcile
+from tensora.control.store_ledger import StoreLedger
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.admission import decide

@@ -40,8 +40,8 @@ from tensora.clock import Clock, SystemClock
 from tensora.control import housekeeping, metrics
 from tensora.control.apply import apply
 from tensora.control.feed import Fed, Feed
-from tensora.control.ledger import StoreLedger
 from tensora.control.reconcile import DRAIN_S, reconcile
+from tensora.control.store_ledger import StoreLedger
 from tensora.drivers.base import Driver, ReplicaSpec
 from tensora.errors import Conflict, StoreUnavailable
 from tensora.names import controller_lease

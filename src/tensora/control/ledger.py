@@ -3,7 +3,8 @@
 Reconcile and apply record what they decide through a ``Ledger`` and never touch a database
 themselves, so the capacity planner runs the controller's very steps on a simulated clock
 instead of a copy of them that could drift. ``StoreLedger`` writes on a Connection inside the
-cycle's fenced transaction; ``MemoryLedger`` keeps the rows in dicts.
+cycle's fenced transaction (``control.store_ledger``: this module imports no SQLAlchemy, for ``tensora plan``);
+``MemoryLedger`` keeps the rows in dicts.
 """
 
 from __future__ import annotations
@@ -13,13 +14,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from sqlalchemy import Connection
-
 from tensora.control.events import EventType
 from tensora.placement.kinds import HOLDING, ReplicaRole, ReplicaState, WorkloadState
-from tensora.store import repo
-from tensora.store.repo import COALESCE_WITHIN
-from tensora.store.rows import EventRow, ReplicaRow, WorkloadRow
+from tensora.store.rows import COALESCE_WITHIN, EventRow, ReplicaRow, WorkloadRow
 
 Values = Mapping[str, object]
 """Columns to set on a row, by name (the store's update statements take them as they are)."""
@@ -73,41 +70,6 @@ def new_replica(ledger: Ledger, w: WorkloadRow, slot: int, cls: str, node: str, 
     r = ReplicaRow(ledger.new_replica_id(), w.id, slot, cls, node, w.region, ReplicaState.STARTING, role, now, now)
     ledger.insert_replica(r, w, now)
     return r
-
-
-class StoreLedger:
-    """The store, on the cycle's Connection (in its fenced write transaction)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-
-    def new_replica_id(self) -> str:
-        return repo.new_id("rp_")
-
-    def update_workload(self, workload_id: str, values: Values, expect_state: WorkloadState | None = None,
-                        live_only: bool = False) -> bool:
-        return repo.update_workload(self.conn, workload_id, dict(values), expect_state=expect_state,
-                                    live_only=live_only)
-
-    def update_replica(self, replica_id: str, values: Values) -> None:
-        repo.update_replica(self.conn, replica_id, dict(values))
-
-    def insert_replica(self, r: ReplicaRow, w: WorkloadRow, now: float) -> None:
-        repo.insert_replica(self.conn, r)
-        repo.open_segment(self.conn, r, w, now)
-
-    def close_segment(self, replica_id: str, now: float) -> None:
-        repo.close_segment(self.conn, replica_id, now)
-
-    def add_event(self, e: EventRow, coalesce: bool = False) -> None:
-        if not (coalesce and repo.repeat_event(self.conn, e)):
-            repo.add_event(self.conn, e.workload_id, e.at, e.type, e.reason, e.from_state, e.to_state)
-
-    def add_events(self, events: Sequence[EventRow]) -> None:
-        repo.add_events(self.conn, events)
-
-    def set_wait_reasons(self, waits: Sequence[tuple[str, str, float | None]]) -> None:
-        repo.set_wait_reasons(self.conn, waits)
 
 
 _WORKLOAD_FIELDS = frozenset(WorkloadRow._fields)

@@ -52,6 +52,7 @@ from tensora.store.models import (
     Workload,
 )
 from tensora.store.rows import (
+    COALESCE_WITHIN,
     NODE_COLUMNS,
     REPLICA_COLUMNS,
     WORKLOAD_COLUMNS,
@@ -222,11 +223,6 @@ def add_events(conn: Connection, rows: Sequence[EventRow]) -> None:
     if rows:
         conn.execute(insert(E), [{"workload_id": e.workload_id, "at": e.at, "type": e.type, "reason": e.reason,
                                   "from_state": e.from_state, "to_state": e.to_state} for e in rows])
-
-
-COALESCE_WITHIN = 8
-"""An event coalesces with an identical one among its workload's last this many: a crash loop's attempt is
-a few events (placed, running, failed), each repeating the attempt before's."""
 
 
 def repeat_event(conn: Connection, e: EventRow) -> bool:

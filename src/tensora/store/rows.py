@@ -18,6 +18,10 @@ from typing import Any, NamedTuple
 from tensora.placement.capacity import Node
 from tensora.placement.kinds import ReplicaRole, ReplicaState, SlotRef, WorkloadKind, WorkloadState
 
+COALESCE_WITHIN = 8
+"""An event coalesces with an identical one among its workload's last this many: a crash loop's attempt is
+a few events (placed, running, failed), each repeating the attempt before's."""
+
 
 class WorkloadRow(NamedTuple):
     """A workload as a cycle reads it: every column but ``name``, ``model``, ``restart_reason`` and

@@ -438,9 +438,9 @@ def test_an_owners_held_figure_from_the_store_is_its_quota_use() -> None:
     assert got[0].reason == "waiting for l40s-48gb (owner quota: 1 of 1 GPU in use); no fallback accepted"
 
 
-def test_a_freed_gpu_decides_the_heads_of_a_long_queue_not_the_queue() -> None:
-    """200 ask for 4 L40S GPUs (two thirds would take a CPU class after a minute). One freed: a few lists'
-    heads are decided (one of them placed), the rest stand, as decide says from scratch."""
+def _a_long_queue_settled() -> tuple[World, AdmissionState]:
+    """200 ask for 4 L40S GPUs (two thirds would take a CPU class after a minute), decided until a cycle
+    decides nothing: the GPUs taken, and the CPU the listers took."""
     world = World(nodes={f"g{i}": gpu_node(f"g{i}") for i in range(4)})
     state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
     queue = [Submitted(w(f"q{i:03d}", owner=f"o{i % 7}", since=i, fallback=("cpu",) if i % 3 else (), after=60))
@@ -448,6 +448,13 @@ def test_a_freed_gpu_decides_the_heads_of_a_long_queue_not_the_queue() -> None:
     check_cycle(world, state, queue, 100)
     while check_cycle(world, state, [], 101):
         pass
+    return world, state
+
+
+def test_a_freed_gpu_decides_the_heads_of_a_long_queue_not_the_queue() -> None:
+    """A long queue settled. One GPU freed: a few lists' heads are decided (one of them placed), the rest stand,
+    as decide says from scratch."""
+    world, state = _a_long_queue_settled()
     placed = world.placed[0]
     got = check_cycle(world, state, [ReplicaEnded(placed)], 102)
     assert [type(d) for d in got].count(Place) == 1
@@ -457,16 +464,10 @@ def test_a_freed_gpu_decides_the_heads_of_a_long_queue_not_the_queue() -> None:
 
 
 def test_a_submission_where_every_class_is_full_decides_it_and_the_first_requester() -> None:
-    """The same long queue, settled: L40S and the CPU the listers took are full. One more submitted: only it and
-    the L40S list's first (who may hold a node when it starves) are decided; no lister's head is, since the
-    cycle began with no room in any class they list."""
-    world = World(nodes={f"g{i}": gpu_node(f"g{i}") for i in range(4)})
-    state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
-    queue = [Submitted(w(f"q{i:03d}", owner=f"o{i % 7}", since=i, fallback=("cpu",) if i % 3 else (), after=60))
-             for i in range(200)]
-    check_cycle(world, state, queue, 100)
-    while check_cycle(world, state, [], 101):
-        pass
+    """A long queue settled: L40S and the CPU the listers took are full. One more submitted: only it and the L40S
+    list's first (who may hold a node when it starves) are decided; no lister's head is, since the cycle began
+    with no room in any class they list."""
+    world, state = _a_long_queue_settled()
     got = check_cycle(world, state, [Submitted(w("new", owner="o0", since=102, fallback=("cpu",), after=0))], 102)
     first = min(state.reqs["local"]["l40s-48gb"])[2]
     assert first != "new"  # its owner runs some: its turn comes late

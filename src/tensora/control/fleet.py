@@ -21,10 +21,8 @@ optional ``stop_at`` (offsets such as ``0s``, ``2m``)::
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -42,7 +40,17 @@ from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.errors import FleetError, ModelFileError
 from tensora.models.validator import read_model
-from tensora.placement.admission import Attempt, Decision, Place, Policy, Promote, Queued, RestartAvailable, Wait
+from tensora.placement.admission import (
+    Attempt,
+    Decision,
+    Place,
+    Policy,
+    Promote,
+    Queued,
+    RestartAvailable,
+    Wait,
+    collector_paused,
+)
 from tensora.placement.admission_state import (
     AdmissionState,
     Event,
@@ -108,20 +116,6 @@ _OFFSETS = TypeAdapter(list[_Offsets])
 _OFFSET_KEYS = frozenset(_Offsets.model_fields)
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Loading a fleet makes many objects and frees few: the cycle collector, run as objects are made, would
-    walk the growing file again and again (half the time of loading 10,000 workloads). Paused while loading,
-    then left as it was."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def _read(path: Path, key: str) -> tuple[dict[str, Any], yamlsource.Lines]:
     data, lines = yamlsource.load(path, FleetError)
     if not isinstance(data, dict):
@@ -135,7 +129,7 @@ def _error(exc: ValidationError, path: Path, lines: yamlsource.Lines) -> FleetEr
 
 def load_nodes(path: Path | str) -> list[Node]:
     """Nodes of a ``nodes.yaml``; errors name the file, line and field."""
-    with _collector_paused():
+    with collector_paused():  # loading makes many objects and frees few: see load_workloads
         return _nodes(Path(path))
 
 
@@ -189,7 +183,9 @@ def _validated(data: dict[str, Any], path: Path, lines: yamlsource.Lines) -> lis
 
 def load_workloads(path: Path | str, catalog: Catalog) -> list[PlannedWorkload]:
     """Workloads of a ``workloads.yaml``, validated like create bodies; errors name file, line, field."""
-    with _collector_paused():
+    # loading makes many objects and frees few: the cycle collector, run as objects are made, would walk the
+    # growing file again and again (half the time of loading 10,000 workloads)
+    with collector_paused():
         return _workloads(Path(path), catalog)
 
 

@@ -490,6 +490,23 @@ def test_the_state_holds_what_it_assumed_and_nothing_else() -> None:
     assert not state.holds(["a", "b"], [], [running], [replica, Placed("g1", "l40s-48gb", "b")])
 
 
+def test_a_turn_moved_by_a_placement_can_move_the_hold_and_so_place_another() -> None:
+    """L40S is full. Old a1 (starving) holds g1, the node L40S frees on first, so l waits for g1's idle CPU. Then
+    a2, a1's owner's newer workload, takes g2's A100: its place moves a1's turn behind b1, who does not starve
+    yet. The next cycle has no event, but nobody holds g1 any more, and l takes its CPU."""
+    world = World(nodes={"g1": gpu_node("g1"), "g2": gpu_node("g2", "A100-80GB", cpu=12)},
+                  placed=[Placed("g1", "l40s-48gb", "x")])
+    state = AdmissionState(world.nodes.values(), world.placed, CATALOG, POLICY)
+    first = check_cycle(world, state, [
+        Submitted(w("a1", owner="a", since=0)), Submitted(w("b1", owner="b", since=150)),
+        Submitted(w("l", "h100-80gb", owner="l", since=10, fallback=("cpu",)))], 200)
+    assert {d.workload.id: type(d) for d in first} == {"a1": Wait, "b1": Wait, "l": Wait}
+    got = check_cycle(world, state, [Submitted(w("a2", "a100-80gb", owner="a", since=180))], 201)
+    assert [(type(d), d.workload.id) for d in got if type(d) is Place] == [(Place, "a2")]
+    got = check_cycle(world, state, [], 202)
+    assert [(type(d), d.workload.id) for d in got if type(d) is Place] == [(Place, "l")]
+
+
 def test_a_wait_shows_what_is_free_after_the_cycle() -> None:
     """The older workload wants 16 vCPUs where 8 are free (a 16-vCPU node runs another's 8); a newer one
     takes 4 of them in the same cycle. The wait says 4 free (what anyone reading it finds), not the 8 there

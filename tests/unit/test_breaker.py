@@ -148,3 +148,13 @@ def test_it_never_lets_a_request_through_while_open(steps: list[tuple[str, float
         assert b.open_until is None or b.open_until - now <= P.max_s
         assert 0 <= b.failures < P.consecutive and 0 <= b.probes_ok < P.probe_successes
         assert 0 <= b.ejections <= P.max_s // P.base_s + 1
+
+
+_AT = st.one_of(st.none(), st.sampled_from([0.0, 9.0, 10.0, 11.0, 40.0]))
+
+
+@given(open_until=_AT, busy_until=_AT, now=st.sampled_from([0.0, 10.0, 10.5, 50.0]))
+def test_skipped_is_open_or_limited(open_until: float | None, busy_until: float | None, now: float) -> None:
+    """The walk's one-read check says what retry_at and limited_until say together, at any moment."""
+    b = Breaker(P, open_until=open_until, busy_until=busy_until)
+    assert b.skipped(now) == (b.retry_at(now) is not None or b.limited_until(now) is not None)

@@ -74,6 +74,12 @@ class Breaker:
         """Until when the backend asked not to be sent requests (None: it did not, or that is past)."""
         return self.busy_until if self.busy_until is not None and now < self.busy_until else None
 
+    def skipped(self, now: float) -> bool:
+        """Whether a walk passes this backend over now: open (:meth:`retry_at`) or asked not to be sent requests
+        (:meth:`limited_until`). Read from the fields directly: asked of every backend on every request."""
+        return (self.open_until is not None and now < self.open_until) or \
+            (self.busy_until is not None and now < self.busy_until)
+
     def success(self, now: float) -> None:
         if self.open_until is not None:  # the probe came back well: close, and forgive one ejection
             self.ejections = max(0, self.ejections - 1)

@@ -328,12 +328,10 @@ class _Tiers:
         self.plans = [chain.order(tiers, _never, turn) for turn in range(cycle)] if cycle <= self._MAX_PLANS else []
 
     def clear(self, breakers: dict[str, Breaker], now: float) -> bool:
-        """Would ``chain.order`` skip none of these backends now: no breaker open (``Breaker.retry_at``), no 429's
-        wait running (``Breaker.limited_until``)?"""
+        """Would ``chain.order`` skip none of these backends now (``Breaker.skipped``)?"""
         for k in self.keys:
             b = breakers.get(k)
-            if b is not None and ((b.open_until is not None and now < b.open_until)
-                                  or (b.busy_until is not None and now < b.busy_until)):
+            if b is not None and b.skipped(now):
                 return False
         return True
 

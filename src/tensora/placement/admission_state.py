@@ -264,7 +264,7 @@ class AdmissionState:
         for id in ids:
             if self.queue.get(id) != queued.get(id) or self.running.get(id) != runs.get(id):
                 return False
-            if sorted(self.replicas.get(id, ()), key=repr) != sorted((p for p in placed if p.workload == id), key=repr):
+            if Counter(self.replicas.get(id, ())) != Counter(p for p in placed if p.workload == id):
                 return False
         return True
 

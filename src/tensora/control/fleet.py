@@ -297,7 +297,10 @@ def replay(
     when ready while the old replica drains, as it does live. Admission is kept across cycles
     (``admission_state.step``) and told what changed, so a cycle costs what changed, not every workload.
     """
-    return _Replay(nodes, workloads, catalog, at, policy).run()
+    # a replay makes rows, records and decisions that outlive their cycle, and no reference cycle: the
+    # collector, run as they are made, would walk them again and again (a twentieth of a long replay's time)
+    with collector_paused():
+        return _Replay(nodes, workloads, catalog, at, policy).run()
 
 
 _STOPPED = (WorkloadState.STOPPING, WorkloadState.STOPPED)
@@ -352,6 +355,7 @@ class _Replay:
         """Workloads reconciled every cycle, changed or not: a replica draining (it stops when its time
         is up) or a crash loop (it heals when a replica has run long enough)."""
         self.offers: dict[str, RestartAvailable] = {}  # the restart offers that stand, by workload id
+        self.refs: dict[str, SlotRef] = {}  # admission's workload ids, parsed (each is parsed once)
         self.waits: dict[str, tuple[_WaitKey, str, str | None]] = {}
         """Each record's wait as last applied, its workload, and the reason apply wrote for it (None: a slot
         after the first, whose wait writes nothing)."""
@@ -385,8 +389,8 @@ class _Replay:
         """The waits that stand, with their figures of now in their rows (what the report shows): a wait is
         decided again only when its decision could change, so a count alone (a class's requesters waiting,
         its free GPUs) may have moved since its row was written."""
-        waits = [d for d in self.state.decisions() if isinstance(d, Wait) and SlotRef.parse(d.workload.id).slot == 0]
-        ids = {SlotRef.parse(d.workload.id).workload_id for d in waits}
+        waits = [d for d in self.state.decisions() if isinstance(d, Wait) and self._ref(d).slot == 0]
+        ids = {self._ref(d).workload_id for d in waits}
         apply(self.ledger, waits, {wid: self.ledger.workloads[wid] for wid in ids}, self.moments.at, [])
 
     def _written(self) -> None:
@@ -409,20 +413,21 @@ class _Replay:
         offers = self._offers(decisions)
         # 3. apply what would write something: the decided workloads' rows, and those whose offer was withdrawn
         fresh = [d for d in decisions if not (isinstance(d, Wait) and self._written_before(d))]
-        decided = {SlotRef.parse(d.workload.id).workload_id for d in fresh} | (self.offers.keys() - offers.keys())
+        decided = {self._ref(d).workload_id for d in fresh} | (self.offers.keys() - offers.keys())
         self.offers = offers
         rows = {wid: self.ledger.workloads[wid] for wid in sorted(decided)}
         applied = apply(self.ledger, fresh, rows, now, gone)
         _effects(self.driver, self.models, applied.start, [])
         for d in fresh:
             if isinstance(d, Wait):
-                ref = SlotRef.parse(d.workload.id)
+                ref = self._ref(d)
                 reason = self.ledger.workloads[ref.workload_id].reason if ref.slot == 0 else None
                 self.waits[d.workload.id] = ((d.workload, d.attempts, d.fallback_eligible_at), ref.workload_id, reason)
         for d in decisions:
             if isinstance(d, Place | Promote):
-                self.assumed.setdefault(SlotRef.parse(d.workload.id).workload_id, set()).add(d.workload.id)
-                self.written.add(SlotRef.parse(d.workload.id).workload_id)
+                wid = self._ref(d).workload_id
+                self.assumed.setdefault(wid, set()).add(d.workload.id)
+                self.written.add(wid)
         self.moments.add([*applied.later, *done.drains_end])
         return bool(done.transitions or done.start or done.stop or applied.start)
 
@@ -497,7 +502,15 @@ class _Replay:
         """The restart offers that stand after a step (by workload id): with no offer standing before, the
         step's own are all; else the state's (a step says an offer again only where it decided its mover)."""
         standing = decisions if not self.offers else self.state.offers()
-        return {SlotRef.parse(d.workload.id).workload_id: d for d in standing if isinstance(d, RestartAvailable)}
+        return {self._ref(d).workload_id: d for d in standing if isinstance(d, RestartAvailable)}
+
+    def _ref(self, d: Decision) -> SlotRef:
+        """The slot ``d`` decides (parsed once per id: a wait standing in a long queue is decided again and
+        again)."""
+        ref = self.refs.get(d.workload.id)
+        if ref is None:
+            ref = self.refs[d.workload.id] = SlotRef.parse(d.workload.id)
+        return ref
 
 
 _NOTHING = _Told(snapshot.Records(), ())

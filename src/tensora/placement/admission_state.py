@@ -67,6 +67,7 @@ from tensora.placement.admission import (
 )
 from tensora.placement.capacity import Capacity, GpuReserve, Node, Placed
 from tensora.placement.catalog import CPU_WORD, Catalog
+from tensora.placement.kinds import WorkloadKind
 from tensora.placement.quotas import Quotas
 
 # -- events: what changed, as values ------------------------------------------------------
@@ -487,8 +488,16 @@ class AdmissionState:
         if w.id in self.eligible:
             lists = self.listers.setdefault(w.region, {})
             for entry in dict.fromkeys(w.fallback):
-                out.append(lists.setdefault(entry, []))
+                if entry != CPU_WORD or not self._never_on_cpu(w):
+                    out.append(lists.setdefault(entry, []))
         return out
+
+    def _never_on_cpu(self, w: Queued) -> bool:
+        """An endpoint whose model is over the CPU limit: the word ``cpu`` never places it, whatever is free
+        (``decide`` says so before it looks at a class), so it is no lister of that word. Left at the head of
+        its list, it would be decided again each cycle, as would the three after it."""
+        return w.kind == WorkloadKind.ENDPOINT and w.model_params is not None \
+            and w.model_params > self.policy.cpu_param_limit
 
     def _list(self, w: Queued, now: float, *, sort: bool = True) -> None:
         """Put ``w`` in its lists (in order; ``sort`` False: at the end, for a rebuild that sorts after)."""
@@ -679,17 +688,29 @@ class AdmissionState:
                                       or self.cap.no_room(region, cls) for cls in classes)
         return found
 
-    def _head(self, kind: int, region: str, name: str, size: int, prefix: dict[tuple[int, str, str], int],
-              closed: dict[tuple[int, str, str], bool]) -> int:
-        """How much of a list (of ``size``) to decide: ``_FIRST_PREFIX``, or where it is closed (:meth:`_closed`)
-        only a requesters' list's first (the one that may hold a node, if it starves) and no lister (each
-        finds its class full or held again)."""
+    def _head(self, kind: int, region: str, name: str, lst: Sequence[Prio], prefix: dict[tuple[int, str, str], int],
+              closed: dict[tuple[int, str, str], bool], now: float) -> int:
+        """How much of a list to decide: ``_FIRST_PREFIX``, or where it is closed (:meth:`_closed`) only a
+        requesters' list's first if it may hold a node (:meth:`_may_hold`) and no lister (each finds its class
+        full or held again)."""
         n = prefix.get((kind, region, name))
         if n is None:
-            shorter = 1 - kind
-            n = _FIRST_PREFIX if size <= shorter or not self._closed(kind, region, name, closed) else shorter
+            if not lst or not self._closed(kind, region, name, closed):
+                n = _FIRST_PREFIX
+            elif kind == 1:
+                n = 0
+            else:
+                n = 1 if self._may_hold(self.queue[lst[0][2]], now) else 0
             prefix[(kind, region, name)] = n
         return n
+
+    def _may_hold(self, first: Queued, now: float) -> bool:
+        """Whether the first requester of a class with no room may hold a node for it: it starves (``decide``
+        lets the first requester that finds its class full hold a node if it starves), or an owner's quota may
+        keep it from trying, so that the next one finds the class full first. Else every requester of the
+        class finds it full and none holds a node (while none of them is decided: see :meth:`_select`)."""
+        return now - first.queued_since >= self.policy.starvation_after_s \
+            or self.default_quota is not None or bool(self.quota_by_owner)
 
     def _select(self, regions: set[str], prefix: dict[tuple[int, str, str], int], extra: dict[str, set[str]],
                 closed: dict[tuple[int, str, str], bool],
@@ -711,10 +732,19 @@ class AdmissionState:
                 w = queued.get(id)
                 if w is not None and w.not_before <= now:
                     picked[id] = w
+            unheaded: list[tuple[str, list[Prio]]] = []  # requesters' lists with no room, their first left out
             for kind, lists in ((0, self.reqs), (1, self.listers)):
                 for name, lst in lists.get(region, {}).items():
-                    for p in lst[: self._head(kind, region, name, len(lst), prefix, closed)]:
+                    n = self._head(kind, region, name, lst, prefix, closed, now)
+                    if n == 0 and kind == 0:
+                        unheaded.append((name, lst))
+                    for p in lst[:n]:
                         picked[p[2]] = queued[p[2]]
+            # another requester of such a class decided finds it full first, and might hold a node, where decide
+            # has the first: the first is decided too
+            for name, lst in unheaded:
+                if lst[0][2] not in picked and any(w.gpu_class == name for w in picked.values()):
+                    picked[lst[0][2]] = queued[lst[0][2]]
             standing = self.standing.get(region, {})
             for (r, cls), n in self.waited.items():
                 if r == region and n:
@@ -746,8 +776,8 @@ class AdmissionState:
             standing = self.standing.get(region, {})
             for name, lst in self.reqs.get(region, {}).items():
                 n = prefix.get((0, region, name), _FIRST_PREFIX)
-                if n >= len(lst) or any(_waited(by_id.get(p[2])) for p in lst[:n]):
-                    continue
+                if n == 0 or n >= len(lst) or any(_waited(by_id.get(p[2])) for p in lst[:n]):
+                    continue  # (none decided: the class had no room when the cycle began, so each waits for it)
                 # none decided waited for room: fine if none left out does either (they wait on a quota)
                 if self.waited[(region, name)] - sum(_waited(standing.get(p[2])) for p in lst[:n]) > 0:
                     prefix[(0, region, name)], again = 2 * n, True

@@ -46,7 +46,7 @@ from tensora.placement.admission_state import (
 from tensora.placement.capacity import Capacity, Node, Placed
 from tensora.placement.kinds import WorkloadKind
 from tensora.placement.quotas import Quotas
-from tests.support.builders import CATALOG, GI, gpu_node, w
+from tests.support.builders import CATALOG, GI, cpu_node, ep, gpu_node, w
 
 CLASSES = ["l40s-48gb", "a100-80gb", "cpu-4c-16g", "cpu-16c-64g", "cpu-32c-128g"]
 ENTRIES = ["a100-80gb", "l40s-48gb", "cpu", "cpu-4c-16g"]
@@ -473,6 +473,33 @@ def test_a_submission_where_every_class_is_full_decides_it_and_the_first_request
     assert first != "new"  # its owner runs some: its turn comes late
     assert sorted(d.workload.id for d in got) == ["new", first]
     assert all(type(d) is Wait for d in got)
+
+
+def test_a_submission_to_a_full_class_where_no_first_requester_starves_decides_only_it() -> None:
+    """A long queue settled, none of it starving yet. One more submitted for a class with no node: it is
+    decided alone. The L40S list's first is not (no L40S requester is decided, and it may not hold a node
+    before it starves), nor any lister's head (every class they list had no room when the cycle began)."""
+    world, state = _a_long_queue_settled()
+    assert 102 - min(q.queued_since for q in world.queue.values()) < POLICY.starvation_after_s
+    got = check_cycle(world, state, [Submitted(w("new", "a100-80gb", owner="o0", since=102))], 102)
+    assert [(d.workload.id, type(d)) for d in got] == [("new", Wait)]
+
+
+def test_an_endpoint_too_large_for_cpu_is_no_lister_of_the_word_cpu() -> None:
+    """The word ``cpu`` never places an endpoint over the CPU parameter limit, whatever is free: it is left
+    out of that word's listers (it would head the list, decided again each cycle, as would the ones after
+    it), and its decisions are still decide's, before and after the CPU frees up."""
+    world = World(nodes={"g": gpu_node("g"), "c": cpu_node("c", cpu=16, mem_gi=64)})
+    state = AdmissionState(world.nodes.values(), [], CATALOG, POLICY)
+    names = [("placed", 1e9), ("big", 70e9), *((f"m{i}", 1e9) for i in range(6))]
+    first = [Submitted(ep(name, since=since, params=params, fallback=("cpu",), after=0))
+             for since, (name, params) in enumerate(names)]
+    got = check_cycle(world, state, first, 10)  # the GPU to "placed", the CPU node to three small ones
+    assert [type(d) for d in got] == [Place, Wait, Place, Place, Place, Wait, Wait, Wait]
+    got = check_cycle(world, state, [Stopped("m0")], 11)  # CPU freed: the next small one takes it
+    assert [d.workload.id for d in got if type(d) is Place] == ["m3"]
+    assert [p[2] for p in state.listers["local"]["cpu"]] == ["m4", "m5"]
+    assert "big" in state.eligible and "big" in {p[2] for p in state.reqs["local"]["l40s-48gb"]}
 
 
 def test_the_state_holds_what_it_assumed_and_nothing_else() -> None:

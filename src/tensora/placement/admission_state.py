@@ -15,9 +15,11 @@ quota use and turn) and is told what changed as events, so a cycle costs what ch
 * **Decide the heads, prove the rest stands**: a region that changed runs ``decide``'s own passes
   (:func:`tensora.placement.admission.run_cycle`) over the workloads that must be decided (new, timer due, their
   owner's quota or use changed), the head of each list (of a list whose class had no room when the cycle began,
-  or was held from fallbacks, only the requester that may hold a node, and no lister), and the movers one of
-  whose preferred classes has room; the others are told to it as counts (each class's requesters waiting for
-  room, which hold it from fallbacks). Then checks show that every workload left out keeps its decision
+  or was held from fallbacks, no lister, and the first requester only where it may hold a node: it starves, or
+  another requester of its class is decided), and the movers one of whose preferred classes has room; the others
+  are told to it as counts (each class's requesters waiting for room, which hold it from fallbacks). An endpoint
+  whose model is over the CPU limit is no lister of the word ``cpu`` (that word never places it). Then checks
+  show that every workload left out keeps its decision
   (``_more``: a decided requester found its class full, so every later one does too, capacity only shrinking
   within a cycle; a decided lister found its fallback class full, or it has no room left; no class changed from
   held to not held; no owner with a quota placed with a workload left out), or the heads are doubled (or the

@@ -687,7 +687,17 @@ class AdmissionState:
             classes = self.catalog.cpu_classes if entry == CPU_WORD else [self.catalog.get(entry)]
             held = self.held_last if kind == 1 else {}
             found = closed[key] = all(cls is None or held.get((region, cls.name), False)
-                                      or self.cap.no_room(region, cls) for cls in classes)
+                                      or self._no_room(region, cls.name, closed) for cls in classes)
+        return found
+
+    def _no_room(self, region: str, name: str, closed: dict[tuple[int, str, str], bool]) -> bool:
+        """Whether class ``name`` had no room in ``region`` when the cycle began, kept in ``closed`` (under
+        kind 2): a CPU class is asked of for its requesters and for the word ``cpu``, a class for its
+        requesters and its listers."""
+        key = (2, region, name)
+        found = closed.get(key)
+        if found is None:
+            found = closed[key] = self.cap.no_room(region, self.catalog[name])
         return found
 
     def _head(self, kind: int, region: str, name: str, lst: Sequence[Prio], prefix: dict[tuple[int, str, str], int],
@@ -778,7 +788,8 @@ class AdmissionState:
             standing = self.standing.get(region, {})
             for name, lst in self.reqs.get(region, {}).items():
                 n = prefix.get((0, region, name), _FIRST_PREFIX)
-                if n == 0 or n >= len(lst) or any(_waited(by_id.get(p[2])) for p in lst[:n]):
+                if n == 0 or n >= len(lst) or not self.waited[(region, name)] \
+                        or any(_waited(by_id.get(p[2])) for p in lst[:n]):
                     continue  # (none decided: the class had no room when the cycle began, so each waits for it)
                 # none decided waited for room: fine if none left out does either (they wait on a quota)
                 if self.waited[(region, name)] - sum(_waited(standing.get(p[2])) for p in lst[:n]) > 0:
@@ -793,6 +804,7 @@ class AdmissionState:
                     classes = [entry]
                 for c in classes:
                     if not roomy.get((region, c), True) or counted.get((region, c), 0) > 0 \
+                            or not self.blocked[(region, entry, c)] \
                             or any(_blocked(by_id.get(p[2]), c, entry) for p in lst[:n]):
                         continue
                     # none decided found it full: fine if none left out did either (they never try it here)

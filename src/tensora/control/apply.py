@@ -48,8 +48,9 @@ def apply(ledger: Ledger, decisions: Sequence[Decision], workloads: Mapping[str,
         w = rows[ref.workload_id]
         if isinstance(d, Place):
             if ref.slot == 0:
-                placed = transition(ledger, w, WorkloadState.QUEUED, WorkloadState.STARTING, d.reason, now,
-                                    {"placed_class": d.cls, "reason": d.reason, "fallback_eligible_at": None})
+                reason = d.reason  # (rendered when read: once)
+                placed = transition(ledger, w, WorkloadState.QUEUED, WorkloadState.STARTING, reason, now,
+                                    {"placed_class": d.cls, "reason": reason, "fallback_eligible_at": None})
                 if placed is None:
                     continue  # someone else moved it meanwhile: never place twice
                 w = rows[w.id] = placed
@@ -66,8 +67,8 @@ def apply(ledger: Ledger, decisions: Sequence[Decision], workloads: Mapping[str,
             out.placed += 1
         elif isinstance(d, Wait):
             out.waiting += 1
-            if ref.slot == 0 and (w.reason != d.reason or w.fallback_eligible_at != d.fallback_eligible_at):
-                waits.append((w.id, d.reason, d.fallback_eligible_at))
+            if ref.slot == 0 and (w.reason != (reason := d.reason) or w.fallback_eligible_at != d.fallback_eligible_at):
+                waits.append((w.id, reason, d.fallback_eligible_at))
             if d.fallback_eligible_at is not None and d.fallback_eligible_at > now:
                 out.later.append(d.fallback_eligible_at)
         elif isinstance(d, Promote):

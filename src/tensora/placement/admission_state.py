@@ -68,7 +68,7 @@ from tensora.placement.admission import (
     share,
 )
 from tensora.placement.capacity import Capacity, GpuReserve, Node, Placed
-from tensora.placement.catalog import CPU_WORD, Catalog
+from tensora.placement.catalog import CPU_WORD, Catalog, ComputeClass
 from tensora.placement.kinds import WorkloadKind
 from tensora.placement.quotas import Quotas
 
@@ -687,17 +687,17 @@ class AdmissionState:
             classes = self.catalog.cpu_classes if entry == CPU_WORD else [self.catalog.get(entry)]
             held = self.held_last if kind == 1 else {}
             found = closed[key] = all(cls is None or held.get((region, cls.name), False)
-                                      or self._no_room(region, cls.name, closed) for cls in classes)
+                                      or self._no_room(region, cls, closed) for cls in classes)
         return found
 
-    def _no_room(self, region: str, name: str, closed: dict[tuple[int, str, str], bool]) -> bool:
-        """Whether class ``name`` had no room in ``region`` when the cycle began, kept in ``closed`` (under
-        kind 2): a CPU class is asked of for its requesters and for the word ``cpu``, a class for its
-        requesters and its listers."""
-        key = (2, region, name)
+    def _no_room(self, region: str, cls: ComputeClass, closed: dict[tuple[int, str, str], bool]) -> bool:
+        """Whether ``cls`` had no room in ``region`` when the cycle began, kept in ``closed`` (under kind 2):
+        a CPU class is asked of for its requesters and for the word ``cpu``, a class for its requesters and
+        its listers."""
+        key = (2, region, cls.name)
         found = closed.get(key)
         if found is None:
-            found = closed[key] = self.cap.no_room(region, self.catalog[name])
+            found = closed[key] = self.cap.no_room(region, cls)
         return found
 
     def _head(self, kind: int, region: str, name: str, lst: Sequence[Prio], prefix: dict[tuple[int, str, str], int],
@@ -790,7 +790,7 @@ class AdmissionState:
                 n = prefix.get((0, region, name), _FIRST_PREFIX)
                 if n == 0 or n >= len(lst) or not self.waited[(region, name)] \
                         or any(_waited(by_id.get(p[2])) for p in lst[:n]):
-                    continue  # (none decided: the class had no room when the cycle began, so each waits for it)
+                    continue  # (n == 0: the class had no room when the cycle began, so each waits for it)
                 # none decided waited for room: fine if none left out does either (they wait on a quota)
                 if self.waited[(region, name)] - sum(_waited(standing.get(p[2])) for p in lst[:n]) > 0:
                     prefix[(0, region, name)], again = 2 * n, True

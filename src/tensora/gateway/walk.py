@@ -134,7 +134,7 @@ class Walk:
                     f"{max(b.context or 0 for b in small)})", "invalid_request_error", "context_length_exceeded",
                     "messages"), call.rid, self.o.region, [
                     (b"x-tensora-fallback", b"false"), (b"x-tensora-attempts", ",".join(attempts).encode()),
-                    *call.limit_headers])
+                    *call.limit_headers()])
                 return None
         i = 0
         hints: list[float] = []  # when the 429s of this request said to come back
@@ -178,7 +178,7 @@ class Walk:
                                                 "server_error", "service_unavailable"), call.rid, self.o.region, [
             (b"retry-after", str(retry).encode()), (b"retry-after-ms", b"%d" % max(1, wait * 1000)),
             (b"x-tensora-fallback", b"false"), (b"x-tensora-attempts", ",".join(attempts).encode()),
-            *call.limit_headers])
+            *call.limit_headers()])
         return None
 
     async def _attempt(self, call: Call, b: Backend, ttft: float, *, alone: bool = False) -> Served:
@@ -231,8 +231,10 @@ class Walk:
             opts = body.get("stream_options")
             up["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
         first_by = self.clock() + ttft
+        call.ready = None  # the answer headers of an attempt before this one, if any: not this one's
         try:
-            resp = await self.client.post(b.base_url, call.path, orjson.dumps(up), headers, ttft)
+            resp = await self.client.post(b.base_url, call.path, orjson.dumps(up), headers, ttft,
+                                          lambda: self.relay.prepare(call, b))
         except UpstreamError as exc:
             raise Failed(exc.kind) from None
         try:

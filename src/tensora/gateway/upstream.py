@@ -163,7 +163,10 @@ class Response:
         q = self._queue
         if not q or q[-1] is not _END or self._queued > self.max_body:
             return None  # not all in (or over the bound: ``read`` says so)
-        if any(not isinstance(item, bytes) for item in itertools.islice(q, len(q) - 1)):
+        if len(q) == 2:  # most answers: one piece, then the end
+            if type(q[0]) is not bytes:
+                return None  # an error: ``read`` raises it
+        elif any(not isinstance(item, bytes) for item in itertools.islice(q, len(q) - 1)):
             return None
         self._queue = deque()
         self._queued, self._done = 0, True

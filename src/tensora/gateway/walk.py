@@ -186,6 +186,8 @@ class Walk:
         short jittered delay (a restart or a dropped connection often clears in that time), both in
         X-Tensora-Attempts. Not a 4xx, not a timeout, not when the deadline leaves no room."""
         try:
+            if self.tracing is None:  # ``_once`` without its span: one coroutine less on every request's way
+                return await self._send(call, b, ttft, ())
             return await self._once(call, b, ttft)
         except Failed as f:
             if not (alone and (f.kind == "reset" or f.kind.startswith("http_5"))):

@@ -296,8 +296,7 @@ class _Conn(asyncio.Protocol):
     def finish(self, whole: bool) -> None:
         keep = whole and self.complete and not self.closed and self.keep_alive
         self.resp = None
-        if keep:
-            self.parser = httptools.HttpResponseParser(self)
+        if keep:  # its parser, at a message's end, is ready for the next one: kept (a new one a request showed)
             self.reused = True
             self.pool.put(self)
         else:

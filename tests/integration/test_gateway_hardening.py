@@ -187,6 +187,47 @@ def test_idle_keep_alive_connections_are_closed() -> None:
             time.sleep(0.02)
 
 
+def _tasks(server: Any) -> int:
+    """The tasks alive on the server's loop, asked of the loop itself."""
+    done = threading.Event()
+    n = [0]
+
+    def count() -> None:
+        n[0] = len(asyncio.all_tasks(server.loop))
+        done.set()
+
+    server.loop.call_soon_threadsafe(count)
+    assert done.wait(5)
+    return n[0]
+
+
+LEAVES = {  # how a keep-alive client leaves, after some requests answered on its connection
+    "idle, between requests": b"",
+    "with a request in flight": get("/wait"),
+}
+
+
+@pytest.mark.parametrize("last", LEAVES.values(), ids=LEAVES.keys())
+def test_a_connection_holds_one_task_between_its_requests_and_none_once_gone(last: bytes) -> None:
+    with serving_own(app) as server:
+        before = _tasks(server)
+        with connect(server) as s:
+            for i in range(5):
+                s.sendall(get(f"/k{i}"))
+                assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            assert _tasks(server) == before + 1  # one for the connection, not one a request
+            s.sendall(last)
+            if last:
+                deadline = time.monotonic() + 5
+                while "/wait" not in seen:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+        deadline = time.monotonic() + 5
+        while server.conns or _tasks(server) != before:
+            assert time.monotonic() < deadline, "the connection's task outlived it"
+            time.sleep(0.02)
+
+
 def test_pipelined_requests_in_one_write_are_answered_in_order() -> None:
     with serving_own(app, Limits(max_pipelined=8)) as server, connect(server) as s:
         s.sendall(b"".join(get(f"/p{i}") for i in range(6)) + get("/last", b"connection: close\r\n"))

@@ -248,3 +248,51 @@ def test_a_body_that_came_whole_is_taken_at_once_and_leaves_its_connection_reada
     assert conn.paused
     assert resp.read_now() == b"a" * (_HIGH - 10) + b"b" * 100 and not conn.paused and not resp.ready()
     conn.loop.close()
+
+
+KEPT = [  # answers one kept-alive connection gives in turn: each framing after each other one
+    ("whole", whole(completion("one")), completion("one")),
+    ("chunked", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunk(b"tw") + chunk(b"o") + b"0\r\n\r\n",
+     b"two"),
+    ("a stream", SSE_HEAD + chunk(FIRST) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n", FIRST + b"data: [DONE]\n\n"),
+    ("a 429", b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\ncontent-length: 4\r\n\r\nbusy", b"busy"),
+    ("empty", b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", b""),
+    ("whole again", whole(completion("six")), completion("six")),
+]
+
+
+def test_one_kept_alive_connection_carries_answers_of_every_framing_in_turn() -> None:
+    """The client's parser, kept with its connection from one answer to the next, reads each whole, whatever came
+    before it on that connection: one connection for all of them."""
+    accepted = []
+
+    async def run() -> list[tuple[int, bytes]]:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.append(writer)
+            for _, answer, _ in KEPT:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:")))
+                await reader.readexactly(length)
+                writer.write(answer)
+                await writer.drain()
+
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1"
+        client = Client()
+        got = []
+        for _ in KEPT:
+            resp = await client.post(url, "/chat/completions", b"{}", [], 5.0)
+            got.append((resp.status, await resp.read()))
+            resp.release()
+        client.close()
+        for writer in accepted:
+            writer.close()
+            await writer.wait_closed()
+        srv.close()
+        await srv.wait_closed()
+        return got
+
+    got = asyncio.run(run())
+    assert got == [(429 if name == "a 429" else 200, body) for name, _, body in KEPT]
+    assert len(accepted) == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -90,8 +90,10 @@ class FakeUpstream:
         self.posts: list[tuple[str, str, dict[str, object], list[tuple[str, str]]]] = []
 
     async def post(self, base_url: str, path: str, body: bytes, headers: list[tuple[str, str]],
-                   head_timeout: float) -> FakeReply:
+                   head_timeout: float, meanwhile: Callable[[], None] | None = None) -> FakeReply:
         self.posts.append((base_url, path, orjson.loads(body), headers))
+        if meanwhile is not None:  # as the client does: the request is out, its answer not yet in
+            meanwhile()
         steps = self.script.get(base_url)
         step = steps.popleft() if steps else ok()
         if step.error is not None:

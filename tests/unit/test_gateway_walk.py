@@ -4,6 +4,7 @@ processes. The same rules against real fake servers over HTTP are in test_gatewa
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -15,8 +16,10 @@ from tensora.gateway import chain
 from tensora.gateway.breaker import Breaker, Policy
 from tensora.gateway.call import Call, Options, Served
 from tensora.gateway.chain import Backend, ServedBy
+from tensora.gateway.limits import Admission, Quota
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable, table_from_json
+from tensora.gateway.upstream import Reply
 from tensora.gateway.walk import Walk, _Tiers
 from tests.support.doubles import HandClock
 from tests.support.fakeupstream import FakeUpstream, Step, ok, sse, status
@@ -73,6 +76,48 @@ def run(w: Walk, *, stream: bool = False, fallback: bool = False) -> tuple[Serve
     body = {"model": "my-llm", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     call = Call(sent, "req_1", "/chat/completions", KEY, t, endpoint, body, stream, False, 10, b"Bearer k", False)
     return asyncio.run(w.run(call)), sent
+
+
+class Unhurried(FakeUpstream):
+    """An upstream client that never calls ``meanwhile``: every answer's headers are made once it is in."""
+
+    async def post(self, base_url: str, path: str, body: bytes, headers: list[tuple[str, str]],
+                   head_timeout: float, meanwhile: Callable[[], None] | None = None) -> Reply:
+        return await super().post(base_url, path, body, headers, head_timeout)
+
+
+HEAD_CASES = {
+    "the first try answers": ({}, False),
+    "a 5xx, then the retry there answers": ({GPU: [status(503), ok("again")]}, False),
+    "the next tier answers after a timeout": ({GPU: [Step(stall=True)]}, False),
+    "a 429, then the next tier": ({GPU: [status(429, retry_after="2")]}, False),
+    "a 4xx passed through": ({GPU: [status(400)]}, False),
+    "every backend fails": ({GPU: [status(503), status(503)], CPU: [status(502), status(502)]}, False),
+    "a stream": ({}, True),
+    "a stream after a reset": ({GPU: [Step(error="reset"), Step(error="reset")]}, True),
+}
+
+
+@pytest.mark.parametrize(("script", "stream"), HEAD_CASES.values(), ids=HEAD_CASES.keys())
+def test_the_headers_made_while_the_upstream_works_are_those_made_after(script: dict[str, list[Step]],
+                                                                        stream: bool) -> None:
+    """``Relay.prepare`` (the answer's headers made while it is awaited) changes no byte of what the client gets,
+    the attempts that failed before it and the rate-limit headers included."""
+    got = []
+    for fake in (FakeUpstream(script), Unhurried(script)):
+        o = Options(region="eu", ttft_s=0.2, stream_idle_s=0.2, retry_delay_s=0.01, retry_room_s=0.0)
+        w = Walk(o, HandClock(1000.0), fake, Relay(o, HandClock(1000.0)))
+        t = table()
+        endpoint = t.resolve("alice", "my-llm")
+        assert endpoint is not None
+        sent = Sent()
+        body = {"model": "my-llm", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        call = Call(sent, "req_1", "/chat/completions", KEY, t, endpoint, body, stream, False, 10, b"Bearer k",
+                    False, admission=Admission(True, 16, Quota(60, 1000), 7, 100, 12.5))
+        asyncio.run(w.run(call))
+        assert sent.header(b"x-ratelimit-remaining-requests") == "53"
+        got.append(sent.msgs)
+    assert got[0] == got[1]
 
 
 def test_a_5xx_from_a_tiers_only_replica_is_tried_once_more_there() -> None:

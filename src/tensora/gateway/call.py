@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Backend, Peer
 from tensora.gateway.routes import EndpointRoute, KeyRoute, RouteTable
+
+if TYPE_CHECKING:
+    from tensora.gateway.limits import Admission
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -65,11 +68,21 @@ class Call:
     reserve: int  # tokens reserved at admission
     auth: bytes  # the caller's Authorization, for a peer gateway only
     hopped: bool  # came from a peer gateway: no peers again
-    limit_headers: Headers = field(default_factory=list)
+    admission: Admission | None = None  # the rate limits' answer: its headers go on every answer (``limit_headers``)
     least: int = 0  # a lower bound on the context tokens it needs (``body.Body.least``)
     deadline: float = 0.0
     attempts: list[str] = field(default_factory=list)
     served: Served | None = None  # what answered, once the walk is over (the metrics' labels)
+    ready: tuple[Backend, Headers] | None = None  # the attempt in flight's answer headers, made while it is awaited
+    _limits: Headers | None = field(default=None, repr=False)
+
+    def limit_headers(self) -> Headers:
+        """The rate-limit headers every answer carries (``Admission.headers``), made when first asked for: on the
+        way of a request that is served, while the upstream works on it (``Walk._send``), not before it goes."""
+        h = self._limits
+        if h is None:
+            h = self._limits = self.admission.headers() if self.admission is not None else []
+        return h
 
 
 @dataclass(slots=True)

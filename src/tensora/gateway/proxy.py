@@ -288,7 +288,7 @@ class Gateway:
         if not adm.ok:
             await self._refuse(send, rid, adm)
             return None
-        call.limit_headers = adm.headers()
+        call.admission = adm
 
         # step 4: the chain
         served: Served | None = None

@@ -32,16 +32,32 @@ class Relay:
     def __init__(self, options: Options, clock: Callable[[], float]) -> None:
         self.o, self.clock = options, clock
 
-    def headers(self, call: Call, b: Backend, resp: Reply, ok: str) -> tuple[Headers, str, str]:
+    def headers(self, call: Call, b: Backend, resp: Reply | None, ok: str) -> tuple[Headers, str, str]:
         served_by, region = b.served_by.value, b.region
         if b.peer:  # the peer says what served it there
+            assert resp is not None
             served_by = (resp.header(b"x-tensora-served-by") or b"replica").decode("latin-1")
             region = (resp.header(b"x-tensora-region") or b.region.encode()).decode("latin-1")
         fallback = b.peer or b.served_by is not ServedBy.REPLICA
         trail = ",".join([*call.attempts, f"{b.key}:{ok}"])
         return [(b"x-tensora-served-by", served_by.encode()),
                 (b"x-tensora-fallback", b"true" if fallback else b"false"),
-                (b"x-tensora-attempts", trail.encode()), *call.limit_headers], served_by, region
+                (b"x-tensora-attempts", trail.encode()), *call.limit_headers()], served_by, region
+
+    def prepare(self, call: Call, b: Backend) -> None:
+        """While ``b`` works on the request (``Upstream.post``'s ``meanwhile``): the headers of its answer should it
+        be a success, all but the content type and length, so that the answer goes on sooner once it is in. Not for
+        a peer gateway: what served the request there is in its answer."""
+        call.ready = None if b.peer else (b, self._ok(call, b, None)[0])
+
+    def _ok(self, call: Call, b: Backend, resp: Reply | None) -> tuple[Headers, str, str]:
+        """The headers of a success from ``b`` after its content type (and length), what served it, and where."""
+        ready = call.ready
+        if ready is not None and ready[0] is b:  # made while it was awaited (``prepare``)
+            return ready[1], b.served_by.value, b.region
+        headers, served_by, region = self.headers(call, b, resp, "ok")
+        return [(b"x-request-id", call.rid.encode()), (b"x-tensora-region", region.encode()), *headers], \
+            served_by, region
 
     async def pass_through(self, call: Call, headers: Headers, data: bytes, served: Served) -> Served:
         """Pass a backend's client error through unchanged (its status and body), with the whole trail."""
@@ -78,12 +94,11 @@ class Relay:
         usage = obj.get("usage")
         if not isinstance(usage, dict):
             usage = {}
-        headers, served_by, region = self.headers(call, b, resp, "ok")
+        headers, served_by, region = self._ok(call, b, resp)
         out = orjson.dumps(obj)
         send = call.send
         await send({"type": "http.response.start", "status": 200, "headers": [
-            JSON, (b"content-length", str(len(out)).encode()), (b"x-request-id", call.rid.encode()),
-            (b"x-tensora-region", region.encode()), *headers]})
+            JSON, (b"content-length", b"%d" % len(out)), *headers]})
         await send({"type": "http.response.body", "body": out})
         return Served(b, served_by, region, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
 
@@ -158,10 +173,8 @@ class Relay:
                 held += out
                 if not (content or done):
                     continue
-                headers, served.served_by, served.region = self.headers(call, b, resp, "ok")
-                await send({"type": "http.response.start", "status": 200, "headers": [
-                    *_SSE, (b"x-request-id", call.rid.encode()), (b"x-tensora-region", served.region.encode()),
-                    *headers]})
+                headers, served.served_by, served.region = self._ok(call, b, resp)
+                await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *headers]})
                 sending, out, held = True, held, []
             if out or done:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": not done})

@@ -30,6 +30,7 @@ import select
 import socket
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -64,10 +65,11 @@ class Reply(Protocol):
 
 class Upstream(Protocol):
     """What the walk needs of the client to its upstreams (``Client``): one POST, answered once its head is in
-    (or an ``UpstreamError``)."""
+    (or an ``UpstreamError``). ``meanwhile``, when given, is called once the request is written and before its
+    answer is awaited: work that the answer waits for anyway is done while the upstream works on the request."""
 
     async def post(self, base_url: str, path: str, body: bytes, headers: list[tuple[str, str]],
-                   head_timeout: float) -> Reply: ...
+                   head_timeout: float, meanwhile: Callable[[], None] | None = None) -> Reply: ...
 
 
 _END = object()
@@ -161,7 +163,10 @@ class Response:
         q = self._queue
         if not q or q[-1] is not _END or self._queued > self.max_body:
             return None  # not all in (or over the bound: ``read`` says so)
-        if any(not isinstance(item, bytes) for item in itertools.islice(q, len(q) - 1)):
+        if len(q) == 2:  # most answers: one piece, then the end
+            if type(q[0]) is not bytes:
+                return None  # an error: ``read`` raises it
+        elif any(not isinstance(item, bytes) for item in itertools.islice(q, len(q) - 1)):
             return None
         self._queue = deque()
         self._queued, self._done = 0, True
@@ -291,8 +296,7 @@ class _Conn(asyncio.Protocol):
     def finish(self, whole: bool) -> None:
         keep = whole and self.complete and not self.closed and self.keep_alive
         self.resp = None
-        if keep:
-            self.parser = httptools.HttpResponseParser(self)
+        if keep:  # its parser, at a message's end, is ready for the next one: kept (a new one a request showed)
             self.reused = True
             self.pool.put(self)
         else:
@@ -440,8 +444,8 @@ class Client:
         return found
 
     async def post(self, base_url: str, path: str, body: bytes, headers: list[tuple[str, str]],
-                   head_timeout: float) -> Response:
-        """Send; return once the response head is in (within ``head_timeout``)."""
+                   head_timeout: float, meanwhile: Callable[[], None] | None = None) -> Response:
+        """Send; return once the response head is in (within ``head_timeout``). ``meanwhile``: see ``Upstream``."""
         pool, head = self._head(base_url, path)
         extra = "".join([f"{k}: {v}\r\n" for k, v in headers]).encode("latin-1")
         data = b"%s%d\r\n%s\r\n%s" % (head, len(body), extra, body)
@@ -458,12 +462,17 @@ class Client:
                 continue
             self.lateness.add(conn.loop, resp.head, head_timeout)  # not asyncio.timeout, nor a timer each: see Lateness
             try:
+                if meanwhile is not None:
+                    meanwhile()
                 await resp.head
             except TimeoutError:
                 conn.close()
                 raise UpstreamError("timeout", "no response in time") from None
             except UpstreamError:
                 conn.close()  # after the request went out: maybe read and worked on, never sent again here
+                raise
+            except BaseException:
+                conn.close()  # cancelled (the client left), or ``meanwhile`` failed: its answer is never read
                 raise
             finally:
                 self.lateness.remove(resp.head)

@@ -122,9 +122,10 @@ class Walk:
         tiers = self._tiers(call.endpoint, call.table, call.hopped)
         plan = self._plan(tiers, start)
         attempts = call.attempts
-        attempts += [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
-        attempts += [f"{b.key}:rate_limited" for b in plan.limited]
-        todo, small = chain.too_small(plan.attempts, call.least)
+        if plan.skipped or plan.limited:
+            attempts += [f"{b.key}:breaker_open" for b in plan.skipped]  # skipped at once, nothing sent
+            attempts += [f"{b.key}:rate_limited" for b in plan.limited]
+        todo, small = chain.too_small(plan.attempts, call.least) if tiers.sized else (plan.attempts, ())
         if small:  # known too small for this request: not sent, a fallback model may take it
             attempts += [f"{b.key}:context_too_small" for b in small]
             if not todo:
@@ -134,7 +135,7 @@ class Walk:
                     f"{max(b.context or 0 for b in small)})", "invalid_request_error", "context_length_exceeded",
                     "messages"), call.rid, self.o.region, [
                     (b"x-tensora-fallback", b"false"), (b"x-tensora-attempts", ",".join(attempts).encode()),
-                    *call.limit_headers])
+                    *call.limit_headers()])
                 return None
         i = 0
         hints: list[float] = []  # when the 429s of this request said to come back
@@ -150,8 +151,12 @@ class Walk:
                 attempts.append(f"{b.key}:{'rate_limited' if breaker.limited_until(now) else 'breaker_open'}")
                 continue
             ttft = min(b.ttft_s or self.o.ttft_s, deadline - now)
+            alone = not b.peer and b.key in tiers.alone
             try:
-                served = await self._attempt(call, b, ttft, alone=not b.peer and b.key in tiers.alone)
+                if alone or self.tracing is not None:
+                    served = await self._attempt(call, b, ttft, alone=alone)
+                else:  # no retry to make here, no span: ``_once``'s work alone
+                    served = await self._send(call, b, ttft, ())
             except Failed as f:
                 attempts.append(f"{b.key}:{f.kind}")
                 self._failed(b, breaker, f, hints)
@@ -178,7 +183,7 @@ class Walk:
                                                 "server_error", "service_unavailable"), call.rid, self.o.region, [
             (b"retry-after", str(retry).encode()), (b"retry-after-ms", b"%d" % max(1, wait * 1000)),
             (b"x-tensora-fallback", b"false"), (b"x-tensora-attempts", ",".join(attempts).encode()),
-            *call.limit_headers])
+            *call.limit_headers()])
         return None
 
     async def _attempt(self, call: Call, b: Backend, ttft: float, *, alone: bool = False) -> Served:
@@ -205,6 +210,8 @@ class Walk:
         return await self._once(call, b, min(ttft, call.deadline - self.clock()))
 
     async def _once(self, call: Call, b: Backend, ttft: float) -> Served:
+        """One try of ``b``, in a span of its own when traced. The walk calls ``_send`` itself when there is
+        neither a span nor a retry to make: two coroutines less on the way of nearly every request."""
         tracing = self.tracing
         if tracing is None:
             return await self._send(call, b, ttft, ())
@@ -231,8 +238,10 @@ class Walk:
             opts = body.get("stream_options")
             up["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
         first_by = self.clock() + ttft
+        call.ready = None  # the answer headers of an attempt before this one, if any: not this one's
         try:
-            resp = await self.client.post(b.base_url, call.path, orjson.dumps(up), headers, ttft)
+            resp = await self.client.post(b.base_url, call.path, orjson.dumps(up), headers, ttft,
+                                          lambda: self.relay.prepare(call, b))
         except UpstreamError as exc:
             raise Failed(exc.kind) from None
         try:
@@ -314,9 +323,10 @@ def retry_after(header: Callable[[bytes], bytes | None]) -> float | None:
 class _Tiers:
     """An endpoint's tiers (``chain.tiers``) and what the walk reads of them on every request, made once:
     every backend's key, the keys alone in a tier (``_attempt``: a peer gateway never is, it makes its own
-    retries), and ``chain.order``'s plan for each turn of the rotation while no breaker is open or limited."""
+    retries), whether any has a known context (``sized``: else ``chain.too_small`` has nothing to rule out), and
+    ``chain.order``'s plan for each turn of the rotation while no breaker is open or limited."""
 
-    __slots__ = ("alone", "keys", "plans", "tiers")
+    __slots__ = ("alone", "keys", "plans", "sized", "tiers")
 
     _MAX_PLANS = 64  # turns in a cycle of the rotation worth keeping a plan each for
 
@@ -324,6 +334,7 @@ class _Tiers:
         self.tiers = tiers
         self.keys = tuple(b.key for t in tiers for b in t)
         self.alone = frozenset(t[0].key for t in tiers if len(t) == 1)
+        self.sized = any(b.context is not None for t in tiers for b in t)  # ``chain.too_small`` can rule one out
         cycle = math.lcm(1, *(len(t) for t in tiers[:-1] if t))  # the last tier (peers) is not rotated
         self.plans = [chain.order(tiers, _never, turn) for turn in range(cycle)] if cycle <= self._MAX_PLANS else []
 

@@ -297,6 +297,53 @@ class AdmissionState:
             later.append((w.queued_since + w.fallback_after_s, w.id))
         later.append((_starving_from(w.queued_since, self.policy.starvation_after_s), w.id))
 
+    def _enqueue_all(self, ws: Sequence[Queued]) -> None:
+        """``_enqueue`` of each of ``ws`` in turn, in bulk (a first cycle submits the whole queue): each owner's
+        turn list sorted once, not an insort per workload. One that replaces a record (queued or running
+        already, or twice in ``ws``) is enqueued alone, after those before it."""
+        batch: dict[str, Queued] = {}
+        for w in ws:
+            if w.id in batch or w.id in self.queue or w.id in self.running:
+                self._enqueue_new(list(batch.values()))
+                batch = {}
+                self._enqueue(w)
+            else:
+                batch[w.id] = w
+        self._enqueue_new(list(batch.values()))
+
+    def _enqueue_new(self, ws: Sequence[Queued]) -> None:
+        """``_enqueue`` of each of ``ws`` (ids neither queued nor running, each once), in bulk."""
+        queue, by_region, later, backing, dirty = self.queue, self.by_region, self.later, self.backing, self.dirty
+        after = self.policy.starvation_after_s
+        turns: dict[str, list[Key]] = {}  # each owner's new keys that take their turn now
+        for w in ws:
+            id, region, owner = w.id, w.region, w.owner
+            queue[id] = w
+            in_region = by_region.get(region)
+            if in_region is None:
+                in_region = by_region[region] = {}
+            in_region[id] = w
+            self._regions_of(owner, region, 1)
+            if region not in dirty or region in self.decided:
+                self._dirty(region, id)
+            if w.not_before > 0:
+                backing.add(id)
+                later.append((w.not_before, id))
+            else:
+                keys = turns.get(owner)
+                if keys is None:
+                    keys = turns[owner] = []
+                keys.append((w.queued_since, id))
+            if w.fallback:
+                later.append((w.queued_since + w.fallback_after_s, id))
+            later.append((_starving_from(w.queued_since, after), id))
+        for owner, keys in turns.items():
+            first = min(keys)
+            had = self.owner_keys.setdefault(owner, [])
+            had += keys
+            had.sort()
+            self._turns(owner, above=first)
+
     def _take_turn(self, w: Queued) -> None:
         """``w`` counts in its owner's turns (one more queued before its owner's later ones)."""
         bisect.insort(self.owner_keys.setdefault(w.owner, []), (w.queued_since, w.id))
@@ -463,6 +510,21 @@ class AdmissionState:
                     else:
                         self.quota_by_owner[owner] = quota
                     self.touched.add(owner)
+
+    def apply_all(self, events: Iterable[Event]) -> None:
+        """Take in each change in turn, as ``apply``; submissions that come one after another in bulk (a first
+        cycle submits the whole queue)."""
+        run: list[Queued] = []
+        for event in events:
+            if type(event) is Submitted:
+                run.append(event.workload)
+                continue
+            if run:
+                self._enqueue_all(run)
+                run = []
+            self.apply(event)
+        if run:
+            self._enqueue_all(run)
 
     def _all_regions(self) -> set[str]:
         return self.cap.regions | set(self.by_region) | set(self.movers) | set(self.standing)
@@ -811,11 +873,10 @@ class AdmissionState:
         for d in out:
             if (type(d) is Place and d.fallback) or type(d) is Promote:
                 dirty.add(d.workload.region)
+        gone: dict[str, list[Key]] = {}  # by owner: the keys placed, out of its turns after the loop
         for d in out:
             if type(d) is Place:  # one more running, one fewer queued before its later ones
-                self._start(running_from(d), turns=False)
-                self._turns(d.workload.owner, below=(d.workload.queued_since, d.workload.id))
-                self._book(Placed(d.node, d.cls, d.workload.id), 1)
+                self._placed(d, gone)
             elif type(d) is Promote:  # the same running count
                 self._start(replace(d.workload, moving=True), turns=False)
                 self._book(Placed(d.node, d.to_class, d.workload.id), 1)
@@ -823,7 +884,49 @@ class AdmissionState:
                 self._stand(d.workload.region, d)
                 if type(d) is RestartAvailable:
                     self.offered.setdefault(d.workload.region, set()).add(d.workload.id)
+        for owner, keys in gone.items():
+            self._untake_turns(owner, keys)
+            self._turns(owner, below=max(keys))
         self.dirty = dirty
+
+    def _placed(self, d: Place, gone: dict[str, list[Key]]) -> None:
+        """Assume ``d``: what ``_start(running_from(d), turns=False)`` then ``_book`` of its replica do, for a
+        workload queued (so not running), less its regions made dirty (``_settle`` keeps its own) and its key
+        taken out of its owner's turns, added to ``gone`` (``_untake_turns`` once per owner, after)."""
+        w = d.workload
+        id, region, owner = w.id, w.region, w.owner
+        del self.queue[id]
+        del self.by_region[region][id]
+        self._regions_of(owner, region, -1)
+        self._unlist(w)
+        self._unstand(region, id)
+        if id in self.backing:
+            self.backing.discard(id)
+        else:
+            keys = gone.get(owner)
+            if keys is None:
+                keys = gone[owner] = []
+            keys.append((w.queued_since, id))
+        r = running_from(d)
+        self.running[id] = r
+        self.owner_running[owner] += 1
+        if d.fallback:
+            self.movers.setdefault(region, {})[id] = r
+            for entry in preferred_over(r):
+                self.prefers.setdefault((region, entry), set()).add(id)
+            self._regions_of(owner, region, 1)
+        self._count(r, 1)
+        self._book(Placed(d.node, d.cls, id), 1)
+
+    def _untake_turns(self, owner: str, keys: list[Key]) -> None:
+        """``keys`` no longer count in ``owner``'s turns (a few deleted in place, many filtered out)."""
+        have = self.owner_keys[owner]
+        if len(keys) < 16:
+            for key in keys:
+                del have[bisect.bisect_left(have, key)]
+        else:
+            out = set(keys)
+            have[:] = [k for k in have if k not in out]
 
 
 def _waited(d: Decision | None) -> bool:
@@ -853,6 +956,5 @@ def step(state: AdmissionState, events: Sequence[Event], now: float) -> tuple[Ad
     the waits and offers decided again); elsewhere the waits of :meth:`AdmissionState.decisions` stand, and
     equal what ``decide`` would say."""
     with collector_paused():
-        for event in events:
-            state.apply(event)
+        state.apply_all(events)
         return state, state.cycle(now)

@@ -44,8 +44,9 @@ import bisect
 import heapq
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 from tensora.placement.admission import (
     Decision,
@@ -542,6 +543,32 @@ class AdmissionState:
         turn = self.owner_running.get(w.owner, 0) + bisect.bisect_left(self.owner_keys[w.owner], (w.queued_since, w.id))
         return (turn, w.queued_since, w.id)
 
+    def _ordered(self, ws: Collection[Queued]) -> list[Queued]:
+        """``ws`` sorted by :meth:`_prio`; where ``ws`` holds every one of its owners' workloads that take a turn
+        (a region decided whole: a first cycle), without a bisect each: in (queued_since, id) order an owner's
+        n-th is its n-th key, so its turn is its running count + n, and a stable bucketing by turn ends it."""
+        fair = self.policy.owner_fairness
+        if fair:
+            count = Counter(w.owner for w in ws)
+            if any(len(self.owner_keys.get(o, ())) != n for o, n in count.items()) \
+                    or not self.backing.isdisjoint([w.id for w in ws]):
+                return sorted(ws, key=self._prio)
+        out = sorted(ws, key=attrgetter("id"))
+        out.sort(key=attrgetter("queued_since"))
+        if not fair:
+            return out
+        nth = {o: self.owner_running.get(o, 0) for o in count}
+        by_turn: dict[int, list[Queued]] = {}
+        for w in out:
+            turn = nth[w.owner]
+            nth[w.owner] = turn + 1
+            same = by_turn.get(turn)
+            if same is None:
+                by_turn[turn] = [w]
+            else:
+                same.append(w)
+        return [w for turn in sorted(by_turn) for w in by_turn[turn]]
+
     def _lists_of(self, w: Queued) -> list[list[Prio]]:
         out = []
         if w.gpu_class in self.catalog:  # an unknown class waits whatever happens: in no list
@@ -681,7 +708,7 @@ class AdmissionState:
                                 roomy[(region, cls.name)] = self.cap.find(region, cls) is not None
 
             chosen, also = self._select(regions, prefix, extra, closed, now)
-            ordered = sorted(chosen.values(), key=self._prio)
+            ordered = self._ordered(chosen.values())
             tried: set[str] = set()
 
             counted: dict[tuple[str, str], int] = {}
@@ -874,6 +901,7 @@ class AdmissionState:
             if (type(d) is Place and d.fallback) or type(d) is Promote:
                 dirty.add(d.workload.region)
         gone: dict[str, list[Key]] = {}  # by owner: the keys placed, out of its turns after the loop
+        stand: list[Decision] = []  # after the loop too: no place or promote is of a workload they name
         for d in out:
             if type(d) is Place:  # one more running, one fewer queued before its later ones
                 self._placed(d, gone)
@@ -881,13 +909,41 @@ class AdmissionState:
                 self._start(replace(d.workload, moving=True), turns=False)
                 self._book(Placed(d.node, d.to_class, d.workload.id), 1)
             else:
-                self._stand(d.workload.region, d)
-                if type(d) is RestartAvailable:
-                    self.offered.setdefault(d.workload.region, set()).add(d.workload.id)
+                stand.append(d)
         for owner, keys in gone.items():
             self._untake_turns(owner, keys)
             self._turns(owner, below=max(keys))
+        self._stand_all(stand)
         self.dirty = dirty
+
+    def _stand_all(self, ds: Sequence[Decision]) -> None:
+        """``_stand`` each of ``ds`` (waits and restart offers) in turn, with what each region's share."""
+        standing: dict[str, Decision] = {}
+        region = None
+        waited, blocked = self.waited, self.blocked
+        n = 0
+        for d in ds:
+            w = d.workload
+            if w.region != region:
+                region = w.region
+                standing = self.standing.setdefault(region, {})
+            id = w.id
+            was = standing.pop(id, None)
+            if type(was) is Wait:
+                self._tally(region, was, -1)
+                n -= 1
+            standing[id] = d
+            if type(d) is Wait:
+                n += 1
+                attempts = d.attempts
+                if attempts[0].outcome in _WAITED:
+                    waited[(region, w.gpu_class)] += 1
+                for a in attempts[1:]:
+                    if a.outcome in _BLOCKED and a.entry is not None:
+                        blocked[(region, a.entry, a.cls)] += 1
+            else:
+                self.offered.setdefault(region, set()).add(id)
+        self.n_waiting += n
 
     def _placed(self, d: Place, gone: dict[str, list[Key]]) -> None:
         """Assume ``d``: what ``_start(running_from(d), turns=False)`` then ``_book`` of its replica do, for a
@@ -897,9 +953,13 @@ class AdmissionState:
         id, region, owner = w.id, w.region, w.owner
         del self.queue[id]
         del self.by_region[region][id]
-        self._regions_of(owner, region, -1)
-        self._unlist(w)
-        self._unstand(region, id)
+        if self.prio:
+            self._unlist(w)
+        else:
+            self.eligible.discard(id)
+        standing = self.standing.get(region)
+        if standing and id in standing:
+            self._unstand(region, id)
         if id in self.backing:
             self.backing.discard(id)
         else:
@@ -910,13 +970,16 @@ class AdmissionState:
         r = running_from(d)
         self.running[id] = r
         self.owner_running[owner] += 1
-        if d.fallback:
+        if d.fallback:  # a mover now: in its region still
             self.movers.setdefault(region, {})[id] = r
             for entry in preferred_over(r):
                 self.prefers.setdefault((region, entry), set()).add(id)
-            self._regions_of(owner, region, 1)
+        else:
+            self._regions_of(owner, region, -1)
         self._count(r, 1)
-        self._book(Placed(d.node, d.cls, id), 1)
+        replica = Placed(d.node, d.cls, id)
+        self.replicas.setdefault(id, []).append(replica)
+        self.on_node.setdefault(d.node, []).append(replica)
 
     def _untake_turns(self, owner: str, keys: list[Key]) -> None:
         """``keys`` no longer count in ``owner``'s turns (a few deleted in place, many filtered out)."""
@@ -925,8 +988,8 @@ class AdmissionState:
             for key in keys:
                 del have[bisect.bisect_left(have, key)]
         else:
-            out = set(keys)
-            have[:] = [k for k in have if k not in out]
+            out = {id for _, id in keys}  # by id: a string keeps its hash, a tuple does not
+            have[:] = [k for k in have if k[1] not in out]
 
 
 def _waited(d: Decision | None) -> bool:

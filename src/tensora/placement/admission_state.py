@@ -298,24 +298,27 @@ class AdmissionState:
             later.append((w.queued_since + w.fallback_after_s, w.id))
         later.append((_starving_from(w.queued_since, self.policy.starvation_after_s), w.id))
 
-    def _enqueue_all(self, ws: Sequence[Queued]) -> None:
+    def _enqueue_all(self, ws: Sequence[Queued], now: float) -> None:
         """``_enqueue`` of each of ``ws`` in turn, in bulk (a first cycle submits the whole queue): each owner's
         turn list sorted once, not an insort per workload. One that replaces a record (queued or running
         already, or twice in ``ws``) is enqueued alone, after those before it."""
         batch: dict[str, Queued] = {}
         for w in ws:
             if w.id in batch or w.id in self.queue or w.id in self.running:
-                self._enqueue_new(list(batch.values()))
+                self._enqueue_new(list(batch.values()), now)
                 batch = {}
                 self._enqueue(w)
             else:
                 batch[w.id] = w
-        self._enqueue_new(list(batch.values()))
+        self._enqueue_new(list(batch.values()), now)
 
-    def _enqueue_new(self, ws: Sequence[Queued]) -> None:
-        """``_enqueue`` of each of ``ws`` (ids neither queued nor running, each once), in bulk."""
+    def _enqueue_new(self, ws: Sequence[Queued], now: float) -> None:
+        """``_enqueue`` of each of ``ws`` (ids neither queued nor running, each once), in bulk; less the fallback
+        and starvation timers due by ``now``, the next cycle's: a timer coming due makes its workload's region
+        dirty, which its submission did (a first cycle's are nearly all due)."""
         queue, by_region, later, backing, dirty = self.queue, self.by_region, self.later, self.backing, self.dirty
         after = self.policy.starvation_after_s
+        owner_regions = self.owner_regions
         turns: dict[str, list[Key]] = {}  # each owner's new keys that take their turn now
         for w in ws:
             id, region, owner = w.id, w.region, w.owner
@@ -324,7 +327,10 @@ class AdmissionState:
             if in_region is None:
                 in_region = by_region[region] = {}
             in_region[id] = w
-            self._regions_of(owner, region, 1)
+            regions = owner_regions.get(owner)
+            if regions is None:
+                regions = owner_regions[owner] = Counter()
+            regions[region] = regions.get(region, 0) + 1  # _regions_of(owner, region, 1)
             if region not in dirty or region in self.decided:
                 self._dirty(region, id)
             if w.not_before > 0:
@@ -335,9 +341,10 @@ class AdmissionState:
                 if keys is None:
                     keys = turns[owner] = []
                 keys.append((w.queued_since, id))
-            if w.fallback:
-                later.append((w.queued_since + w.fallback_after_s, id))
-            later.append((_starving_from(w.queued_since, after), id))
+            if w.fallback and (when := w.queued_since + w.fallback_after_s) > now:
+                later.append((when, id))
+            if now - w.queued_since < after:  # (due: _starving_from(w.queued_since, after) <= now)
+                later.append((_starving_from(w.queued_since, after), id))
         for owner, keys in turns.items():
             first = min(keys)
             had = self.owner_keys.setdefault(owner, [])
@@ -434,8 +441,9 @@ class AdmissionState:
         cls = self.catalog.get(r.placed_class)
         if cls is not None:
             use = self.use.setdefault(r.owner, [0.0, 0.0])
-            for i, n in enumerate(share(cls)):
-                use[i] += sign * n
+            gpus, cpu = share(cls)
+            use[0] += sign * gpus
+            use[1] += sign * cpu
             if self._quota_of(r.owner) is not None:
                 self.touched.add(r.owner)
 
@@ -512,20 +520,20 @@ class AdmissionState:
                         self.quota_by_owner[owner] = quota
                     self.touched.add(owner)
 
-    def apply_all(self, events: Iterable[Event]) -> None:
-        """Take in each change in turn, as ``apply``; submissions that come one after another in bulk (a first
-        cycle submits the whole queue)."""
+    def apply_all(self, events: Iterable[Event], now: float) -> None:
+        """Take in each change in turn, as ``apply``, before a cycle at ``now``; submissions that come one after
+        another in bulk (a first cycle submits the whole queue)."""
         run: list[Queued] = []
         for event in events:
             if type(event) is Submitted:
                 run.append(event.workload)
                 continue
             if run:
-                self._enqueue_all(run)
+                self._enqueue_all(run, now)
                 run = []
             self.apply(event)
         if run:
-            self._enqueue_all(run)
+            self._enqueue_all(run, now)
 
     def _all_regions(self) -> set[str]:
         return self.cap.regions | set(self.by_region) | set(self.movers) | set(self.standing)
@@ -1019,5 +1027,5 @@ def step(state: AdmissionState, events: Sequence[Event], now: float) -> tuple[Ad
     the waits and offers decided again); elsewhere the waits of :meth:`AdmissionState.decisions` stand, and
     equal what ``decide`` would say."""
     with collector_paused():
-        state.apply_all(events)
+        state.apply_all(events, now)
         return state, state.cycle(now)

@@ -228,7 +228,6 @@ class Capacity:
             if cls.gpu_model is None:
                 found = [i for i, cpu, mem, cores in self._cpu_room(region)
                          if cpu >= cls.cpu and mem >= cls.memory and (cores is None or cls.cpu <= cores)]
-                found.sort(key=lambda i: (nodes[i].has_gpus, nodes[i].name))
             else:
                 found = [i for i in self._by_region.get(region, ()) if self._could_ever_host(nodes[i], cls)]
             self._candidates[key] = found
@@ -236,7 +235,8 @@ class Capacity:
 
     def _cpu_room(self, region: str) -> list[tuple[int, float, int, float | None]]:
         """Each schedulable node of ``region`` as (index, vCPUs and memory CPU classes could ever use there,
-        its cores): what :meth:`_could_ever_host` asks of a CPU class, worked out once for all of them."""
+        its cores): what :meth:`_could_ever_host` asks of a CPU class, worked out once for all of them; in the
+        order CPU classes fill them (so each class's candidates are these, filtered)."""
         room = self._room.get(region)
         if room is None:
             room = self._room[region] = []
@@ -246,6 +246,8 @@ class Capacity:
                     gpus = [(c, self.reserves[m]) for m, c in node.gpus.items() if m in self.reserves]
                     room.append((i, node.cpu - sum(c * r.cpu for c, r in gpus),
                                  node.memory - sum(c * r.memory for c, r in gpus), node.cores))
+            nodes = self.nodes
+            room.sort(key=lambda r: (nodes[r[0]].has_gpus, nodes[r[0]].name))
         return room
 
     def find(self, region: str, cls: ComputeClass) -> int | None:
@@ -333,17 +335,23 @@ class Capacity:
         if self._journal is not None and i not in self._journal:
             self._journal[i] = (self.free_cpu[i], self.free_mem[i], dict(self.free_gpus[i]), self.reserved_cpu[i],
                                 self.reserved_mem[i])
+        # _cpu_usable and _subtract written out: a first cycle takes once per workload placed
         region = self.nodes[i].region
-        before = self._cpu_usable(i)
-        self._subtract(i, cls)
-        if cls.gpu_model is not None and cls.gpu_model in self.reserves:
-            reserve = self.reserves[cls.gpu_model]
-            self.reserved_cpu[i] -= reserve.cpu * cls.gpu_count
-            self.reserved_mem[i] -= reserve.memory * cls.gpu_count
-        if cls.gpu_model is not None:
-            key = (region, cls.gpu_model)
+        free_cpu, reserved_cpu = self.free_cpu, self.reserved_cpu
+        before = max(0.0, free_cpu[i] - reserved_cpu[i])
+        free_cpu[i] -= cls.cpu
+        self.free_mem[i] -= cls.memory
+        model = cls.gpu_model
+        if model is not None:
+            gpus = self.free_gpus[i]
+            gpus[model] = gpus.get(model, 0) - cls.gpu_count
+            reserve = self.reserves.get(model)
+            if reserve is not None:
+                reserved_cpu[i] -= reserve.cpu * cls.gpu_count
+                self.reserved_mem[i] -= reserve.memory * cls.gpu_count
+            key = (region, model)
             self._region_gpus[key] = self._region_gpus.get(key, 0) - cls.gpu_count
-        self._region_cpu[region] = self._region_cpu.get(region, 0.0) + self._cpu_usable(i) - before
+        self._region_cpu[region] = self._region_cpu.get(region, 0.0) + max(0.0, free_cpu[i] - reserved_cpu[i]) - before
 
     def hold(self, region: str, cls: ComputeClass) -> int | None:
         """Hold back, for the rest of the cycle, the node where ``cls`` will fit soonest.

@@ -904,16 +904,17 @@ class AdmissionState:
         # a workload placed on its own class was decided with what it takes: its region needs no other cycle
         # for it (its owner's turns that moved, and its quota use, are the next cycle's to look at). One placed
         # on a fallback did hold its class from others this cycle, and no longer will: the next looks again.
-        dirty = set(self.dirty)
-        for d in out:
-            if (type(d) is Place and d.fallback) or type(d) is Promote:
-                dirty.add(d.workload.region)
+        dirty = set(self.dirty)  # (what assuming the decisions marks dirty is not kept)
         gone: dict[str, list[Key]] = {}  # by owner: the keys placed, out of its turns after the loop
         stand: list[Decision] = []  # after the loop too: no place or promote is of a workload they name
         for d in out:
             if type(d) is Place:  # one more running, one fewer queued before its later ones
-                self._placed(d, gone)
+                on_fallback = d.fallback
+                if on_fallback:
+                    dirty.add(d.workload.region)
+                self._placed(d, on_fallback, gone)
             elif type(d) is Promote:  # the same running count
+                dirty.add(d.workload.region)
                 self._start(replace(d.workload, moving=True), turns=False)
                 self._book(Placed(d.node, d.to_class, d.workload.id), 1)
             else:
@@ -953,10 +954,11 @@ class AdmissionState:
                 self.offered.setdefault(region, set()).add(id)
         self.n_waiting += n
 
-    def _placed(self, d: Place, gone: dict[str, list[Key]]) -> None:
-        """Assume ``d``: what ``_start(running_from(d), turns=False)`` then ``_book`` of its replica do, for a
-        workload queued (so not running), less its regions made dirty (``_settle`` keeps its own) and its key
-        taken out of its owner's turns, added to ``gone`` (``_untake_turns`` once per owner, after)."""
+    def _placed(self, d: Place, on_fallback: bool, gone: dict[str, list[Key]]) -> None:
+        """Assume ``d`` (``on_fallback``: ``d.fallback``): what ``_start(running_from(d), turns=False)`` then
+        ``_book`` of its replica do, for a workload queued (so not running), less its regions made dirty
+        (``_settle`` keeps its own) and its key taken out of its owner's turns, added to ``gone``
+        (``_untake_turns`` once per owner, after)."""
         w = d.workload
         id, region, owner = w.id, w.region, w.owner
         del self.queue[id]
@@ -978,7 +980,7 @@ class AdmissionState:
         r = running_from(d)
         self.running[id] = r
         self.owner_running[owner] += 1
-        if d.fallback:  # a mover now: in its region still
+        if on_fallback:  # a mover now: in its region still
             self.movers.setdefault(region, {})[id] = r
             for entry in preferred_over(r):
                 self.prefers.setdefault((region, entry), set()).add(id)

@@ -348,9 +348,11 @@ class AdmissionState:
         for owner, keys in turns.items():
             first = min(keys)
             had = self.owner_keys.setdefault(owner, [])
+            behind = bool(had) and had[-1] > first  # some queued before it come after its first new one
             had += keys
             had.sort()
-            self._turns(owner, above=first)
+            if behind:  # (the new ones need no turn moved: their submission has them decided anyway)
+                self._turns(owner, above=first)
 
     def _take_turn(self, w: Queued) -> None:
         """``w`` counts in its owner's turns (one more queued before its owner's later ones)."""

@@ -564,7 +564,7 @@ def _batch(draw: st.DrawFn, world: World, now: float, serial: list[int]) -> list
     return [*subs[:cut], *other, *subs[cut:]]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), nodes=st.lists(node_st, max_size=6, unique_by=lambda n: n.name),
        policy=st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)]),
        quota=st.sampled_from([None, Quotas(running_gpus=1, running_cpu=16)]))

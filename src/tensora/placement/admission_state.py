@@ -928,7 +928,8 @@ class AdmissionState:
         self.dirty = dirty
 
     def _stand_all(self, ds: Sequence[Decision]) -> None:
-        """``_stand`` each of ``ds`` (waits and restart offers) in turn, with what each region's share."""
+        """``_stand`` each of ``ds`` (waits and restart offers) in turn, in one pass (a first cycle stands some
+        50,000 waits)."""
         standing: dict[str, Decision] = {}
         region = None
         waited, blocked = self.waited, self.blocked
@@ -965,13 +966,8 @@ class AdmissionState:
         id, region, owner = w.id, w.region, w.owner
         del self.queue[id]
         del self.by_region[region][id]
-        if self.prio:
-            self._unlist(w)
-        else:
-            self.eligible.discard(id)
-        standing = self.standing.get(region)
-        if standing and id in standing:
-            self._unstand(region, id)
+        self._unlist(w)
+        self._unstand(region, id)
         if id in self.backing:
             self.backing.discard(id)
         else:

@@ -335,23 +335,17 @@ class Capacity:
         if self._journal is not None and i not in self._journal:
             self._journal[i] = (self.free_cpu[i], self.free_mem[i], dict(self.free_gpus[i]), self.reserved_cpu[i],
                                 self.reserved_mem[i])
-        # _cpu_usable and _subtract written out: a first cycle takes once per workload placed
         region = self.nodes[i].region
-        free_cpu, reserved_cpu = self.free_cpu, self.reserved_cpu
-        before = max(0.0, free_cpu[i] - reserved_cpu[i])
-        free_cpu[i] -= cls.cpu
-        self.free_mem[i] -= cls.memory
-        model = cls.gpu_model
-        if model is not None:
-            gpus = self.free_gpus[i]
-            gpus[model] = gpus.get(model, 0) - cls.gpu_count
-            reserve = self.reserves.get(model)
-            if reserve is not None:
-                reserved_cpu[i] -= reserve.cpu * cls.gpu_count
-                self.reserved_mem[i] -= reserve.memory * cls.gpu_count
-            key = (region, model)
+        before = self._cpu_usable(i)
+        self._subtract(i, cls)
+        if cls.gpu_model is not None and cls.gpu_model in self.reserves:
+            reserve = self.reserves[cls.gpu_model]
+            self.reserved_cpu[i] -= reserve.cpu * cls.gpu_count
+            self.reserved_mem[i] -= reserve.memory * cls.gpu_count
+        if cls.gpu_model is not None:
+            key = (region, cls.gpu_model)
             self._region_gpus[key] = self._region_gpus.get(key, 0) - cls.gpu_count
-        self._region_cpu[region] = self._region_cpu.get(region, 0.0) + max(0.0, free_cpu[i] - reserved_cpu[i]) - before
+        self._region_cpu[region] = self._region_cpu.get(region, 0.0) + self._cpu_usable(i) - before
 
     def hold(self, region: str, cls: ComputeClass) -> int | None:
         """Hold back, for the rest of the cycle, the node where ``cls`` will fit soonest.

@@ -544,3 +544,75 @@ def test_a_wait_shows_what_is_free_after_the_cycle() -> None:
                                      Submitted(w("small", "cpu-4c-16g", since=1))], 10)
     assert [(type(d), d.workload.id) for d in got] == [(Wait, "big"), (Place, "small")]
     assert got[0].reason == "waiting for cpu-16c-64g (4 vCPU free, 16 needed); no fallback accepted"
+
+
+# -- a batch taken in bulk is the batch taken one event at a time ------------------------------------------------
+
+
+def _snapshot(s: AdmissionState) -> dict[str, object]:
+    """What a state keeps, in its order where its order is read (queue, standing waits), heaps as sets."""
+    return {
+        "queue": list(s.queue.items()),
+        "by_region": {r: list(q.items()) for r, q in s.by_region.items() if q},
+        "owner_keys": {o: k for o, k in s.owner_keys.items() if k},
+        "backing": s.backing,
+        "running": list(s.running.items()),
+        "movers": {r: dict(m) for r, m in s.movers.items() if m},
+        "prefers": {k: v for k, v in s.prefers.items() if v},
+        "owner_running": +s.owner_running,
+        "owner_regions": {o: +c for o, c in s.owner_regions.items() if c},
+        "use": s.use,
+        "timers": sorted(s.timers + s.later),
+        "standing": {r: list(d.items()) for r, d in s.standing.items() if d},
+        "offered": {r: ids for r, ids in s.offered.items() if ids},
+        "waits": (s.n_waiting, +s.waited, +s.blocked),
+        "replicas": (s.replicas, s.on_node),
+        "lists": (s.prio, s.reqs, s.listers, s.eligible, s.unsorted),
+        "regions": (s.dirty, s.whole, s.decided, s.must, s.held_last, s.touched, s.turns),
+    }
+
+
+@st.composite
+def _batch(draw: st.DrawFn, world: World, now: float, serial: list[int]) -> list[Event]:
+    """Runs of submissions (some naming a workload queued or running, or one submitted earlier in the batch),
+    split by other events."""
+    subs: list[Event] = []
+    for _ in range(draw(st.integers(0, 30))):
+        old = sorted({*world.queue, *world.running, *(e.workload.id for e in subs if isinstance(e, Submitted))})
+        if old and draw(st.integers(0, 4)) == 0:
+            id = draw(st.sampled_from(old))
+        else:
+            serial[0] += 1
+            id = f"w{serial[0]}"
+        subs.append(Submitted(draw(queued_st(id, now))))
+    other = events_st(draw, World(dict(world.nodes), list(world.placed), dict(world.running), dict(world.queue)),
+                      now, serial)
+    cut = draw(st.integers(0, len(subs)))
+    return [*subs[:cut], *other, *subs[cut:]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), nodes=st.lists(node_st, max_size=6, unique_by=lambda n: n.name),
+       policy=st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)]),
+       quota=st.sampled_from([None, Quotas(running_gpus=1, running_cpu=16)]))
+def test_a_batch_taken_in_bulk_is_the_batch_taken_one_event_at_a_time(
+        data: st.DataObject, nodes: list[Node], policy: Policy, quota: Quotas | None) -> None:
+    """``step`` takes runs of submissions in bulk and puts a region decided whole in order without a bisect each;
+    ``apply`` then ``cycle`` takes them one at a time. Every cycle's decisions and everything the state keeps
+    after it are the same, and the bulk order is the order of ``_prio``."""
+    world = World(nodes={n.name: n for n in nodes}, policy=policy, default=quota)
+    bulk, each = (AdmissionState(nodes, [], CATALOG, policy, OwnerQuotas(quota)) for _ in range(2))
+    now, serial = 1000.0, [0]
+    for _ in range(data.draw(st.integers(1, 6))):
+        events = data.draw(_batch(world, now, serial))
+        bulk, got = step(bulk, events, now)
+        for e in events:
+            each.apply(e)
+        assert got == each.cycle(now)
+        assert _snapshot(bulk) == _snapshot(each)
+        taking = [w for w in bulk.queue.values() if w.id not in bulk.backing]
+        assert bulk._ordered(taking) == sorted(taking, key=bulk._prio)
+        for e in events:
+            world.apply(e)
+        world.assume(got)
+        now += data.draw(st.sampled_from([0, 1, 60, 600]))

@@ -46,8 +46,9 @@ import bisect
 import heapq
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 from tensora.placement.admission import (
     Decision,
@@ -300,6 +301,62 @@ class AdmissionState:
             later.append((w.queued_since + w.fallback_after_s, w.id))
         later.append((_starving_from(w.queued_since, self.policy.starvation_after_s), w.id))
 
+    def _enqueue_all(self, ws: Sequence[Queued], now: float) -> None:
+        """``_enqueue`` of each of ``ws`` in turn, in bulk (a first cycle submits the whole queue): each owner's
+        turn list sorted once, not an insort per workload. One that replaces a record (queued or running
+        already, or twice in ``ws``) is enqueued alone, after those before it."""
+        batch: dict[str, Queued] = {}
+        for w in ws:
+            if w.id in batch or w.id in self.queue or w.id in self.running:
+                self._enqueue_new(list(batch.values()), now)
+                batch = {}
+                self._enqueue(w)
+            else:
+                batch[w.id] = w
+        self._enqueue_new(list(batch.values()), now)
+
+    def _enqueue_new(self, ws: Sequence[Queued], now: float) -> None:
+        """``_enqueue`` of each of ``ws`` (ids neither queued nor running, each once), in bulk; less the fallback
+        and starvation timers due by ``now``, the next cycle's: a timer coming due makes its workload's region
+        dirty, which its submission did (a first cycle's are nearly all due)."""
+        queue, by_region, later, backing, dirty = self.queue, self.by_region, self.later, self.backing, self.dirty
+        after = self.policy.starvation_after_s
+        owner_regions = self.owner_regions
+        turns: dict[str, list[Key]] = {}  # each owner's new keys that take their turn now
+        for w in ws:
+            id, region, owner = w.id, w.region, w.owner
+            queue[id] = w
+            in_region = by_region.get(region)
+            if in_region is None:
+                in_region = by_region[region] = {}
+            in_region[id] = w
+            regions = owner_regions.get(owner)
+            if regions is None:
+                regions = owner_regions[owner] = Counter()
+            regions[region] = regions.get(region, 0) + 1  # _regions_of(owner, region, 1)
+            if region not in dirty or region in self.decided:
+                self._dirty(region, id)
+            if w.not_before > 0:
+                backing.add(id)
+                later.append((w.not_before, id))
+            else:
+                keys = turns.get(owner)
+                if keys is None:
+                    keys = turns[owner] = []
+                keys.append((w.queued_since, id))
+            if w.fallback and (when := w.queued_since + w.fallback_after_s) > now:
+                later.append((when, id))
+            if now - w.queued_since < after:  # (due: _starving_from(w.queued_since, after) <= now)
+                later.append((_starving_from(w.queued_since, after), id))
+        for owner, keys in turns.items():
+            first = min(keys)
+            had = self.owner_keys.setdefault(owner, [])
+            behind = bool(had) and had[-1] > first  # some queued before it come after its first new one
+            had += keys
+            had.sort()
+            if behind:  # (the new ones need no turn moved: their submission has them decided anyway)
+                self._turns(owner, above=first)
+
     def _take_turn(self, w: Queued) -> None:
         """``w`` counts in its owner's turns (one more queued before its owner's later ones)."""
         bisect.insort(self.owner_keys.setdefault(w.owner, []), (w.queued_since, w.id))
@@ -389,8 +446,9 @@ class AdmissionState:
         cls = self.catalog.get(r.placed_class)
         if cls is not None:
             use = self.use.setdefault(r.owner, [0.0, 0.0])
-            for i, n in enumerate(share(cls)):
-                use[i] += sign * n
+            gpus, cpu = share(cls)
+            use[0] += sign * gpus
+            use[1] += sign * cpu
             if self._quota_of(r.owner) is not None:
                 self.touched.add(r.owner)
 
@@ -467,6 +525,21 @@ class AdmissionState:
                         self.quota_by_owner[owner] = quota
                     self.touched.add(owner)
 
+    def apply_all(self, events: Iterable[Event], now: float) -> None:
+        """Take in each change in turn, as ``apply``, before a cycle at ``now``; submissions that come one after
+        another in bulk (a first cycle submits the whole queue)."""
+        run: list[Queued] = []
+        for event in events:
+            if type(event) is Submitted:
+                run.append(event.workload)
+                continue
+            if run:
+                self._enqueue_all(run, now)
+                run = []
+            self.apply(event)
+        if run:
+            self._enqueue_all(run, now)
+
     def _all_regions(self) -> set[str]:
         return self.cap.regions | set(self.by_region) | set(self.movers) | set(self.standing)
 
@@ -482,6 +555,32 @@ class AdmissionState:
             return (0, w.queued_since, w.id)
         turn = self.owner_running.get(w.owner, 0) + bisect.bisect_left(self.owner_keys[w.owner], (w.queued_since, w.id))
         return (turn, w.queued_since, w.id)
+
+    def _ordered(self, ws: Collection[Queued]) -> list[Queued]:
+        """``ws`` sorted by :meth:`_prio`; where ``ws`` holds every one of its owners' workloads that take a turn
+        (a region decided whole: a first cycle), without a bisect each: in (queued_since, id) order an owner's
+        n-th is its n-th key, so its turn is its running count + n, and a stable bucketing by turn ends it."""
+        fair = self.policy.owner_fairness
+        if fair:
+            count = Counter(w.owner for w in ws)
+            if any(len(self.owner_keys.get(o, ())) != n for o, n in count.items()) \
+                    or not self.backing.isdisjoint([w.id for w in ws]):
+                return sorted(ws, key=self._prio)
+        out = sorted(ws, key=attrgetter("id"))
+        out.sort(key=attrgetter("queued_since"))
+        if not fair:
+            return out
+        nth = {o: self.owner_running.get(o, 0) for o in count}
+        by_turn: dict[int, list[Queued]] = {}
+        for w in out:
+            turn = nth[w.owner]
+            nth[w.owner] = turn + 1
+            same = by_turn.get(turn)
+            if same is None:
+                by_turn[turn] = [w]
+            else:
+                same.append(w)
+        return [w for turn in sorted(by_turn) for w in by_turn[turn]]
 
     def _lists_of(self, w: Queued) -> list[list[Prio]]:
         out = []
@@ -630,7 +729,7 @@ class AdmissionState:
                                 roomy[(region, cls.name)] = self.cap.find(region, cls) is not None
 
             chosen, also = self._select(regions, prefix, extra, closed, now)
-            ordered = sorted(chosen.values(), key=self._prio)
+            ordered = self._ordered(chosen.values())
             tried: set[str] = set()
 
             counted: dict[tuple[str, str], int] = {}
@@ -851,23 +950,98 @@ class AdmissionState:
         # a workload placed on its own class was decided with what it takes: its region needs no other cycle
         # for it (its owner's turns that moved, and its quota use, are the next cycle's to look at). One placed
         # on a fallback did hold its class from others this cycle, and no longer will: the next looks again.
-        dirty = set(self.dirty)
-        for d in out:
-            if (type(d) is Place and d.fallback) or type(d) is Promote:
-                dirty.add(d.workload.region)
+        dirty = set(self.dirty)  # (what assuming the decisions marks dirty is not kept)
+        gone: dict[str, list[Key]] = {}  # by owner: the keys placed, out of its turns after the loop
+        stand: list[Decision] = []  # after the loop too: no place or promote is of a workload they name
         for d in out:
             if type(d) is Place:  # one more running, one fewer queued before its later ones
-                self._start(running_from(d), turns=False)
-                self._turns(d.workload.owner, below=(d.workload.queued_since, d.workload.id))
-                self._book(Placed(d.node, d.cls, d.workload.id), 1)
+                on_fallback = d.fallback
+                if on_fallback:
+                    dirty.add(d.workload.region)
+                self._placed(d, on_fallback, gone)
             elif type(d) is Promote:  # the same running count
+                dirty.add(d.workload.region)
                 self._start(replace(d.workload, moving=True), turns=False)
                 self._book(Placed(d.node, d.to_class, d.workload.id), 1)
             else:
-                self._stand(d.workload.region, d)
-                if type(d) is RestartAvailable:
-                    self.offered.setdefault(d.workload.region, set()).add(d.workload.id)
+                stand.append(d)
+        for owner, keys in gone.items():
+            self._untake_turns(owner, keys)
+            self._turns(owner, below=max(keys))
+        self._stand_all(stand)
         self.dirty = dirty
+
+    def _stand_all(self, ds: Sequence[Decision]) -> None:
+        """``_stand`` each of ``ds`` (waits and restart offers) in turn, in one pass (a first cycle stands some
+        50,000 waits)."""
+        standing: dict[str, Decision] = {}
+        region = None
+        waited, blocked = self.waited, self.blocked
+        n = 0
+        for d in ds:
+            w = d.workload
+            if w.region != region:
+                region = w.region
+                standing = self.standing.setdefault(region, {})
+            id = w.id
+            was = standing.pop(id, None)
+            if type(was) is Wait:
+                self._tally(region, was, -1)
+                n -= 1
+            standing[id] = d
+            if type(d) is Wait:
+                n += 1
+                attempts = d.attempts
+                if attempts[0].outcome in _WAITED:
+                    waited[(region, w.gpu_class)] += 1
+                for a in attempts[1:]:
+                    if a.outcome in _BLOCKED and a.entry is not None:
+                        blocked[(region, a.entry, a.cls)] += 1
+            else:
+                self.offered.setdefault(region, set()).add(id)
+        self.n_waiting += n
+
+    def _placed(self, d: Place, on_fallback: bool, gone: dict[str, list[Key]]) -> None:
+        """Assume ``d`` (``on_fallback``: ``d.fallback``): what ``_start(running_from(d), turns=False)`` then
+        ``_book`` of its replica do, for a workload queued (so not running), less its regions made dirty
+        (``_settle`` keeps its own) and its key taken out of its owner's turns, added to ``gone``
+        (``_untake_turns`` once per owner, after)."""
+        w = d.workload
+        id, region, owner = w.id, w.region, w.owner
+        del self.queue[id]
+        del self.by_region[region][id]
+        self._unlist(w)
+        self._unstand(region, id)
+        if id in self.backing:
+            self.backing.discard(id)
+        else:
+            keys = gone.get(owner)
+            if keys is None:
+                keys = gone[owner] = []
+            keys.append((w.queued_since, id))
+        r = running_from(d)
+        self.running[id] = r
+        self.owner_running[owner] += 1
+        if on_fallback:  # a mover now: in its region still
+            self.movers.setdefault(region, {})[id] = r
+            for entry in preferred_over(r):
+                self.prefers.setdefault((region, entry), set()).add(id)
+        else:
+            self._regions_of(owner, region, -1)
+        self._count(r, 1)
+        replica = Placed(d.node, d.cls, id)
+        self.replicas.setdefault(id, []).append(replica)
+        self.on_node.setdefault(d.node, []).append(replica)
+
+    def _untake_turns(self, owner: str, keys: list[Key]) -> None:
+        """``keys`` no longer count in ``owner``'s turns (a few deleted in place, many filtered out)."""
+        have = self.owner_keys[owner]
+        if len(keys) < 16:
+            for key in keys:
+                del have[bisect.bisect_left(have, key)]
+        else:
+            out = {id for _, id in keys}  # by id: a string keeps its hash, a tuple does not
+            have[:] = [k for k in have if k[1] not in out]
 
 
 def _waited(d: Decision | None) -> bool:
@@ -897,6 +1071,5 @@ def step(state: AdmissionState, events: Sequence[Event], now: float) -> tuple[Ad
     the waits and offers decided again); elsewhere the waits of :meth:`AdmissionState.decisions` stand, and
     equal what ``decide`` would say."""
     with collector_paused():
-        for event in events:
-            state.apply(event)
+        state.apply_all(events, now)
         return state, state.cycle(now)

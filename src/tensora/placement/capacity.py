@@ -228,7 +228,6 @@ class Capacity:
             if cls.gpu_model is None:
                 found = [i for i, cpu, mem, cores in self._cpu_room(region)
                          if cpu >= cls.cpu and mem >= cls.memory and (cores is None or cls.cpu <= cores)]
-                found.sort(key=lambda i: (nodes[i].has_gpus, nodes[i].name))
             else:
                 found = [i for i in self._by_region.get(region, ()) if self._could_ever_host(nodes[i], cls)]
             self._candidates[key] = found
@@ -236,7 +235,8 @@ class Capacity:
 
     def _cpu_room(self, region: str) -> list[tuple[int, float, int, float | None]]:
         """Each schedulable node of ``region`` as (index, vCPUs and memory CPU classes could ever use there,
-        its cores): what :meth:`_could_ever_host` asks of a CPU class, worked out once for all of them."""
+        its cores): what :meth:`_could_ever_host` asks of a CPU class, worked out once for all of them; in the
+        order CPU classes fill them (so each class's candidates are these, filtered)."""
         room = self._room.get(region)
         if room is None:
             room = self._room[region] = []
@@ -246,6 +246,8 @@ class Capacity:
                     gpus = [(c, self.reserves[m]) for m, c in node.gpus.items() if m in self.reserves]
                     room.append((i, node.cpu - sum(c * r.cpu for c, r in gpus),
                                  node.memory - sum(c * r.memory for c, r in gpus), node.cores))
+            nodes = self.nodes
+            room.sort(key=lambda r: (nodes[r[0]].has_gpus, nodes[r[0]].name))
         return room
 
     def find(self, region: str, cls: ComputeClass) -> int | None:

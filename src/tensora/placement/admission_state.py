@@ -953,12 +953,13 @@ class AdmissionState:
         dirty = set(self.dirty)  # (what assuming the decisions marks dirty is not kept)
         gone: dict[str, list[Key]] = {}  # by owner: the keys placed, out of its turns after the loop
         stand: list[Decision] = []  # after the loop too: no place or promote is of a workload they name
+        shares: dict[str, tuple[float, float] | None] = {}
         for d in out:
             if type(d) is Place:  # one more running, one fewer queued before its later ones
-                on_fallback = d.fallback
+                on_fallback = d.cls != d.workload.gpu_class  # (d.fallback, without a property's call)
                 if on_fallback:
                     dirty.add(d.workload.region)
-                self._placed(d, on_fallback, gone)
+                self._placed(d, on_fallback, gone, shares)
             elif type(d) is Promote:  # the same running count
                 dirty.add(d.workload.region)
                 self._start(replace(d.workload, moving=True), turns=False)
@@ -1001,17 +1002,22 @@ class AdmissionState:
                 self.offered.setdefault(region, set()).add(id)
         self.n_waiting += n
 
-    def _placed(self, d: Place, on_fallback: bool, gone: dict[str, list[Key]]) -> None:
+    def _placed(self, d: Place, on_fallback: bool, gone: dict[str, list[Key]],
+                shares: dict[str, tuple[float, float] | None]) -> None:
         """Assume ``d`` (``on_fallback``: ``d.fallback``): what ``_start(running_from(d), turns=False)`` then
         ``_book`` of its replica do, for a workload queued (so not running), less its regions made dirty
         (``_settle`` keeps its own) and its key taken out of its owner's turns, added to ``gone``
-        (``_untake_turns`` once per owner, after)."""
+        (``_untake_turns`` once per owner, after). ``shares``: each class's ``share`` (None: not in the
+        catalog), this settling's, as ``_count`` finds it (a first cycle settles some 50,000 placements)."""
         w = d.workload
         id, region, owner = w.id, w.region, w.owner
         del self.queue[id]
         del self.by_region[region][id]
-        self._unlist(w)
-        self._unstand(region, id)
+        if id in self.prio or id in self.eligible:  # (a region decided whole lists none: a first cycle's)
+            self._unlist(w)
+        standing = self.standing.get(region)
+        if standing is not None and id in standing:
+            self._unstand(region, id)
         if id in self.backing:
             self.backing.discard(id)
         else:
@@ -1028,10 +1034,31 @@ class AdmissionState:
                 self.prefers.setdefault((region, entry), set()).add(id)
         else:
             self._regions_of(owner, region, -1)
-        self._count(r, 1)
-        replica = Placed(d.node, d.cls, id)
-        self.replicas.setdefault(id, []).append(replica)
-        self.on_node.setdefault(d.node, []).append(replica)
+        cls = d.cls
+        if cls in shares:
+            got = shares[cls]
+        else:
+            known = self.catalog.get(cls)
+            got = shares[cls] = share(known) if known is not None else None
+        if got is not None:  # _count(r, 1)
+            use = self.use.get(owner)
+            if use is None:
+                use = self.use[owner] = [0.0, 0.0]
+            use[0] += got[0]
+            use[1] += got[1]
+            if (self.default_quota is not None or self.quota_by_owner) and self._quota_of(owner) is not None:
+                self.touched.add(owner)
+        replica = Placed(d.node, cls, id)
+        replicas = self.replicas.get(id)
+        if replicas is None:
+            self.replicas[id] = [replica]
+        else:
+            replicas.append(replica)
+        on_node = self.on_node.get(d.node)
+        if on_node is None:
+            self.on_node[d.node] = [replica]
+        else:
+            on_node.append(replica)
 
     def _untake_turns(self, owner: str, keys: list[Key]) -> None:
         """``keys`` no longer count in ``owner``'s turns (a few deleted in place, many filtered out)."""

@@ -459,12 +459,20 @@ def run_cycle(
 
     # 2. fallback lists, for those whose timer has run out
     fell_back: list[Place] = []
+    in_vain: dict[_Alike, tuple[Attempt, ...]] = {}  # lists tried without a fit since the last take
     for i, w, tried in pending:
+        alike = _alike(tried[0], w, quotas is not None)
+        known = in_vain.get(alike)
+        if known is not None:  # the same checks over the same figures: the same attempts
+            waits.append((i, w, known, w.queued_since + w.fallback_after_s))
+            continue
         result = _try_list(cap, w, w.fallback, tried, waiting_for, full, seen, shared, policy, ledger,
                            take=True, skip=(w.gpu_class,))
         if result is None:
-            waits.append((i, w, tried, w.queued_since + w.fallback_after_s))
+            known = in_vain[alike] = tuple(tried)  # (holds its head: the key's id is not reused meanwhile)
+            waits.append((i, w, known, w.queued_since + w.fallback_after_s))
         else:
+            in_vain.clear()  # capacity taken (and quota use counted): a later list may find otherwise
             cls, node = result
             place = out[i] = Place(w, cls.name, cap.nodes[node].name, tuple(tried), now, policy.timer_slack_s)
             fell_back.append(place)
@@ -507,6 +515,19 @@ def run_cycle(
     for i, w, made, eligible_at in waits:
         out[i] = Wait(w, recount.attempts(made, w.region, w.owner), eligible_at, now)
     return [*cast(list[Decision], out), *moves]
+
+
+_Alike = tuple[int, str, tuple[str, ...], str, WorkloadKind, int | None, int | None, str]
+"""What a fallback list's attempts depend on, besides the cycle's figures: its head (by identity: alike
+workloads share it, :class:`_Shared`), the region, the list, the class asked, the kind and model, the owner
+(where quotas count)."""
+
+
+def _alike(head: Attempt, w: Queued, owned: bool) -> _Alike:
+    """Thousands of workloads behind the same full classes try the same list in vain: tried once, it is
+    known for the others until something is taken (``_try_list`` reads nothing else of a workload)."""
+    return (id(head), w.region, w.fallback, w.gpu_class, w.kind, w.model_params, w.model_bytes,
+            w.owner if owned else "")
 
 
 def _fit(free: float, cls: ComputeClass) -> Attempt:

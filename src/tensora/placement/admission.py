@@ -459,7 +459,7 @@ def run_cycle(
 
     # 2. fallback lists, for those whose timer has run out
     fell_back: list[Place] = []
-    in_vain: dict[_Alike, tuple[Attempt, ...]] = {}  # lists tried without a fit since the last take
+    in_vain: dict[_Alike, tuple[Attempt, ...]] = {}  # lists tried without a fit (:func:`_alike`)
     for i, w, tried in pending:
         alike = _alike(tried[0], w, quotas is not None)
         known = in_vain.get(alike)
@@ -469,10 +469,11 @@ def run_cycle(
         result = _try_list(cap, w, w.fallback, tried, waiting_for, full, seen, shared, policy, ledger,
                            take=True, skip=(w.gpu_class,))
         if result is None:
-            known = in_vain[alike] = tuple(tried)  # (holds its head: the key's id is not reused meanwhile)
+            known = in_vain[alike] = tuple(tried)
             waits.append((i, w, known, w.queued_since + w.fallback_after_s))
         else:
-            in_vain.clear()  # capacity taken (and quota use counted): a later list may find otherwise
+            if quotas is not None:
+                in_vain.clear()  # the owner's quota use grew: a class under its quota may not be now
             cls, node = result
             place = out[i] = Place(w, cls.name, cap.nodes[node].name, tuple(tried), now, policy.timer_slack_s)
             fell_back.append(place)
@@ -517,17 +518,20 @@ def run_cycle(
     return [*cast(list[Decision], out), *moves]
 
 
-_Alike = tuple[int, str, tuple[str, ...], str, WorkloadKind, int | None, int | None, str]
-"""What a fallback list's attempts depend on, besides the cycle's figures: its head (by identity: alike
-workloads share it, :class:`_Shared`), the region, the list, the class asked, the kind and model, the owner
-(where quotas count)."""
+_Alike = tuple[str, Outcome, str, tuple[str, ...], str, WorkloadKind, int | None, int | None, str]
+"""What a fallback list's attempts depend on, besides the cycle's figures: its head's class and outcome, the
+region, the list, the class asked, the kind (an endpoint's model), the owner (where quotas count)."""
 
 
 def _alike(head: Attempt, w: Queued, owned: bool) -> _Alike:
-    """Thousands of workloads behind the same full classes try the same list in vain: tried once, it is
-    known for the others until something is taken (``_try_list`` reads nothing else of a workload)."""
-    return (id(head), w.region, w.fallback, w.gpu_class, w.kind, w.model_params, w.model_bytes,
-            w.owner if owned else "")
+    """Thousands of workloads behind the same full classes try the same list in vain. Capacity only shrinks
+    within a cycle, so a list that found no room finds none later, for the same checks, class by class: the
+    same attempts but for their figures, and a wait's figures are the cycle's last (:class:`Recount`), not
+    those of when it was tried. ``_try_list`` reads nothing else of a workload; quota use grows with each
+    place, so where quotas count the owner is part of it and a place forgets the rest."""
+    endpoint = w.kind == WorkloadKind.ENDPOINT
+    return (head.cls, head.outcome, w.region, w.fallback, w.gpu_class, w.kind,
+            w.model_params if endpoint else None, w.model_bytes if endpoint else None, w.owner if owned else "")
 
 
 def _fit(free: float, cls: ComputeClass) -> Attempt:

@@ -460,8 +460,15 @@ def run_cycle(
     # 2. fallback lists, for those whose timer has run out
     fell_back: list[Place] = []
     in_vain: dict[_Alike, tuple[Attempt, ...]] = {}  # lists tried without a fit (:func:`_alike`)
+    on_cpu: dict[tuple[str, ...], bool] = {}  # by fallback list: _on_cpu
     for i, w, tried in pending:
-        alike = _alike(tried[0], w, quotas is not None)
+        modelled = False
+        if w.kind == WorkloadKind.ENDPOINT:
+            found = on_cpu.get(w.fallback)
+            if found is None:
+                found = on_cpu[w.fallback] = _on_cpu(w.fallback, classes)
+            modelled = found
+        alike = _alike(tried[0], w, quotas is not None, modelled)
         known = in_vain.get(alike)
         if known is not None:  # the same checks over the same figures: the same attempts
             waits.append((i, w, known, w.queued_since + w.fallback_after_s))
@@ -523,15 +530,20 @@ _Alike = tuple[str, Outcome, str, tuple[str, ...], str, WorkloadKind, int | None
 region, the list, the class asked, the kind (an endpoint's model), the owner (where quotas count)."""
 
 
-def _alike(head: Attempt, w: Queued, owned: bool) -> _Alike:
+def _alike(head: Attempt, w: Queued, owned: bool, modelled: bool) -> _Alike:
     """Thousands of workloads behind the same full classes try the same list in vain. Capacity only shrinks
     within a cycle, so a list that found no room finds none later, for the same checks, class by class: the
     same attempts but for their figures, and a wait's figures are the cycle's last (:class:`Recount`), not
     those of when it was tried. ``_try_list`` reads nothing else of a workload; quota use grows with each
-    place, so where quotas count the owner is part of it and a place forgets the rest."""
-    endpoint = w.kind == WorkloadKind.ENDPOINT
+    place, so where quotas count the owner is part of it and a place forgets the rest. ``modelled``: an
+    endpoint whose list names a CPU class or the word ``cpu`` (only there does its model count)."""
     return (head.cls, head.outcome, w.region, w.fallback, w.gpu_class, w.kind,
-            w.model_params if endpoint else None, w.model_bytes if endpoint else None, w.owner if owned else "")
+            w.model_params if modelled else None, w.model_bytes if modelled else None, w.owner if owned else "")
+
+
+def _on_cpu(entries: tuple[str, ...], classes: Mapping[str, ComputeClass]) -> bool:
+    """Whether a fallback list names the word ``cpu`` or a CPU class."""
+    return any(entry == CPU_WORD or ((c := classes.get(entry)) is not None and c.is_cpu) for entry in entries)
 
 
 def _fit(free: float, cls: ComputeClass) -> Attempt:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import random
 import re
+from unittest.mock import patch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensora.placement.admission import Place, Promote, Queued, Wait, decide
+from tensora.placement import admission
+from tensora.placement.admission import OwnerQuotas, Place, Promote, Queued, Wait, decide
 from tensora.placement.capacity import Capacity, Node
 from tensora.placement.kinds import WorkloadKind
+from tensora.placement.quotas import Quotas
 from tensora.units import parse_duration
 from tests.support.builders import CATALOG, GI
 
@@ -115,3 +118,35 @@ def test_reasons_read_right(nodes: list[Node], queue: list[Queued], now: int) ->
             assert match, d.reason
             stated = parse_duration(match.group(1)) if match.group(1) else 0.0
             assert d.workload.fallback_after_s <= stated <= now - d.workload.queued_since, d.reason
+
+
+
+@st.composite
+def alike_queue_st(draw: st.DrawFn) -> list[Queued]:
+    """Workloads past their fallback timers, drawn from few classes, lists, kinds and models: many alike."""
+    out = []
+    for i in range(draw(st.integers(0, 30))):
+        cls = draw(st.sampled_from(["l40s-48gb", "a100-80gb"]))
+        fallback = tuple(e for e in draw(st.sampled_from([("a100-80gb", "cpu"), ("cpu",), ("l40s-48gb", "cpu-4c-16g")]))
+                         if e != cls)
+        kind = draw(st.sampled_from(list(WorkloadKind)))
+        params = draw(st.sampled_from([None, 1e9, 70e9])) if kind == WorkloadKind.ENDPOINT else None
+        owner, since = draw(st.sampled_from("ab")), draw(st.integers(0, 9))
+        out.append(Queued(f"w{i}", kind, cls, owner, "local", fallback, 0, since,
+                          int(params) if params else None, int(params) * 2 if params else None))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes=nodes_st, queue=alike_queue_st(), quota=st.sampled_from([None, (1, 4), (1, 8), (2, 16)]))
+def test_a_list_tried_in_vain_is_known_for_the_alike_after_it(nodes: list[Node], queue: list[Queued],
+                                                              quota: tuple[int, float] | None) -> None:
+    """The second pass keeps each fallback list tried without a fit for the workloads alike after it
+    (``admission._alike``): the decisions and reasons are those of trying each workload's list, quotas or not."""
+    quotas = OwnerQuotas(Quotas(running_gpus=quota[0], running_cpu=quota[1])) if quota else None
+    cap = Capacity(nodes, [], CATALOG)
+    kept = decide(queue, cap, [], 100, quotas=quotas)
+    with patch.object(admission, "_alike", lambda *_: object()):  # no two alike: every list is tried
+        each = decide(queue, cap, [], 100, quotas=quotas)
+    assert kept == each
+    assert [d.reason for d in kept] == [d.reason for d in each]

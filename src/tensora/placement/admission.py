@@ -525,9 +525,9 @@ def run_cycle(
     return [*cast(list[Decision], out), *moves]
 
 
-_Alike = tuple[str, Outcome, str, tuple[str, ...], str, WorkloadKind, int | None, int | None, str]
-"""What a fallback list's attempts depend on, besides the cycle's figures: its head's class and outcome, the
-region, the list, the class asked, the kind (an endpoint's model), the owner (where quotas count)."""
+_Alike = tuple[str, Outcome, str, tuple[str, ...], WorkloadKind, int | None, int | None, str]
+"""What a fallback list's attempts depend on, besides the cycle's figures: its head's class (the class asked)
+and outcome, the region, the list, the kind (an endpoint's model), the owner (where quotas count)."""
 
 
 def _alike(head: Attempt, w: Queued, owned: bool, modelled: bool) -> _Alike:
@@ -537,7 +537,7 @@ def _alike(head: Attempt, w: Queued, owned: bool, modelled: bool) -> _Alike:
     those of when it was tried. ``_try_list`` reads nothing else of a workload; quota use grows with each
     place, so where quotas count the owner is part of it and a place forgets the rest. ``modelled``: an
     endpoint whose list names a CPU class or the word ``cpu`` (only there does its model count)."""
-    return (head.cls, head.outcome, w.region, w.fallback, w.gpu_class, w.kind,
+    return (head.cls, head.outcome, w.region, w.fallback, w.kind,
             w.model_params if modelled else None, w.model_bytes if modelled else None, w.owner if owned else "")
 
 

@@ -34,6 +34,7 @@ from tensora.placement.admission_state import (
     NodeAdded,
     NodeRemoved,
     OwnerHeld,
+    Prio,
     QuotaChanged,
     ReplicaEnded,
     ReplicaPlaced,
@@ -567,9 +568,15 @@ def _snapshot(s: AdmissionState) -> dict[str, object]:
         "offered": {r: ids for r, ids in s.offered.items() if ids},
         "waits": (s.n_waiting, +s.waited, +s.blocked),
         "replicas": (s.replicas, s.on_node),
-        "lists": (s.prio, s.reqs, s.listers, s.eligible, s.unsorted),
+        "lists": (s.prio, _nonempty(s.reqs), _nonempty(s.listers), s.eligible, s.unsorted),
         "regions": (s.dirty, s.whole, s.decided, s.must, s.held_last, s.touched, s.turns),
     }
+
+
+def _nonempty(lists: dict[str, dict[str, list[Prio]]]) -> dict[str, dict[str, list[Prio]]]:
+    """A region's lists less the empty ones: a list emptied in place and one rebuilt without it are alike (the
+    bulk path rebuilds a region's lists at other cycles than one event at a time does: fewer turns moved)."""
+    return {r: kept for r, d in lists.items() if (kept := {k: lst for k, lst in d.items() if lst})}
 
 
 @st.composite

@@ -881,9 +881,10 @@ class AdmissionState:
         4. no owner with a quota placed or promoted here has a workload left out (its use grew), and every
            region of that owner is decided in the same cycle (its use spans them).
         """
-        by_id = {d.workload.id: d for d in out if type(d) is Place or type(d) is Wait}
+        partial = regions - self.whole  # (a region decided whole has nothing left out: no check asks of it)
+        by_id = {d.workload.id: d for d in out if type(d) is Place or type(d) is Wait} if partial else {}
         again = False
-        for region in regions - self.whole:
+        for region in partial:
             standing = self.standing.get(region, {})
             for name, lst in self.reqs.get(region, {}).items():
                 n = prefix.get((0, region, name), _FIRST_PREFIX)

@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from operator import attrgetter, itemgetter
-from typing import cast
+from typing import TypeGuard, cast
 
 from tensora.placement.capacity import Capacity
 from tensora.placement.catalog import CPU_WORD, Catalog, ComputeClass
@@ -746,8 +746,14 @@ def _try_list(
     return None
 
 
+def model_over_cpu_limit(params: int | None, policy: Policy) -> TypeGuard[int]:
+    """A model (of ``params``) over the CPU parameter limit: for an endpoint, no CPU class (nor the word ``cpu``)
+    may serve it."""
+    return params is not None and params > policy.cpu_param_limit
+
+
 def _model_too_large(w: Queued, policy: Policy, entry: str, cls: str = CPU_WORD) -> Attempt | None:
-    if w.model_params is not None and w.model_params > policy.cpu_param_limit:
+    if model_over_cpu_limit(w.model_params, policy):
         detail = f"{format_params(w.model_params)} params > {format_params(policy.cpu_param_limit)} CPU limit"
         return Attempt(cls, Outcome.MODEL_TOO_LARGE, entry=entry, detail=detail)
     return None

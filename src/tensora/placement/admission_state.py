@@ -64,6 +64,7 @@ from tensora.placement.admission import (
     Running,
     Wait,
     collector_paused,
+    model_over_cpu_limit,
     preferred_over,
     run_cycle,
     share,
@@ -597,8 +598,7 @@ class AdmissionState:
         """An endpoint whose model is over the CPU limit: the word ``cpu`` never places it, whatever is free
         (``decide`` says so before it looks at a class), so it is no lister of that word. Left at the head of
         its list, it would be decided again each cycle, as would the three after it."""
-        return w.kind == WorkloadKind.ENDPOINT and w.model_params is not None \
-            and w.model_params > self.policy.cpu_param_limit
+        return w.kind == WorkloadKind.ENDPOINT and model_over_cpu_limit(w.model_params, self.policy)
 
     def _list(self, w: Queued, now: float, *, sort: bool = True) -> None:
         """Put ``w`` in its lists (in order; ``sort`` False: at the end, for a rebuild that sorts after)."""

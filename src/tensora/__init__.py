@@ -10,6 +10,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from tensora.native import guard as _guard
+
 if TYPE_CHECKING:
     from tensora.config.catalog import default_catalog, load_catalog
     from tensora.errors import CatalogError, ConfigError, FleetError, ModelFileError, SpecError, TensoraError
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from tensora.sdk import AsyncClient, Client
 
 __version__ = "0.1.0"
+
+_guard()  # before any compiled module is imported: a stale build never runs (tensora.native)
 
 _WHERE = {
     "tensora.errors": ("CatalogError", "ConfigError", "FleetError", "ModelFileError", "SpecError", "TensoraError"),

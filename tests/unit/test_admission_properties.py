@@ -146,7 +146,7 @@ def test_a_list_tried_in_vain_is_known_for_the_alike_after_it(nodes: list[Node],
     quotas = OwnerQuotas(Quotas(running_gpus=quota[0], running_cpu=quota[1])) if quota else None
     cap = Capacity(nodes, [], CATALOG)
     kept = decide(queue, cap, [], 100, quotas=quotas)
-    with patch.object(admission, "_alike", lambda *_: object()):  # no two alike: every list is tried
+    with patch.object(admission, "REMEMBER_IN_VAIN", False):  # every list is tried
         each = decide(queue, cap, [], 100, quotas=quotas)
     assert kept == each
     assert [d.reason for d in kept] == [d.reason for d in each]

@@ -12,16 +12,17 @@ from hypothesis import strategies as st
 
 from tensora.clock import FakeClock
 from tensora.config.catalog import default_catalog
-from tensora.control import fleet, snapshot
+from tensora.control import fleet, replay, snapshot
 from tensora.control.apply import apply
-from tensora.control.fleet import MAX_CYCLES_PER_MOMENT, PlannedWorkload, Replayed
 from tensora.control.ledger import MemoryLedger
 from tensora.control.reconcile import reconcile
+from tensora.control.replay import MAX_CYCLES_PER_MOMENT, PlannedWorkload, Replayed
 from tensora.control.spec import WorkloadSpec
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.admission import decide
 from tensora.placement.capacity import Node
 from tensora.placement.kinds import WorkloadState
+from tensora.units import format_duration
 
 CATALOG = default_catalog()
 GIB = 2**30
@@ -45,21 +46,21 @@ def reference_replay(nodes: list[Node], workloads: list[PlannedWorkload], at: fl
         for pw in workloads:
             w = ledger.workloads.get(pw.spec.name)
             if w is None and pw.submitted_at <= now:
-                w = ledger.workloads[pw.spec.name] = fleet._submitted(pw)
-            if w is not None and pw.stop_at is not None and pw.stop_at <= now and w.state not in fleet._STOPPED:
-                fleet._stop(ledger, driver, w, now, f"stopped at {fleet.format_duration(pw.stop_at)}")
+                w = ledger.workloads[pw.spec.name] = replay._submitted(pw)
+            if w is not None and pw.stop_at is not None and pw.stop_at <= now and w.state not in replay._STOPPED:
+                replay._stop(ledger, driver, w, now, f"stopped at {format_duration(pw.stop_at)}")
         for _ in range(MAX_CYCLES_PER_MOMENT):
             observed = {s.id: s for s in driver.observe()}
             replicas = ledger.active()
             held = {r.workload_id for r in replicas}
             asked = [w for w in ledger.workloads.values() if w.id in held or w.state is WorkloadState.STOPPING]
             rec = reconcile(ledger, asked, replicas, observed, now)
-            fleet._effects(driver, models, rec.start, rec.stop)
+            replay._effects(driver, models, rec.start, rec.stop)
             snap = snapshot.take(driver.nodes(), ledger.active(),
                                  [w for w in ledger.workloads.values() if w.state in snapshot.LIVE], CATALOG)
             applied = apply(ledger, decide(snap.queue, snap.capacity, snap.running, now), snap.workloads, now,
                             snap.gone)
-            fleet._effects(driver, models, applied.start, [])
+            replay._effects(driver, models, applied.start, [])
             offers = applied.offers
             moments.update(m for m in [*applied.later, *rec.drains_end] if m <= at)
             if not (rec.transitions or rec.start or rec.stop or applied.start):

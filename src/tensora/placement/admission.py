@@ -469,7 +469,7 @@ def run_cycle(
                 found = on_cpu[w.fallback] = _on_cpu(w.fallback, classes)
             modelled = found
         alike = _alike(tried[0], w, quotas is not None, modelled)
-        known = in_vain.get(alike)
+        known = in_vain.get(alike) if REMEMBER_IN_VAIN else None
         if known is not None:  # the same checks over the same figures: the same attempts
             waits.append((i, w, known, w.queued_since + w.fallback_after_s))
             continue
@@ -524,6 +524,10 @@ def run_cycle(
         out[i] = Wait(w, recount.attempts(made, w.region, w.owner), eligible_at, now)
     return [*cast(list[Decision], out), *moves]
 
+
+REMEMBER_IN_VAIN = True
+"""Whether pass 2 keeps the lists tried in vain (:func:`_alike`); a test turns it off to compare with trying every
+list. A module variable, not a constant: compiled (``tensora.native``), a constant is inlined."""
 
 _Alike = tuple[str, Outcome, str, tuple[str, ...], WorkloadKind, int | None, int | None, str]
 """What a fallback list's attempts depend on, besides the cycle's figures: its head's class (the class asked)

@@ -506,7 +506,7 @@ class Capacity:
 
     def copy(self) -> Capacity:
         """An independent working copy (admission never changes the caller's)."""
-        other = object.__new__(Capacity)
+        other = Capacity((), (), self.catalog)  # then made a copy: compiled (tensora.native), no object.__new__
         other.catalog = self.catalog
         other.nodes = self.nodes
         other.reserves = self.reserves

@@ -1,0 +1,80 @@
+"""The build: everything is in pyproject.toml but the compiled modules (``tensora.native``).
+
+Where a C compiler is at hand, mypyc (it ships with mypy, a build requirement pinned to the version the type check
+uses) compiles the modules of ``tensora.native.COMPILED`` into one group; where it is not, or ``TENSORA_PURE`` is
+set, or the compile fails, Tensora installs as pure Python and says so. The digest of each source compiled is
+written to ``tensora/_native_build.json``: ``tensora.native.guard`` runs the source instead of a build that no
+longer matches it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE / "src"
+sys.path.insert(0, str(SRC))
+from tensora import native  # noqa: E402  (the list of modules and the manifest's name live with the guard)
+
+BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+"""Commands that build; the others (egg_info, dist_info, sdist) need no type check and no compile."""
+
+
+def _say(text: str) -> None:
+    print(f"tensora build: {text}", file=sys.stderr)
+
+
+def _manifest() -> Path:
+    return SRC / "tensora" / native.MANIFEST
+
+
+def _why_not() -> str | None:
+    if os.environ.get(native.PURE_ENV, "") not in ("", "0"):
+        return f"{native.PURE_ENV} is set"
+    if not BUILDS.intersection(sys.argv[1:]):
+        return "nothing to build"
+    return native.no_compiler()
+
+
+def _ext_modules() -> list[Any]:
+    _manifest().unlink(missing_ok=True)
+    why = _why_not()
+    if why is not None:
+        if why != "nothing to build":
+            _say(f"pure Python: {why}")
+        return []
+    from mypyc.build import mypycify
+
+    paths = [str(native.source(m).relative_to(HERE)) for m in native.COMPILED]
+    # the group type-checked alone: the build's environment has none of the runtime's libraries, and the
+    # compiled modules import none of them
+    exts: list[Any] = mypycify(["--config-file", "pyproject.toml", "--ignore-missing-imports", *paths],
+                               group_name=native.GROUP, opt_level="3")
+    _manifest().write_text(json.dumps({"sources": {m: native.digest(native.source(m)) for m in native.COMPILED}},
+                                      indent=1, sort_keys=True) + "\n")
+    return exts
+
+
+class OptionalBuildExt(build_ext):
+    """A compile that fails leaves a pure install, never a half-built group (nor an older build's files)."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:
+            _say(f"pure Python: the compile failed ({exc})")
+            _manifest().unlink(missing_ok=True)
+            for module in native.COMPILED:
+                if (old := native.built(module)) is not None:
+                    old.unlink()
+            self.extensions = []
+
+
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

@@ -1,0 +1,143 @@
+"""Tensora's compiled modules, and the guard that never lets a stale build run.
+
+Admission's hot path is compiled by mypyc (it ships with mypy) when Tensora is installed on a machine with a C
+compiler (``setup.py``): the same source, typed as it is, runs 1.3-2x faster as C extensions (figures: README,
+"Admission"). The ``.py`` files stay the source of truth and are what runs where nothing was compiled.
+
+A compiled module sits next to its source (an editable install builds in place), and Python imports the extension
+before the source: after an edit, or a checkout of other code, the old build would run instead of the new code. So
+the build writes the digest of each source it compiled (:data:`MANIFEST`), and :func:`guard` (run by ``import
+tensora``) makes the whole group load from source when any of them changed since, or when ``TENSORA_PURE`` is
+set. A group is all or nothing: its modules call each other natively, so one stale module cannot be swapped alone.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from importlib.abc import MetaPathFinder
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from types import ModuleType
+
+COMPILED: tuple[str, ...] = (
+    "tensora.placement.capacity",
+    "tensora.placement.admission",
+    "tensora.placement.admission_state",
+    "tensora.control.ledger",
+    "tensora.control.apply",
+    "tensora.control.reconcile",
+    "tensora.control.snapshot",
+    "tensora.control.replay",
+)
+"""The modules compiled, in one group (one shared library, ``GROUP__mypyc``). Each is typed strictly (mypy's
+``strict`` override in pyproject.toml) and patched by no test."""
+
+GROUP = "tensora_native"
+MANIFEST = "_native_build.json"
+"""Written by the build next to this file: ``{"sources": {module: sha256 of its source}}``."""
+
+PURE_ENV = "TENSORA_PURE"
+"""Set (to anything but empty or ``0``) to run the pure Python modules although a build is there."""
+
+_ROOT = Path(__file__).resolve().parent.parent  # the folder holding the tensora package
+
+
+class NativeStaleWarning(UserWarning):
+    """A compiled build is there but older than its source: the source runs (slower) until it is rebuilt."""
+
+
+def source(module: str) -> Path:
+    return _ROOT.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def built(module: str) -> Path | None:
+    """The module's compiled extension next to its source, if there is one."""
+    src = source(module)
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = src.with_suffix(suffix)
+        if path.exists():
+            return path
+    return None
+
+
+def digest(path: Path) -> str:
+    import hashlib  # only where a build is there: the pure install never pays for it
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def no_compiler() -> str | None:
+    """What this machine lacks to compile the group (``None``: nothing)."""
+    import shutil
+    import sysconfig
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        return f"no C compiler ({compiler})"
+    if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
+        return "no Python headers (Python.h)"
+    return None
+
+
+def why_pure() -> str | None:
+    """Why the group runs from source (``None``: it runs compiled)."""
+    if not any(built(m) for m in COMPILED):
+        return "not compiled (no C compiler at install, or TENSORA_PURE set then)"
+    if os.environ.get(PURE_ENV, "") not in ("", "0"):
+        return f"{PURE_ENV} is set"
+    try:
+        sources = json.loads((_ROOT / "tensora" / MANIFEST).read_text())["sources"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"the build's manifest ({MANIFEST}) is missing or unreadable"
+    for module in COMPILED:
+        if built(module) is None:
+            return f"{module} was not compiled"
+        if sources.get(module) != digest(source(module)):
+            return f"{source(module)} changed since it was compiled (pip install -e . compiles it again)"
+    return None
+
+
+class _FromSource(MetaPathFinder):
+    """Finds the group's modules, once the first of them is imported: from source when :func:`why_pure` says so,
+    else leaves them to the usual finders (which take the extension)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.decided = False
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None,
+                  ) -> ModuleSpec | None:
+        if fullname not in COMPILED:
+            return None
+        if not self.decided:
+            self.decided = True
+            self.reason = why_pure()
+            if self.reason is not None and not self.reason.startswith(("not compiled", PURE_ENV)):
+                warnings.warn(f"tensora: admission runs from source, slower: {self.reason}", NativeStaleWarning,
+                              stacklevel=2)
+        if self.reason is None:
+            return None
+        return importlib.util.spec_from_file_location(fullname, source(fullname))
+
+
+_finder = _FromSource()
+
+
+def guard() -> None:
+    """Put the finder first on ``sys.meta_path`` (once). Costs a set lookup per import until a compiled module
+    is asked for; then one check of the sources' digests."""
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def compiled() -> bool:
+    """Whether the group runs compiled in this process (imports it if it is not yet)."""
+    import tensora.placement.admission as admission
+
+    return not str(admission.__file__).endswith(".py")

@@ -1,8 +1,8 @@
 """The build: everything is in pyproject.toml but the compiled modules (``tensora.native``).
 
 Where a C compiler is at hand, mypyc (it ships with mypy, a build requirement pinned to the version the type check
-uses) compiles the modules of ``tensora.native.COMPILED`` into one group; where it is not, or ``TENSORA_PURE`` is
-set, or the compile fails, Tensora installs as pure Python and says so. The digest of each source compiled is
+uses) compiles the groups of modules of ``tensora.native.GROUPS``; where it is not, or ``TENSORA_PURE`` is set, or
+the compile fails, Tensora installs as pure Python and says so. The digest of each source compiled is
 written to ``tensora/_native_build.json``: ``tensora.native.guard`` runs the source instead of a build that no
 longer matches it.
 """
@@ -43,21 +43,42 @@ def _why_not() -> str | None:
     return native.no_compiler()
 
 
-def _ext_modules() -> list[Any]:
+def _drop_builds() -> None:
+    """An earlier build's files in the source tree (an editable install's): a pure build leaves none behind."""
     _manifest().unlink(missing_ok=True)
+    for group, modules in native.GROUPS.items():
+        for module in modules:
+            if (old := native.built(module)) is not None:
+                old.unlink()
+        for lib in SRC.glob(f"{group}__mypyc.*"):
+            lib.unlink()
+
+
+def _ext_modules() -> list[Any]:
     why = _why_not()
+    if why == "nothing to build":
+        return []
+    _manifest().unlink(missing_ok=True)  # written again once the group is type-checked and its C made
     if why is not None:
-        if why != "nothing to build":
-            _say(f"pure Python: {why}")
+        _say(f"pure Python: {why}")
+        _drop_builds()
         return []
     from mypyc.build import mypycify
 
-    paths = [str(native.source(m).relative_to(HERE)) for m in native.COMPILED]
-    # the group type-checked alone: the build's environment has none of the runtime's libraries, and the
-    # compiled modules import none of them
-    exts: list[Any] = mypycify(["--config-file", "pyproject.toml", "--ignore-missing-imports", *paths],
-                               group_name=native.GROUP, opt_level="3")
-    _manifest().write_text(json.dumps({"sources": {m: native.digest(native.source(m)) for m in native.COMPILED}},
+    exts: list[Any] = []
+    for group, modules in native.GROUPS.items():
+        paths = [str(native.source(m).relative_to(HERE)) for m in modules]
+        try:
+            # type-checked where the runtime's libraries are not installed (an isolated build): their types are
+            # Any, which the compiled modules' hot paths do not touch
+            exts += mypycify(["--config-file", "pyproject.toml", "--ignore-missing-imports", *paths],
+                             group_name=group, opt_level="3")
+        except (Exception, SystemExit) as exc:  # mypyc exits on a type error
+            _say(f"pure Python: mypyc refused {group} ({exc})")
+            _drop_builds()
+            return []
+    compiled = [m for modules in native.GROUPS.values() for m in modules]
+    _manifest().write_text(json.dumps({"sources": {m: native.digest(native.source(m)) for m in compiled}},
                                       indent=1, sort_keys=True) + "\n")
     return exts
 
@@ -70,11 +91,7 @@ class OptionalBuildExt(build_ext):
             super().run()
         except Exception as exc:
             _say(f"pure Python: the compile failed ({exc})")
-            _manifest().unlink(missing_ok=True)
-            for module in native.COMPILED:
-                if (old := native.built(module)) is not None:
-                    old.unlink()
-            self.extensions = []
+            _drop_builds()
 
 
 setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

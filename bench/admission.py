@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tensora import native
 from tensora.config.catalog import default_catalog
 from tensora.placement.admission import Place, Queued, Wait, decide
 from tensora.placement.admission_state import AdmissionState, ReplicaEnded, Submitted, step
@@ -259,7 +260,8 @@ def main() -> int:
     runs = 1 if args.quick else 3
     catalog = default_catalog()
 
-    print(f"admission benchmark ({'quick' if args.quick else 'full'}): best of {runs} run(s) per size")
+    print(f"admission benchmark ({'quick' if args.quick else 'full'}): best of {runs} run(s) per size; "
+          f"admission {native.why_pure() or 'compiled'} (tensora.native)")
     print(f"{'queued':>8} {'nodes':>6} {'decide s':>9} {'decisions/s':>12} {'t/nlogn':>8} "
           f"{'base s':>8} {'x base':>7} {'place':>7} {'wait':>7}")
     rows: dict[int, tuple[float, float]] = {}

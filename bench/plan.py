@@ -42,6 +42,7 @@ from pathlib import Path
 import yaml
 
 from admission import CPU_CLASSES, FALLBACKS, GPU_NODES, fleet_parts
+from tensora import native
 from tensora.config.catalog import default_catalog
 from tensora.control import fleet
 from tensora.placement.kinds import WorkloadKind
@@ -163,7 +164,8 @@ def main() -> int:
     sizes = [(200, "90m"), (600, "90m")] if args.quick else [(1_000, "90m"), (3_000, "90m"), (10_000, "90m"),
                                                                    (100_000, "24h")]
     sizes = [(n, span) for n, span in sizes if args.up_to is None or n <= args.up_to]
-    print(f"plan benchmark ({'quick' if args.quick else 'full'}): one run per size")
+    print(f"plan benchmark ({'quick' if args.quick else 'full'}): one run per size; "
+          f"admission {native.why_pure() or 'compiled'} (tensora.native)")
     print(f"{'workloads':>9} {'nodes':>6} {'span':>5} {'process s':>9} {'replay s':>9} {'in step':>7} "
           f"{'us/wl':>7} {'x 1st':>5} {'placed':>7} {'queued':>7}")
     rows: list[Figures] = []

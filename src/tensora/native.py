@@ -25,20 +25,26 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType
 
-COMPILED: tuple[str, ...] = (
-    "tensora.placement.capacity",
-    "tensora.placement.admission",
-    "tensora.placement.admission_state",
-    "tensora.control.ledger",
-    "tensora.control.apply",
-    "tensora.control.reconcile",
-    "tensora.control.snapshot",
-    "tensora.control.replay",
-)
-"""The modules compiled, in one group (one shared library, ``GROUP__mypyc``). Each is typed strictly (mypy's
-``strict`` override in pyproject.toml) and patched by no test."""
+ADMISSION = "tensora_admission"
 
-GROUP = "tensora_native"
+GROUPS: dict[str, tuple[str, ...]] = {
+    ADMISSION: (
+        "tensora.placement.kinds",
+        "tensora.placement.catalog",
+        "tensora.placement.capacity",
+        "tensora.placement.admission",
+        "tensora.placement.admission_state",
+        "tensora.control.ledger",
+        "tensora.control.apply",
+        "tensora.control.reconcile",
+        "tensora.control.snapshot",
+        "tensora.control.replay",
+    ),
+}
+"""The modules compiled, by group: each group is one shared library (``<group>__mypyc``) whose modules call each
+other natively. Each module is typed strictly (mypy's ``strict`` override in pyproject.toml), and no test patches
+one of its functions (a compiled call does not look the name up)."""
+
 MANIFEST = "_native_build.json"
 """Written by the build next to this file: ``{"sources": {module: sha256 of its source}}``."""
 
@@ -85,9 +91,10 @@ def no_compiler() -> str | None:
     return None
 
 
-def why_pure() -> str | None:
-    """Why the group runs from source (``None``: it runs compiled)."""
-    if not any(built(m) for m in COMPILED):
+def why_pure(group: str = ADMISSION) -> str | None:
+    """Why ``group`` runs from source (``None``: it runs compiled)."""
+    modules = GROUPS[group]
+    if not any(built(m) for m in modules):
         return "not compiled (no C compiler at install, or TENSORA_PURE set then)"
     if os.environ.get(PURE_ENV, "") not in ("", "0"):
         return f"{PURE_ENV} is set"
@@ -95,7 +102,7 @@ def why_pure() -> str | None:
         sources = json.loads((_ROOT / "tensora" / MANIFEST).read_text())["sources"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"the build's manifest ({MANIFEST}) is missing or unreadable"
-    for module in COMPILED:
+    for module in modules:
         if built(module) is None:
             return f"{module} was not compiled"
         if sources.get(module) != digest(source(module)):
@@ -104,24 +111,24 @@ def why_pure() -> str | None:
 
 
 class _FromSource(MetaPathFinder):
-    """Finds the group's modules, once the first of them is imported: from source when :func:`why_pure` says so,
+    """Finds a group's modules, once the first of them is imported: from source when :func:`why_pure` says so,
     else leaves them to the usual finders (which take the extension)."""
 
     def __init__(self) -> None:
-        self.reason: str | None = None
-        self.decided = False
+        self.group = {m: group for group, modules in GROUPS.items() for m in modules}
+        self.reasons: dict[str, str | None] = {}
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None,
                   ) -> ModuleSpec | None:
-        if fullname not in COMPILED:
+        group = self.group.get(fullname)
+        if group is None:
             return None
-        if not self.decided:
-            self.decided = True
-            self.reason = why_pure()
-            if self.reason is not None and not self.reason.startswith(("not compiled", PURE_ENV)):
-                warnings.warn(f"tensora: admission runs from source, slower: {self.reason}", NativeStaleWarning,
+        if group not in self.reasons:
+            reason = self.reasons[group] = why_pure(group)
+            if reason is not None and not reason.startswith(("not compiled", PURE_ENV)):
+                warnings.warn(f"tensora: {group} runs from source, slower: {reason}", NativeStaleWarning,
                               stacklevel=2)
-        if self.reason is None:
+        if self.reasons[group] is None:
             return None
         return importlib.util.spec_from_file_location(fullname, source(fullname))
 
@@ -136,8 +143,7 @@ def guard() -> None:
         sys.meta_path.insert(0, _finder)
 
 
-def compiled() -> bool:
-    """Whether the group runs compiled in this process (imports it if it is not yet)."""
-    import tensora.placement.admission as admission
-
-    return not str(admission.__file__).endswith(".py")
+def compiled(group: str = ADMISSION) -> bool:
+    """Whether ``group`` runs compiled in this process (imports its first module if it is not yet)."""
+    module = importlib.import_module(GROUPS[group][0])
+    return not str(module.__file__).endswith(".py")

@@ -3,6 +3,7 @@ and the migration down and up again."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -65,8 +66,21 @@ def test_what_moves_the_watermark(db: Database, case: tuple[Write, bool, bool]) 
         changed = repo.changed_workloads(conn, "local", mark)
     assert (moved.rows, moved.quotas) == (rows, quotas)
     assert changed == ({"w2"} if write is CASES["a workload created"][0] else {"w1"} if rows else set())
-    with db.read() as conn:  # the mark after: nothing since
-        assert repo.moved(conn, "local", moved.mark)[1:] == (False, False)
+    assert _quiet_after(db, moved.mark)  # the mark after: nothing since
+
+
+def _quiet_after(db: Database, mark: int) -> bool:
+    """Nothing moved since ``mark``, or since the mark read with it. On PostgreSQL a mark is its snapshot's xmin,
+    which a transaction of the server's own (autovacuum at the tables just written) can hold back for a moment:
+    that rereads, never misses, and the next mark passes it (seen once in a loaded run)."""
+    for _ in range(50):
+        with db.read() as conn:
+            now = repo.moved(conn, "local", mark)
+        if (now.rows, now.quotas) == (False, False):
+            return True
+        mark = now.mark
+        time.sleep(0.02)
+    return False
 
 
 def test_a_replica_in_another_region_moves_its_owners_use(db: Database) -> None:

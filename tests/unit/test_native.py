@@ -14,6 +14,7 @@ import pytest
 from tensora import native
 
 GROUP = ("pkg.a", "pkg.b")
+OTHER = ("pkg.c",)  # another group: fresh whatever the first one is
 EXT = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
@@ -22,13 +23,13 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fake install: two sources, an extension file beside each, and the manifest of their digests."""
     (tmp_path / "pkg").mkdir()
     (tmp_path / "tensora").mkdir()
-    for name in ("a", "b"):
+    for name in ("a", "b", "c"):
         (tmp_path / "pkg" / f"{name}.py").write_text(f"NAME = {name!r}\n")
         (tmp_path / "pkg" / f"{name}{EXT}").write_bytes(b"not loaded by these tests")
-    digests = {m: native.digest(tmp_path / "pkg" / f"{m[4:]}.py") for m in GROUP}
+    digests = {m: native.digest(tmp_path / "pkg" / f"{m[4:]}.py") for m in GROUP + OTHER}
     (tmp_path / "tensora" / native.MANIFEST).write_text(json.dumps({"sources": digests}))
     monkeypatch.setattr(native, "_ROOT", tmp_path)
-    monkeypatch.setattr(native, "COMPILED", GROUP)
+    monkeypatch.setattr(native, "GROUPS", {"g": GROUP, "other": OTHER})
     monkeypatch.delenv(native.PURE_ENV, raising=False)
     return tmp_path
 
@@ -69,7 +70,7 @@ CASES: dict[str, tuple[Callable[[Path, pytest.MonkeyPatch], None], str | None]] 
     "no manifest": (_no_manifest, "manifest (_native_build.json) is missing or unreadable"),
     "a manifest that is not JSON": (_garbled_manifest, "manifest (_native_build.json) is missing or unreadable"),
     "one module of the group not built": (_b_not_built, "pkg.b was not compiled"),
-    "nothing built": (_none_built, "not compiled"),
+    "nothing of the group built": (_none_built, "not compiled"),
     "TENSORA_PURE set": (_pure_asked, "TENSORA_PURE is set"),
 }
 
@@ -78,7 +79,7 @@ CASES: dict[str, tuple[Callable[[Path, pytest.MonkeyPatch], None], str | None]] 
 def test_why_the_group_runs_from_source(case: str, tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     change, reason = CASES[case]
     change(tree, monkeypatch)
-    why = native.why_pure()
+    why = native.why_pure("g")
     if reason is None:
         assert why is None
     else:
@@ -96,7 +97,8 @@ def test_a_stale_group_is_found_from_source_whole_and_said_once(tree: Path,
         spec_b = finder.find_spec("pkg.b", None)
     assert spec_a is not None and spec_a.origin == str(tree / "pkg" / "a.py")  # a itself is unchanged: still source
     assert spec_b is not None and spec_b.origin == str(tree / "pkg" / "b.py")
-    assert finder.find_spec("pkg.c", None) is None  # not of the group: the usual finders
+    assert finder.find_spec("pkg.c", None) is None  # the other group is fresh: the usual finders
+    assert finder.find_spec("pkg.d", None) is None  # of no group
 
 
 def test_a_fresh_group_is_left_to_the_usual_finders(tree: Path) -> None:
@@ -124,5 +126,6 @@ def test_import_tensora_puts_the_guard_first() -> None:
 
 
 def test_every_compiled_module_is_a_source_of_the_package() -> None:
-    for module in native.COMPILED:
-        assert native.source(module).is_file(), module
+    for modules in native.GROUPS.values():
+        for module in modules:
+            assert native.source(module).is_file(), module

@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from operator import attrgetter, itemgetter
@@ -369,8 +368,7 @@ def decide(
         return run_cycle(_priority_order(queue, running, policy), capacity.copy(), running, now, policy, quotas)
 
 
-@contextmanager
-def collector_paused() -> Iterator[None]:
+class collector_paused:
     """Python's cyclic garbage collector off for one cycle, then as it was.
 
     A cycle over a large queue allocates hundreds of thousands of objects that outlive it (its decisions,
@@ -378,13 +376,18 @@ def collector_paused() -> Iterator[None]:
     object of the process each time its oldest generation is due: six full walks in the first cycle of
     100,000 queued (bench/admission.py), about a third of its CPU. Reference counting frees what the cycle
     drops either way; what it keeps is walked once, by the first collection after. The gateway does the
-    same for its start-up (``tensora.gateway.server.quiet_gc``)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
+    same for its start-up (``tensora.gateway.server.quiet_gc``). A class, not a ``contextmanager``: entered
+    once per cycle, thousands of times in a plan, where a generator's setup cost more than the cycle's work."""
+
+    def __init__(self) -> None:
+        self.was = False
+
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was:
             gc.enable()
 
 

@@ -28,9 +28,8 @@ some queued, so a broken replay is noticed.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
+import os
 import random
 import subprocess
 import sys
@@ -103,7 +102,7 @@ class Figures:
     process_s: float
     replay_s: float
     step_share: float
-    """Of the replay, the share in ``admission_state.step`` (cProfile); the rest is reconcile, apply and the
+    """Of the replay, the share in ``admission_state.step`` (cProfile, from source); the rest is reconcile, apply and the
     events around it."""
     placed: int
     queued: int
@@ -124,29 +123,47 @@ def plan_process(nodes: Path, workloads: Path, at: str) -> tuple[float, dict[str
 
 
 def replay_times(nodes: Path, workloads: Path, span_s: float) -> tuple[float, float]:
-    """The replay alone, and (on a second, profiled run) the share of it spent in admission's ``step``."""
+    """The replay alone, and (on a second, profiled run, from source) the share of it spent in admission's
+    ``step``."""
     catalog = default_catalog()
     ns, ws = fleet.load_nodes(nodes), fleet.load_workloads(workloads, catalog)
     t0 = time.perf_counter()
     fleet.replay(ns, ws, catalog, span_s)
     secs = time.perf_counter() - t0
-    profile = cProfile.Profile()
-    profile.runcall(fleet.replay, ns, ws, catalog, span_s)
-    stats = pstats.Stats(profile)
-    table = stats.stats  # type: ignore[attr-defined]  # pstats' (file, line, name) -> (.., .., .., cumulative, ..)
-    step = sum(v[3] for k, v in table.items() if k[2] == "step" and k[0].endswith("admission_state.py"))
-    whole = sum(v[3] for k, v in table.items() if k[2] == "replay" and k[0].endswith("fleet.py"))
-    return secs, step / whole
+    return secs, step_share(nodes, workloads, span_s)
+
+
+_SHARE = """
+import cProfile, pstats, sys
+from tensora.config.catalog import default_catalog
+from tensora.control import fleet
+catalog = default_catalog()
+ns, ws = fleet.load_nodes(sys.argv[1]), fleet.load_workloads(sys.argv[2], catalog)
+profile = cProfile.Profile()
+profile.runcall(fleet.replay, ns, ws, catalog, float(sys.argv[3]))
+table = pstats.Stats(profile).stats  # (file, line, name) -> (.., .., .., cumulative, ..)
+step = sum(v[3] for k, v in table.items() if k[2] == "step" and k[0].endswith("admission_state.py"))
+whole = sum(v[3] for k, v in table.items() if k[2] == "replay" and k[0].endswith("replay.py"))
+print(step / whole)
+"""
+
+
+def step_share(nodes: Path, workloads: Path, span_s: float) -> float:
+    """cProfile's cumulative time of ``admission_state.step`` over that of the replay, in a child process that
+    runs from source (``TENSORA_PURE``): the profiler does not see into compiled functions."""
+    out = subprocess.run([sys.executable, "-c", _SHARE, str(nodes), str(workloads), str(span_s)],
+                         env={**os.environ, native.PURE_ENV: "1"}, capture_output=True, text=True, check=True)
+    return float(out.stdout)
 
 
 def measure(directory: Path, n: int, n_nodes: int, span: str) -> Figures:
     span_s = parse_duration(span)
     nodes, workloads = write_files(directory / f"{n}x{n_nodes}", n, n_nodes, span_s)
     process_s, states = plan_process(nodes, workloads, span)
-    replay_s, step_share = replay_times(nodes, workloads, span_s)
+    replay_s, share = replay_times(nodes, workloads, span_s)
     placed = states.get("running", 0) + states.get("starting", 0)
     assert placed >= 1 and states.get("queued", 0) >= 1, f"the plan looks broken: {states}"
-    return Figures(n, n_nodes, span_s, process_s, replay_s, step_share, placed, states.get("queued", 0))
+    return Figures(n, n_nodes, span_s, process_s, replay_s, share, placed, states.get("queued", 0))
 
 
 def main() -> int:

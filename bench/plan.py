@@ -102,8 +102,8 @@ class Figures:
     process_s: float
     replay_s: float
     step_share: float
-    """Of the replay, the share in ``admission_state.step`` (cProfile, from source); the rest is reconcile, apply and the
-    events around it."""
+    """Of the replay, the share in ``admission_state.step`` (cProfile, from source); the rest is reconcile, apply and
+    the events around it."""
     placed: int
     queued: int
 

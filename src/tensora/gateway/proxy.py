@@ -36,7 +36,7 @@ from tensora.gateway.call import HOP, Call, Failed, Options, Receive, Scope, Sen
 from tensora.gateway.chain import Backend, ServedBy
 from tensora.gateway.limits import Admission, Caller, Limiter, Quota, Refused
 from tensora.gateway.metering import Meter
-from tensora.gateway.metrics import NONE, GatewayMetrics
+from tensora.gateway.metrics import NONE, GatewayMetrics, ProbeCounts
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable
 from tensora.gateway.upstream import Client
@@ -68,6 +68,7 @@ class Gateway:
         self.idem: idempotency.Idempotency | None = None  # Idempotency-Key honoured when set
         self.metrics: GatewayMetrics | None = None  # counted when set (``metrics_listen``)
         self.tracing: Tracing | None = None  # a span per request when set (``tracing``); the walk's, per attempt
+        self.prober: ProbeCounts | None = None  # its probes counted in the metrics when set (``app.build``)
         self.on_startup: list[Callable[[], Awaitable[None]]] = []
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 

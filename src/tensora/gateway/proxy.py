@@ -291,13 +291,19 @@ class Gateway:
             return None
         call.admission = adm
 
-        # step 4: the chain
+        # step 4: the chain; the reservation settled whatever happens. Not with a ``finally``: compiled (mypyc), the
+        # end of one re-raises the exception the thread holds, which after the ``await`` in it may be another
+        # request's, one its code caught (seen: a Redis error ``settle`` had caught, raised again here as a 500).
         served: Served | None = None
+        failed: BaseException | None = None
         try:
             served = await self.walk.run(call)
-        finally:
-            used = served.prompt_tokens + served.completion_tokens if served is not None else 0
-            await self.limiter.settle(adm, used)
+        except BaseException as exc:  # a cancel too: raised again once the tokens are settled
+            failed = exc
+        used = served.prompt_tokens + served.completion_tokens if served is not None else 0
+        await self.limiter.settle(adm, used)
+        if failed is not None:
+            raise failed
         if served is not None and self.meter is not None:
             b = served.backend
             product = ("cross-region" if b.peer else "serverless" if served.served_by == ServedBy.SERVERLESS

@@ -260,7 +260,7 @@ def test_the_gateway_starts_its_prober_again_should_it_end(tmp_path: Path, caplo
             raise SystemError("what the prober does not catch")
         await asyncio.sleep(3600)
 
-    monkeypatch.setattr(gw.prober, "run", run)  # type: ignore[attr-defined]
+    monkeypatch.setattr(gw.prober, "run", run)
     with caplog.at_level(logging.CRITICAL, "tensora.gateway"), serving(gw):
         deadline = time.monotonic() + 10
         while len(runs) < 2:

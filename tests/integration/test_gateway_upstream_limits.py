@@ -226,21 +226,21 @@ def test_a_body_that_came_whole_is_taken_at_once_and_leaves_its_connection_reada
     """``read_now`` (the relay's way to a whole answer without a timer) takes a body that is all in. One that
     went past ``_HIGH`` on its last read paused the connection: taken, it must not go back to the pool paused
     (the next answer on it would never be read)."""
-    from tensora.gateway.upstream import _END, Response
+    from tensora.gateway.upstream import _END, Pool, Response, _Conn
 
-    class Conn:
-        def __init__(self) -> None:
-            self.loop = asyncio.new_event_loop()
-            self.paused = False
+    class Transport:  # what a connection asks of its transport here (a compiled Response takes only a real _Conn)
+        def get_extra_info(self, name: str) -> None:
+            return None
 
-        def pause(self) -> None:
-            self.paused = True
+        def pause_reading(self) -> None:
+            pass
 
-        def resume(self) -> None:
-            self.paused = False
+        def resume_reading(self) -> None:
+            pass
 
-    conn = Conn()
-    resp = Response(conn, 64 << 20)  # type: ignore[arg-type]
+    conn = _Conn(Pool("127.0.0.1", 9), asyncio.new_event_loop())
+    conn.connection_made(Transport())  # type: ignore[arg-type]
+    resp = Response(conn, 64 << 20)
     resp._push(b"a" * (_HIGH - 10))
     assert resp.read_now() is None and resp.ready()  # not all in yet
     resp._push(b"b" * 100)

@@ -37,7 +37,7 @@ async def _nothing(records: list[dict[str, Any]]) -> bool:
 def exported(tmp_path: Path) -> set[str]:
     """Every series name the three processes' collectors can expose."""
     gw = Gateway(Options(), RouteTable, MemoryLimiter(), Meter(tmp_path / "spool", _nothing))
-    gw.prober = Prober(gw)  # type: ignore[attr-defined]
+    gw.prober = Prober(gw)
     families = [*GatewayCollector(gw, GatewayMetrics(), gw.clock).collect(), *ControllerCollector().collect(),
                 *REGISTRY.collect()]
     return {f.name + s for f in families for s in SUFFIXES[f.type]}

@@ -334,9 +334,7 @@ def build(settings: GatewaySettings) -> Gateway:
 
     gw.on_startup.append(startup)
     gw.on_shutdown.append(shutdown)
-    gw.source = source  # type: ignore[attr-defined]
-    gw.prober = prober  # type: ignore[attr-defined]
-    gw.listener = listener  # type: ignore[attr-defined]
+    gw.prober = prober
     return gw
 
 

@@ -190,11 +190,11 @@ class DiskStore:
                 meta = _parse(data, now)[0]
                 if meta is None:
                     os.unlink(path)
-                    continue
-                total += len(data)
-                if meta.get("done"):
-                    own = meta.get("own", "")
-                    owners[own] = owners.get(own, 0) + len(data)
+                else:
+                    total += len(data)
+                    if meta.get("done"):
+                        own = meta.get("own", "")
+                        owners[own] = owners.get(own, 0) + len(data)
         self.owners = owners
         return total
 

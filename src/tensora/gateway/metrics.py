@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -36,8 +36,17 @@ _TRIGGERS = {"connect_timeout": "connect", "connect_refused": "connect", "connec
              "tls_error": "connect", "timeout": "ttft", "http_429": "429", "rate_limited": "429",
              "breaker_open": "breaker_open", "context_length_exceeded": "context_length",
              "context_too_small": "context_length", "reset": "reset", "deadline": "deadline"}
+
+
 SERVED_BY = frozenset(("replica", "cpu", "serverless", "fallback-model", NONE))  # a peer's header says it: bounded
 TRIGGERS = ("connect", "5xx", "ttft", "429", "breaker_open", "context_length", "reset", "deadline", OTHER)
+
+
+class ProbeCounts(Protocol):
+    """What the metrics read of the prober (``probe.Prober``): its probes by outcome."""
+
+    ok: int
+    failed: int
 
 
 def trigger(marker: str) -> str | None:
@@ -167,7 +176,7 @@ class GatewayCollector(Collector):
                        m.rejected)
         yield from self._breakers()
         yield from self._meter()
-        prober = getattr(gw, "prober", None)
+        prober = gw.prober
         if prober is not None:
             yield _counter("tensora_gateway_probes", "Active probes of ejected backends, by outcome",
                            ["outcome"], {"ok": prober.ok, "failed": prober.failed})

@@ -36,7 +36,7 @@ from tensora.gateway.call import HOP, Call, Failed, Options, Receive, Scope, Sen
 from tensora.gateway.chain import Backend, ServedBy
 from tensora.gateway.limits import Admission, Caller, Limiter, Quota, Refused
 from tensora.gateway.metering import Meter
-from tensora.gateway.metrics import NONE, GatewayMetrics
+from tensora.gateway.metrics import NONE, GatewayMetrics, ProbeCounts
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable
 from tensora.gateway.upstream import Client
@@ -68,6 +68,7 @@ class Gateway:
         self.idem: idempotency.Idempotency | None = None  # Idempotency-Key honoured when set
         self.metrics: GatewayMetrics | None = None  # counted when set (``metrics_listen``)
         self.tracing: Tracing | None = None  # a span per request when set (``tracing``); the walk's, per attempt
+        self.prober: ProbeCounts | None = None  # its probes counted in the metrics when set (``app.build``)
         self.on_startup: list[Callable[[], Awaitable[None]]] = []
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 
@@ -290,13 +291,19 @@ class Gateway:
             return None
         call.admission = adm
 
-        # step 4: the chain
+        # step 4: the chain; the reservation settled whatever happens. Not with a ``finally``: compiled (mypyc), the
+        # end of one re-raises the exception the thread holds, which after the ``await`` in it may be another
+        # request's, one its code caught (seen: a Redis error ``settle`` had caught, raised again here as a 500).
         served: Served | None = None
+        failed: BaseException | None = None
         try:
             served = await self.walk.run(call)
-        finally:
-            used = served.prompt_tokens + served.completion_tokens if served is not None else 0
-            await self.limiter.settle(adm, used)
+        except BaseException as exc:  # a cancel too: raised again once the tokens are settled
+            failed = exc
+        used = served.prompt_tokens + served.completion_tokens if served is not None else 0
+        await self.limiter.settle(adm, used)
+        if failed is not None:
+            raise failed
         if served is not None and self.meter is not None:
             b = served.backend
             product = ("cross-region" if b.peer else "serverless" if served.served_by == ServedBy.SERVERLESS

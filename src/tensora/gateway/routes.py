@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tensora.gateway.routedoc import OwnerDoc, RouteDocument
+from tensora.gateway.routedoc import RouteDocument
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,9 @@ def table_from_json(data: RouteDocument) -> RouteTable:
                       serverless=serverless, serverless_by_model={m: tuple(v) for m, v in by_model.items()})
 
 
-def _positive(row: OwnerDoc, name: Literal["requests_per_minute", "tokens_per_minute"]) -> int:
+def _positive(row: Mapping[str, object], name: Literal["requests_per_minute", "tokens_per_minute"]) -> int:
+    """``row`` as JSON came, not as an ``OwnerDoc``: compiled (mypyc), a value read as ``int`` is converted on the
+    way, a bool to 1, and the check below would never see it."""
     v = row[name]
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"owners: {name} of {row.get('owner')!r} is {v!r}, not a positive integer")

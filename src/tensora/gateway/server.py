@@ -463,8 +463,7 @@ class Server:
         inbox, life, outbox = await self._lifespan()
         server = await self.loop.create_server(lambda: _Conn(self), self.host, self.port, backlog=2048,
                                                reuse_address=True)
-        sock = server.sockets[0].getsockname()
-        self.bound = (sock[0], sock[1])
+        self.bound = _bound(server)
         if self.own_process:
             quiet_gc()
         sweep = asyncio.create_task(self._sweep())
@@ -485,6 +484,13 @@ class Server:
             life.cancel()
             with contextlib.suppress(BaseException):
                 await life
+
+
+def _bound(server: Any) -> tuple[str, int]:
+    """The address a server listens on. ``Any``: uvloop's ``sockets`` is a list where asyncio's types say a tuple,
+    which compiled code (mypyc) checks and refuses."""
+    name = server.sockets[0].getsockname()
+    return name[0], name[1]
 
 
 def quiet_gc(gen0: int = 50_000) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +44,12 @@ def _why_not() -> str | None:
     return native.no_compiler()
 
 
-def _drop_builds() -> None:
-    """An earlier build's files in the source tree (an editable install's): a pure build leaves none behind."""
-    _manifest().unlink(missing_ok=True)
-    for group, modules in native.GROUPS.items():
-        for module in modules:
+def _drop_builds(groups: Iterable[str] = native.GROUPS) -> None:
+    """An earlier build's files in the source tree (an editable install's): a group built pure leaves none."""
+    if set(groups) == set(native.GROUPS):
+        _manifest().unlink(missing_ok=True)
+    for group in groups:
+        for module in native.GROUPS[group]:
             if (old := native.built(module)) is not None:
                 old.unlink()
         for lib in SRC.glob(f"{group}__mypyc.*"):
@@ -66,18 +68,19 @@ def _ext_modules() -> list[Any]:
     from mypyc.build import mypycify
 
     exts: list[Any] = []
+    compiled: list[str] = []
     for group, modules in native.GROUPS.items():
         paths = [str(native.source(m).relative_to(HERE)) for m in modules]
         try:
             # type-checked where the runtime's libraries are not installed (an isolated build): their types are
-            # Any, which the compiled modules' hot paths do not touch
-            exts += mypycify(["--config-file", "pyproject.toml", "--ignore-missing-imports", *paths],
-                             group_name=group, opt_level="3")
+            # Any (so an ignore the full check needs may be unused here)
+            exts += mypycify(["--config-file", "pyproject.toml", "--ignore-missing-imports",
+                              "--no-warn-unused-ignores", *paths], group_name=group, opt_level="3")
         except (Exception, SystemExit) as exc:  # mypyc exits on a type error
-            _say(f"pure Python: mypyc refused {group} ({exc})")
-            _drop_builds()
-            return []
-    compiled = [m for modules in native.GROUPS.values() for m in modules]
+            _say(f"{group} stays pure Python: mypyc refused it ({exc})")
+            _drop_builds([group])
+            continue
+        compiled += modules
     _manifest().write_text(json.dumps({"sources": {m: native.digest(native.source(m)) for m in compiled}},
                                       indent=1, sort_keys=True) + "\n")
     return exts

@@ -42,8 +42,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
 }
 """The modules compiled, by group: each group is one shared library (``<group>__mypyc``) whose modules call each
-other natively. Each module is typed strictly (mypy's ``strict`` override in pyproject.toml), and no test patches
-one of its functions (a compiled call does not look the name up)."""
+other natively. Each module is typed, and no test patches one of its functions (a compiled call does not look
+the name up)."""
 
 MANIFEST = "_native_build.json"
 """Written by the build next to this file: ``{"sources": {module: sha256 of its source}}``."""

@@ -44,26 +44,26 @@ def _why_not() -> str | None:
     return native.no_compiler()
 
 
-def _drop_builds(groups: Iterable[str] = native.GROUPS) -> None:
-    """An earlier build's files in the source tree (an editable install's): a group built pure leaves none."""
-    if set(groups) == set(native.GROUPS):
+def _drop_builds(groups: Iterable[str] | None = None) -> None:
+    """An earlier build's files in the source tree (an editable install's), of ``groups`` or all (also those of
+    a group no longer listed: the package has no other native code), so a pure build leaves none behind."""
+    if groups is None:
         _manifest().unlink(missing_ok=True)
-    for group in groups:
-        for module in native.GROUPS[group]:
-            if (old := native.built(module)) is not None:
-                old.unlink()
-        for lib in SRC.glob(f"{group}__mypyc.*"):
-            lib.unlink()
+        olds = [*SRC.glob("tensora/**/*.so"), *SRC.glob("*__mypyc.*")]
+    else:
+        olds = [*(p for g in groups for m in native.GROUPS[g] if (p := native.built(m)) is not None),
+                *(p for g in groups for p in SRC.glob(f"{g}__mypyc.*"))]
+    for old in olds:
+        old.unlink()
 
 
 def _ext_modules() -> list[Any]:
     why = _why_not()
     if why == "nothing to build":
         return []
-    _manifest().unlink(missing_ok=True)  # written again once the group is type-checked and its C made
+    _drop_builds()  # the manifest is written again once the groups are type-checked and their C made
     if why is not None:
         _say(f"pure Python: {why}")
-        _drop_builds()
         return []
     from mypyc.build import mypycify
 

@@ -7,6 +7,7 @@ Parameter counts: ``7000000000``, ``"7B"``, ``"350M"``, ``"8.5e9"``.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from datetime import UTC, datetime
@@ -35,6 +36,13 @@ def parse_duration(value: object) -> float:
         return float(value)
     if not isinstance(value, str):
         raise ValueError(f"expected a duration such as 90s or 10m, got {value!r}")
+    return _parse_duration_text(value)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_duration_text(value: str) -> float:
+    """A duration's text, parsed once (a plan's files repeat a few texts tens of thousands of times); bounded, as
+    texts come from users."""
     text = value.strip().lower().replace(" ", "")
     if re.fullmatch(r"\d+(\.\d+)?", text):
         return float(text)

@@ -467,23 +467,32 @@ class Server:
         if self.own_process:
             quiet_gc()
         sweep = asyncio.create_task(self._sweep())
+        stopped: BaseException | None = None
         try:
             await stop.wait()
-        finally:
-            sweep.cancel()
-            server.close()
-            deadline = self.loop.time() + self.grace_s
-            while any(c.busy for c in self.conns) and self.loop.time() < deadline:
-                await asyncio.sleep(0.05)
-            for c in list(self.conns):
-                if c.transport is not None:
-                    c.transport.close()
-            await inbox.put({"type": "lifespan.shutdown"})
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(outbox.get(), self.grace_s)
-            life.cancel()
-            with contextlib.suppress(BaseException):
-                await life
+        except BaseException as exc:  # cancelled: shut down all the same, then raise it
+            stopped = exc  # out of the handler, as compiled code needs: test_gateway_compiled_rules
+        sweep.cancel()
+        server.close()
+        await self._shut_down(inbox, life, outbox)
+        if stopped is not None:
+            raise stopped
+
+    async def _shut_down(self, inbox: asyncio.Queue[dict[str, Any]], life: asyncio.Task[None],
+                         outbox: asyncio.Queue[Any]) -> None:
+        """Let the requests in flight end (up to ``grace_s``), close every connection, then the app's lifespan."""
+        deadline = self.loop.time() + self.grace_s
+        while any(c.busy for c in self.conns) and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for c in list(self.conns):
+            if c.transport is not None:
+                c.transport.close()
+        await inbox.put({"type": "lifespan.shutdown"})
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(outbox.get(), self.grace_s)
+        life.cancel()
+        with contextlib.suppress(BaseException):
+            await life
 
 
 def _bound(server: Any) -> tuple[str, int]:

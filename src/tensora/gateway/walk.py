@@ -152,18 +152,21 @@ class Walk:
                 continue
             ttft = min(b.ttft_s or self.o.ttft_s, deadline - now)
             alone = not b.peer and b.key in tiers.alone
+            failed: Failed | None = None
             try:
                 if alone or self.tracing is not None:
                     served = await self._attempt(call, b, ttft, alone=alone)
                 else:  # no retry to make here, no span: ``_once``'s work alone
                     served = await self._send(call, b, ttft, ())
             except Failed as f:
-                attempts.append(f"{b.key}:{f.kind}")
-                self._failed(b, breaker, f, hints)
-                if f.reply is not None:  # too long for this model: only the fallback models are left
+                failed = f  # out of the handler, as compiled code needs: test_gateway_compiled_rules
+            if failed is not None:
+                attempts.append(f"{b.key}:{failed.kind}")
+                self._failed(b, breaker, failed, hints)
+                if failed.reply is not None:  # too long for this model: only the fallback models are left
                     todo, i = chain.longer_context(todo[i:], b), 0
                     if not todo:  # none: the model server's own 400, as it said it
-                        return await self.relay.pass_through(call, *f.reply)
+                        return await self.relay.pass_through(call, *failed.reply)
                 continue
             if served.broken:  # a stream that stalled or dropped after its first token
                 breaker.failure(self.clock())

@@ -13,25 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tensora import native
+
 GATEWAY = Path(__file__).resolve().parents[2] / "src" / "tensora" / "gateway"
 
-COMPILED = (
-    "routes",
-    "breaker",
-    "chain",
-    "body",
-    "upstream",
-    "sse",
-    "call",
-    "relay",
-    "walk",
-    "limits",
-    "metrics",
-    "idempotency",
-    "proxy",
-    "server",
-)
-"""The gateway modules meant to be compiled together (issue 19)."""
+COMPILED = tuple(m.rsplit(".", 1)[1] for m in native.GROUPS[native.GATEWAY])
+"""The gateway modules compiled together (``tensora.native``)."""
 
 def _suspensions(body: list[ast.stmt]) -> list[ast.Await | ast.AsyncWith | ast.AsyncFor]:
     """Awaits (and async with/for) in a block, not counting those in functions or lambdas defined there:

@@ -22,22 +22,20 @@ optional ``stop_at`` (offsets such as ``0s``, ``2m``)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from tensora.config import yamlsource
-from tensora.control.replay import PlannedWorkload, Replayed, replay
+from tensora.control.replay import PlannedWorkload, PlanRow, replay, report
 from tensora.control.spec import WorkloadSpec, check_against
 from tensora.errors import FleetError, ModelFileError
 from tensora.models.validator import read_model
 from tensora.placement.admission import Policy, collector_paused
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
-from tensora.placement.kinds import ReplicaRole, WorkloadState
-from tensora.units import format_duration, parse_duration, parse_memory
+from tensora.units import parse_duration, parse_memory
 
 Memory = Annotated[int, BeforeValidator(parse_memory)]
 Offset = Annotated[float, BeforeValidator(parse_duration)]
@@ -181,29 +179,6 @@ def _workloads(path: Path, catalog: Catalog) -> list[PlannedWorkload]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class PlanRow:
-    """One workload at the reported moment (the ``-o json`` shape, plus ``restart_available``)."""
-
-    name: str
-    kind: str
-    requested_class: str
-    placed_class: str | None
-    state: str
-    reason: str
-    fallback_eligible_at: str | None
-    node: str | None = None
-    restart_available: bool = False
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "kind": self.kind, "requested_class": self.requested_class,
-            "placed_class": self.placed_class, "state": self.state, "reason": self.reason,
-            "fallback_eligible_at": self.fallback_eligible_at, "node": self.node,
-            "restart_available": self.restart_available,
-        }
-
-
 def plan(
     nodes: Sequence[Node], workloads: Sequence[PlannedWorkload], catalog: Catalog, at: float,
     policy: Policy | None = None,
@@ -213,26 +188,3 @@ def plan(
     Time 0 is the start of the plan; clock times in reasons read as offsets (00:10:00 = 10m).
     """
     return report(workloads, replay(nodes, workloads, catalog, at, policy))
-
-
-def report(workloads: Sequence[PlannedWorkload], replayed: Replayed) -> list[PlanRow]:
-    """Each workload's row, from the rows after a replay."""
-    ledger, offers = replayed.ledger, replayed.offers
-    rows = []
-    for pw in workloads:
-        spec, w = pw.spec, ledger.workloads.get(pw.spec.name)
-        if w is None:
-            rows.append(PlanRow(spec.name, spec.kind.value, spec.gpu_class, None, "not submitted",
-                                f"submitted at {format_duration(pw.submitted_at)}", None))
-            continue
-        reason = w.reason or f"submitted at {format_duration(pw.submitted_at)}"
-        if w.id in offers:
-            reason = f"{reason}; {offers[w.id]}"
-        queued = w.state is WorkloadState.QUEUED
-        eligible = format_duration(w.fallback_eligible_at) if w.fallback_eligible_at is not None and queued else None
-        primary = [r for r in ledger.replicas_of(w.id) if r.slot == 0 and r.role is ReplicaRole.PRIMARY]
-        node = primary[-1].node if primary and w.placed_class is not None else None
-        rows.append(PlanRow(spec.name, spec.kind.value, spec.gpu_class, w.placed_class, w.state.value, reason,
-                            eligible, node, w.id in offers))
-    return rows
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tensora.clock import FakeClock
 from tensora.control import snapshot
@@ -331,3 +332,48 @@ def _effects(driver: SimulatedDriver, models: dict[str, str | None],
         assert status.state in (ReplicaState.RUNNING, ReplicaState.STARTING)
     for replica_id in stop:
         driver.stop(replica_id)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    """One workload at the reported moment (the ``-o json`` shape, plus ``restart_available``)."""
+
+    name: str
+    kind: str
+    requested_class: str
+    placed_class: str | None
+    state: str
+    reason: str
+    fallback_eligible_at: str | None
+    node: str | None = None
+    restart_available: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "kind": self.kind, "requested_class": self.requested_class,
+            "placed_class": self.placed_class, "state": self.state, "reason": self.reason,
+            "fallback_eligible_at": self.fallback_eligible_at, "node": self.node,
+            "restart_available": self.restart_available,
+        }
+
+
+def report(workloads: Sequence[PlannedWorkload], replayed: Replayed) -> list[PlanRow]:
+    """Each workload's row, from the rows after a replay."""
+    ledger, offers = replayed.ledger, replayed.offers
+    rows = []
+    for pw in workloads:
+        spec, w = pw.spec, ledger.workloads.get(pw.spec.name)
+        if w is None:
+            rows.append(PlanRow(spec.name, spec.kind.value, spec.gpu_class, None, "not submitted",
+                                f"submitted at {format_duration(pw.submitted_at)}", None))
+            continue
+        reason = w.reason or f"submitted at {format_duration(pw.submitted_at)}"
+        if w.id in offers:
+            reason = f"{reason}; {offers[w.id]}"
+        queued = w.state is WorkloadState.QUEUED
+        eligible = format_duration(w.fallback_eligible_at) if w.fallback_eligible_at is not None and queued else None
+        primary = [r for r in ledger.replicas_of(w.id) if r.slot == 0 and r.role is ReplicaRole.PRIMARY]
+        node = primary[-1].node if primary and w.placed_class is not None else None
+        rows.append(PlanRow(spec.name, spec.kind.value, spec.gpu_class, w.placed_class, w.state.value, reason,
+                            eligible, node, w.id in offers))
+    return rows

@@ -1,8 +1,9 @@
 """The replay behind ``tensora plan``: the workloads' submissions and stops against the nodes, on a fake clock,
-with the controller's own steps (reconcile, admission, apply) over rows in memory.
+with the controller's own steps (reconcile, admission, apply) over rows in memory, and the report of each
+workload's state after it.
 
-Apart from ``control.fleet`` (the files and the report) so that it has no pydantic model of its own: it is one of
-the compiled modules (``tensora.native``), and a replay of 10,000 workloads is thousands of cycles.
+Apart from ``control.fleet`` (the files, read and validated) so that it has no pydantic model of its own: it is one
+of the compiled modules (``tensora.native``), and a replay of 10,000 workloads is thousands of cycles.
 """
 
 from __future__ import annotations

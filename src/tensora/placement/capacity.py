@@ -507,7 +507,6 @@ class Capacity:
     def copy(self) -> Capacity:
         """An independent working copy (admission never changes the caller's)."""
         other = Capacity((), (), self.catalog)  # then made a copy: compiled (tensora.native), no object.__new__
-        other.catalog = self.catalog
         other.nodes = self.nodes
         other.reserves = self.reserves
         other.index = self.index

@@ -149,17 +149,20 @@ def test_wait_timeout_exits_3_and_the_workload_keeps_waiting(cli: Cli) -> None:
 def test_a_workload_stopped_while_waited_for_exits_5(cli: Cli) -> None:
     waiter = cli.popen("notebook", "create", "doomed", "--gpu-class", "l40s-48gb", "--wait", "--timeout", "60s")
     try:
-        deadline = time.monotonic() + 30
-        while not [w for w in cli.json("workloads", "list")["data"]
-                   if w["name"] == "doomed" and w["reason"].startswith("waiting for")]:
-            assert time.monotonic() < deadline and waiter.poll() is None
-            time.sleep(0.2)
+        # stopped once the waiter has shown the wait (the row saying it is not enough: the waiter polls, and a
+        # stop between its polls would pass from "queued for" to "stopped" without it); it times out at 60 s
+        seen = []
+        while not seen or "doomed: queued: waiting for l40s-48gb" not in seen[-1]:
+            line = waiter.stderr.readline() if waiter.stderr is not None else ""
+            assert line, f"the waiter ended before it showed the wait: {seen}"
+            seen.append(line)
         cli("workloads", "stop", "doomed")
-        _, err = waiter.communicate(timeout=30)
+        _, rest = waiter.communicate(timeout=30)
     finally:
         if waiter.poll() is None:
             waiter.kill()
             waiter.wait()
+    err = "".join(seen) + rest
     assert waiter.returncode == 5, err
     assert "doomed: queued: waiting for l40s-48gb" in err and "is stopped" in err
     cli("workloads", "delete", "doomed")

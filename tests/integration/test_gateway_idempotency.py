@@ -56,7 +56,7 @@ class Spooled:
     """A gateway's meter, and the usage records it spooled."""
 
     def __init__(self, path: Path) -> None:
-        async def never(records: list[dict[str, Any]]) -> bool:
+        async def never(records: list[bytes]) -> bool:
             return False
         self.meter = Meter(path, never)
 

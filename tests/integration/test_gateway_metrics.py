@@ -56,7 +56,7 @@ def scrape(port: int) -> str:
 def test_story_then_scrape(backends: Backends, tmp_path: Path) -> None:
     refused: list[int] = []
 
-    async def control_api_down(records: list[dict[str, Any]]) -> bool:
+    async def control_api_down(records: list[bytes]) -> bool:
         refused.append(len(records))
         return False
 

@@ -30,7 +30,7 @@ NAME = re.compile(r"\btensora_[a-z0-9_]+\b")
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
 
 
-async def _nothing(records: list[dict[str, Any]]) -> bool:
+async def _nothing(records: list[bytes]) -> bool:
     return True
 
 

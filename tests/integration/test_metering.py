@@ -25,11 +25,12 @@ class ControlPlane:
         self.seen: dict[str, dict[str, Any]] = {}
         self.calls = 0
 
-    async def send(self, records: list[dict[str, Any]]) -> bool:
+    async def send(self, records: list[bytes]) -> bool:
         self.calls += 1
         if not self.up:
             raise ConnectionRefusedError("control API down")
-        for r in records:
+        for line in records:
+            r = orjson.loads(line)
             self.seen.setdefault(r["id"], r)  # as the API does: an id seen before is not counted again
         return True
 
@@ -75,7 +76,7 @@ def test_big_batches_go_in_parts_and_a_part_resent_is_not_counted_twice(tmp_path
     cp = ControlPlane()
     sent: list[int] = []
 
-    async def flaky(records: list[dict[str, Any]]) -> bool:
+    async def flaky(records: list[bytes]) -> bool:
         sent.append(len(records))
         if len(sent) == 2:
             return False  # the second part is refused: the whole file stays
@@ -161,7 +162,7 @@ def test_a_batch_is_on_disk_file_and_directory_before_it_is_sent(tmp_path: Path,
     monkeypatch.setattr(metering.os, "fsync", fsync)
     checked: list[str] = []
 
-    async def send(records: list[dict[str, Any]]) -> bool:
+    async def send(records: list[bytes]) -> bool:
         (batch,) = m.batches()
         for p in (batch, tmp_path):
             assert (p.stat().st_dev, p.stat().st_ino) in synced, p
@@ -189,16 +190,16 @@ def test_the_sender_logs_an_unexpected_error_and_goes_on(tmp_path: Path, caplog:
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     cp = ControlPlane()
     m = Meter(tmp_path, cp.send, flush_s=0.01)
-    real_read = m._read
-    calls: list[Path] = []
+    real_settle = m._settle
+    calls: list[int] = []
 
-    def read(f: Path) -> list[dict[str, Any]]:
-        calls.append(f)
+    def settle() -> None:
+        calls.append(1)
         if len(calls) == 1:
-            raise PermissionError(13, "Permission denied", str(f))  # an operator's chmod, a full disk...
-        return real_read(f)
+            raise PermissionError(13, "Permission denied", str(tmp_path))  # an operator's chmod, a full disk...
+        real_settle()
 
-    monkeypatch.setattr(m, "_read", read)
+    monkeypatch.setattr(m, "_settle", settle)
 
     async def go() -> None:
         m.record(rec(0))
@@ -216,7 +217,7 @@ def test_a_send_that_raises_keeps_the_batch_and_the_sender_alive(tmp_path: Path)
     cp = ControlPlane()
     failures = [RuntimeError("a bug in the client"), TimeoutError(), ConnectionResetError()]
 
-    async def send(records: list[dict[str, Any]]) -> bool:
+    async def send(records: list[bytes]) -> bool:
         if failures:
             raise failures.pop(0)
         return await cp.send(records)
@@ -302,3 +303,89 @@ def test_a_file_set_aside_by_a_gateway_that_died_is_sent_by_the_next(tmp_path: P
     asyncio.run(again.flush())
     assert sorted(cp.seen) == ["req_0", "req_1"] and list(tmp_path.glob("*.jsonl")) == []
     again.close()
+
+
+# -- what is read record by record, and what is not ----------------------------------------------------------
+
+
+class _Counted:
+    """orjson as the meter sees it, counting the lines it parses."""
+
+    def __init__(self) -> None:
+        self.parsed = 0
+        self.dumps = orjson.dumps
+        self.JSONDecodeError = orjson.JSONDecodeError
+
+    def loads(self, data: bytes) -> Any:
+        self.parsed += 1
+        return orjson.loads(data)
+
+
+def test_a_batch_this_gateway_wrote_whole_is_sent_unparsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = _Counted()
+    monkeypatch.setattr(metering, "orjson", counted)
+    cp = ControlPlane()
+    m = Meter(tmp_path, cp.send)
+    for i in range(BATCH + 5):
+        m.record(rec(i))
+    asyncio.run(m.flush())  # sent from memory
+    assert counted.parsed == 0 and len(cp.seen) == BATCH + 5 and m.sent == BATCH + 5 and m.batches() == []
+    cp.up = False
+    for i in range(BATCH + 5, BATCH + 10):
+        m.record(rec(i))
+    asyncio.run(m.flush())  # kept on disk, and no longer in memory: the outage may last
+    assert len(m.batches()) == 1 and m._held == {}
+    cp.up = True
+    asyncio.run(m.flush())  # read again, and split, not parsed
+    assert counted.parsed == 0 and len(cp.seen) == BATCH + 10 and m.batches() == []
+    m.close()
+
+
+class _DiskFills:
+    """The spool's file on a disk that fills: the next write puts half its bytes down, then fails."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.full = True
+
+    def write(self, data: bytes) -> int:
+        if self.full:
+            self.full = False
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+        return int(self.f.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+def test_a_batch_written_across_a_failed_write_is_read_record_by_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    counted = _Counted()
+    monkeypatch.setattr(metering, "orjson", counted)
+    cp = ControlPlane()
+    m = Meter(tmp_path, cp.send)
+    m.record(rec(0))  # no loop: written at once
+    m._file = _DiskFills(m._file)  # type: ignore[assignment]
+    with pytest.raises(OSError, match="No space"):
+        m.record(rec(1))
+    m.record(rec(2))  # space again: the pending record 1 goes with it
+    asyncio.run(m.flush())
+    assert sorted(cp.seen) == ["req_0", "req_1", "req_2"] and m.bad == 1 and counted.parsed == 4
+    (bad,) = (tmp_path / "bad").iterdir()
+    line = orjson.dumps(rec(1))
+    assert bad.read_bytes() == line[: (len(line) + 1) // 2] + b"\n"  # the torn half, on a line of its own
+    m.close()
+
+
+def test_a_line_another_writer_appended_to_the_current_file_is_checked(tmp_path: Path) -> None:
+    cp = ControlPlane()
+    m = Meter(tmp_path, cp.send)
+    m.record(rec(0))
+    with m.current.open("ab") as f:  # not this gateway's: the file is no longer what it wrote
+        f.write(b'{"id": "req_torn", "comp\n')
+    m.record(rec(1))
+    asyncio.run(m.flush())
+    assert sorted(cp.seen) == ["req_0", "req_1"] and m.bad == 1 and m.sent == 2
+    m.close()

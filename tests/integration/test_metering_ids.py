@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -140,10 +141,10 @@ def test_a_batch_resent_after_a_crash_is_counted_once(plane: Plane, tmp_path: Pa
     spool sends it again, with the same ids."""
     posted: list[int] = []
 
-    async def send_then_die(records: list[dict[str, Any]]) -> bool:
+    async def send_then_die(records: list[bytes]) -> bool:
         async with httpx.AsyncClient() as c:
-            r = await c.post(f"{plane.url}/v1/gateway/usage", json={"records": records},
-                             headers={"Authorization": f"Bearer {plane.st.admin}"})
+            r = await c.post(f"{plane.url}/v1/gateway/usage", content=b'{"records":[' + b",".join(records) + b"]}",
+                             headers={"Authorization": f"Bearer {plane.st.admin}", "Content-Type": "application/json"})
         posted.append(r.json()["new"])
         if len(posted) == 1:
             raise ConnectionResetError("the answer was lost")
@@ -185,10 +186,11 @@ def inproc(backends: Backends, tmp_path_factory: pytest.TempPathFactory) -> Iter
     db = Database(str(tmp_path_factory.mktemp("db") / "t.db"))
     db.migrate()
 
-    async def send(records: list[dict[str, Any]]) -> bool:
+    async def send(records: list[bytes]) -> bool:
         from tensora.api.schemas import UsageBatch
 
-        rows = [r.model_dump() for r in UsageBatch.model_validate({"records": records}).records]
+        batch = UsageBatch.model_validate({"records": [orjson.loads(x) for x in records]})
+        rows = [r.model_dump() for r in batch.records]
         with db.write() as conn:
             repo.insert_token_usage(conn, rows)
         return True

@@ -254,8 +254,8 @@ def build(settings: GatewaySettings) -> Gateway:
     usage_url = settings.control_url.rstrip("/") + "/v1/gateway/usage"
     client: dict[str, httpx.AsyncClient] = {}
 
-    async def send_usage(records: list[dict[str, Any]]) -> bool:
-        r = await client["c"].post(usage_url, content=orjson.dumps({"records": records}),
+    async def send_usage(records: list[bytes]) -> bool:
+        r = await client["c"].post(usage_url, content=b'{"records":[' + b",".join(records) + b"]}",
                                    headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
         if r.status_code >= 400:
             log.warning("usage batch refused: %s %s", r.status_code, r.text[:200])

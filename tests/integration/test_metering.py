@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,11 @@ from typing import Any
 import orjson
 import pytest
 
-from tensora.gateway import metering
+from tensora.gateway import app, metering
 from tensora.gateway.app import GatewaySettings, build
 from tensora.gateway.metering import BATCH, Meter
+from tensora.gateway.proxy import Gateway
+from tests.support import services
 from tests.support.gateway_harness import serving
 
 
@@ -256,6 +259,77 @@ def test_the_gateway_starts_its_usage_sender_again_should_it_end(tmp_path: Path,
             assert time.monotonic() < deadline, caplog.text
             time.sleep(0.02)
     assert len(runs) == 2 and "the usage sender stopped" in caplog.text and "SystemError" in caplog.text
+
+
+class UsageSink:
+    """A control API's usage route that answers what it is told, batch by batch, and keeps what it took."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        self.statuses = statuses
+        self.took: list[dict[str, Any]] = []
+        self.auth: list[str] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        status = self.statuses.pop(0) if self.statuses else 200
+        self.auth.append(dict(scope["headers"]).get(b"authorization", b"").decode())
+        if status == 200:
+            self.took += orjson.loads(body)["records"]
+        answer = b'{"detail": "records[0].id: too long"}' if status == 422 else b"{}"
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": answer})
+
+
+@pytest.mark.parametrize(("statuses", "kept", "taken", "logged"), [
+    pytest.param([200], 0, 3, None, id="taken"),
+    pytest.param([503, 503], 1, 0, "usage batch refused: 503", id="control API failing: kept"),
+    pytest.param([429, 429], 1, 0, "usage batch refused: 429", id="control API busy: kept"),
+    pytest.param([422], 0, 0, "usage batch refused: 422 {\"detail\": \"records[0].id: too long\"}",
+                 id="refused for good: logged, not sent again"),
+])
+def test_the_gateway_sends_its_usage_to_the_control_api(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, statuses: list[int],
+        kept: int, taken: int, logged: str | None) -> None:
+    monkeypatch.setenv("TENSORA_GATEWAY_KEY", "the-gateway-key")
+    sink = UsageSink(statuses)
+    with services.serving(sink) as live:
+        gw = build(GatewaySettings(data_dir=tmp_path, control_url=live.url, startup_grace_s=60))
+        assert gw.meter is not None
+        for i in range(3):
+            gw.meter.record(rec(i))
+        asyncio.run(flush_then_stop(gw))  # the stop flushes again: a kept batch is tried once more
+    assert len(gw.meter.batches()) == kept and [r["id"] for r in sink.took] == [f"req_{i}" for i in range(taken)]
+    assert set(sink.auth) == {"Bearer the-gateway-key"}
+    assert (logged in caplog.text) if logged else "refused" not in caplog.text
+
+
+async def flush_then_stop(gw: Gateway) -> None:
+    assert gw.meter is not None
+    await gw.meter.flush()
+    for stop in gw.on_shutdown:
+        await stop()
+
+
+def test_a_control_api_that_never_answers_keeps_the_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENSORA_GATEWAY_KEY", "k")
+    monkeypatch.setattr(app, "USAGE_TIMEOUT_S", 0.2)
+    with socket.socket() as quiet:  # takes the connection, reads nothing, answers nothing
+        quiet.bind(("127.0.0.1", 0))
+        quiet.listen()
+        gw = build(GatewaySettings(data_dir=tmp_path, control_url=f"http://127.0.0.1:{quiet.getsockname()[1]}",
+                                   startup_grace_s=60))
+        assert gw.meter is not None
+        gw.meter.record(rec(0))
+        asyncio.run(flush_then_stop(gw))
+    assert len(gw.meter.batches()) == 1 and gw.meter.failures == 2
 
 
 # -- the disk's waits are not the requests' --------------------------------------------------------------

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from tensora.gateway.metrics import OTHER, TRIGGERS, Capped, GatewayMetrics, Histogram, trigger
+from tensora.gateway.metrics import OTHER, TRIGGERS, Capped, GatewayMetrics, trigger
 
 MARKERS = [  # (marker, trigger): every kind walk.py and relay.py put in X-Tensora-Attempts
     ("my-llm/r1:connect_refused", "connect"),
@@ -55,14 +55,15 @@ def test_capped_keeps_the_first_values_and_never_more(values: list[str], cap: in
 
 
 def test_histogram_exposition_parses_back() -> None:
-    h = Histogram((0.1, 1.0))
+    m = GatewayMetrics()
     for v in (0.05, 0.1, 0.5, 3.0):
-        h.observe(("replica",), v)
+        m.served("a/x", "replica", "replica", 200, False, 10.0, None, 10.0 + v, [])
+    _, _, h = m.families()
     reg = CollectorRegistry()
 
     class One:
         def collect(self):  # type: ignore[no-untyped-def]
-            yield h.family("t_seconds", "t", ["tier"])
+            yield h.family("t_seconds", "t", ["tier", "stream", "code"])
 
     reg.register(One())  # type: ignore[arg-type]
     from prometheus_client import generate_latest
@@ -79,12 +80,22 @@ def test_endpoint_label_is_capped() -> None:
     m = GatewayMetrics(max_labels=2)
     for name in ("a/x", "b/y", "c/z", "d/w", "a/x"):
         m.served(name, "replica", "replica", 200, False, 0.0, 0.01, 0.02, [])
-    assert {k[0] for k in m.requests} == {"a/x", "b/y", OTHER}
-    assert m.requests[(OTHER, "replica", "replica", 200)] == 2
+    requests = m.families()[0]
+    assert {k[0] for k in requests} == {"a/x", "b/y", OTHER}
+    assert requests[(OTHER, "replica", "replica", 200)] == 2
+
+
+def test_rows_stay_as_few_as_the_labels() -> None:
+    m = GatewayMetrics(max_labels=2)
+    for i in range(1000):  # a tenant making endpoints, a peer saying anything
+        m.served(f"o/e{i}", "peer", f"said {i}", 200, i % 2 == 0, 0.0, 0.01, 0.02, [])
+    assert set(m.rows) == {("o/e0", "peer", OTHER, 200, True), ("o/e1", "peer", OTHER, 200, False),
+                           (OTHER, "peer", OTHER, 200, True), (OTHER, "peer", OTHER, 200, False)}
+    assert sum(r.requests for r in m.rows.values()) == 1000
 
 
 def test_a_peers_served_by_is_bounded() -> None:
     m = GatewayMetrics()
     m.served("a/x", "peer", "replica", 200, False, 0.0, 0.01, 0.02, [])
     m.served("a/x", "peer", "anything a peer says", 200, False, 0.0, 0.01, 0.02, [])
-    assert set(m.requests) == {("a/x", "peer", "replica", 200), ("a/x", "peer", OTHER, 200)}
+    assert set(m.families()[0]) == {("a/x", "peer", "replica", 200), ("a/x", "peer", OTHER, 200)}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(slots=True)  # not frozen: made once a request, and a frozen dataclass is slower to make
+@dataclass(slots=True, init=False)  # made once a request: see ``call.Call`` for why the __init__ of its own
 class Body:
     obj: dict[str, Any]  # as it came; passed upstream with ``model`` replaced
     model: str
@@ -22,6 +22,11 @@ class Body:
     include_usage: bool  # a stream whose client asked for the usage chunk
     reserve: int  # tokens to reserve at admission: the prompt estimate + what the answers may take
     least: int = 0  # a lower bound on the context it needs: the prompt at 8 characters a token + max_tokens
+
+    def __init__(self, obj: dict[str, Any], model: str, stream: bool, include_usage: bool, reserve: int,
+                 least: int = 0) -> None:
+        self.obj, self.model, self.stream, self.include_usage, self.reserve, self.least = \
+            obj, model, stream, include_usage, reserve, least
 
 
 @dataclass(frozen=True, slots=True)

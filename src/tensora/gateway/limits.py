@@ -59,7 +59,7 @@ class Refused(StrEnum):
     UNAVAILABLE = "unavailable"  # the shared limiter is down and fails closed: a 503, not a 429
 
 
-@dataclass(slots=True)  # not frozen: made once a request, and a frozen dataclass is slower to make
+@dataclass(slots=True, init=False)  # made once a request: see ``call.Call`` for why the __init__ of its own
 class Admission:
     ok: bool
     window: int  # which minute (epoch // 60) the reservation is in
@@ -72,6 +72,13 @@ class Admission:
     caller: Caller | None = None  # whose windows hold the reservation (for settle)
     reserved: int = 0
     local: bool = False  # admitted by a gateway's own windows (Redis down, or no Redis)
+
+    def __init__(self, ok: bool, window: int, quota: Quota, requests: int, tokens: int, reset_s: float,
+                 reason: Refused | None = None, scope: str = "", caller: Caller | None = None, reserved: int = 0,
+                 local: bool = False) -> None:
+        self.ok, self.window, self.quota, self.requests, self.tokens = ok, window, quota, requests, tokens
+        self.reset_s, self.reason, self.scope, self.caller = reset_s, reason, scope, caller
+        self.reserved, self.local = reserved, local
 
     @property
     def retry_after(self) -> int:

@@ -221,7 +221,7 @@ class Gateway:
         served = call.served if call is not None else None
         b = served.backend if served is not None else None
         m.served(f"{call.endpoint.owner}/{call.endpoint.name}" if call is not None else NONE,
-                 NONE if b is None else "peer" if b.peer else b.served_by.value,
+                 NONE if b is None else "peer" if b.peer else b.served_by,
                  served.served_by if served is not None else NONE, head[0],
                  call is not None and call.stream, start, head[1], clock(), call.attempts if call else [])
         return call

@@ -31,9 +31,11 @@ class Relay:
 
     def __init__(self, options: Options, clock: Callable[[], float]) -> None:
         self.o, self.clock = options, clock
+        self._fixed: dict[str, tuple[Backend, Headers]] = {}  # by backend key: see ``_ok``
 
     def headers(self, call: Call, b: Backend, resp: Reply | None, ok: str) -> tuple[Headers, str, str]:
-        served_by, region = b.served_by.value, b.region
+        served_by: str = b.served_by  # a StrEnum is its value (``.value`` runs interpreted Python)
+        region = b.region
         if b.peer:  # the peer says what served it there
             assert resp is not None
             served_by = (resp.header(b"x-tensora-served-by") or b"replica").decode("latin-1")
@@ -54,10 +56,26 @@ class Relay:
         """The headers of a success from ``b`` after its content type (and length), what served it, and where."""
         ready = call.ready
         if ready is not None and ready[0] is b:  # made while it was awaited (``prepare``)
-            return ready[1], b.served_by.value, b.region
+            return ready[1], b.served_by, b.region
+        if not b.peer and not call.attempts:  # the first backend answered: its headers, but the id and limits, kept
+            fixed = self._fixed.get(b.key)
+            if fixed is None or fixed[0] is not b:
+                fixed = self._fixed_ok(b)
+            return [(b"x-request-id", call.rid.encode()), *fixed[1], *call.limit_headers()], b.served_by, b.region
         headers, served_by, region = self.headers(call, b, resp, "ok")
         return [(b"x-request-id", call.rid.encode()), (b"x-tensora-region", region.encode()), *headers], \
             served_by, region
+
+    def _fixed_ok(self, b: Backend) -> tuple[Backend, Headers]:
+        """What ``_ok`` answers for a success of ``b`` at the first attempt, between the request id and the limits:
+        the same every time, made once (by backend: one that changes in the route table is a new one)."""
+        if len(self._fixed) >= 10_000:  # replicas come and go: bounded
+            self._fixed.clear()
+        fixed = self._fixed[b.key] = (b, [
+            (b"x-tensora-region", b.region.encode()), (b"x-tensora-served-by", b.served_by.encode()),
+            (b"x-tensora-fallback", b"false" if b.served_by is ServedBy.REPLICA else b"true"),
+            (b"x-tensora-attempts", f"{b.key}:ok".encode())])
+        return fixed
 
     async def pass_through(self, call: Call, headers: Headers, data: bytes, served: Served) -> Served:
         """Pass a backend's client error through unchanged (its status and body), with the whole trail."""
@@ -85,7 +103,7 @@ class Relay:
             await answer(call.send, 502, error_body(
                 f"the model server's answer is over {self.o.max_upstream_body_bytes} bytes", "server_error",
                 "upstream_too_large"), call.rid, self.o.region, self.headers(call, b, resp, "body_too_large")[0])
-            return Served(b, b.served_by.value, b.region, status=502)
+            return Served(b, b.served_by, b.region, status=502)
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -113,7 +131,7 @@ class Relay:
         events = sse.Events(self.o.max_sse_event_bytes)
         held: list[bytes] = []
         sending = False  # the head is out: from here a failure ends the stream with an error event
-        served = Served(b, b.served_by.value, b.region)
+        served = Served(b, b.served_by, b.region)
         content = counted = 0
         done = False
         idle_by = deadline

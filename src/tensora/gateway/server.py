@@ -45,6 +45,7 @@ _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, phrase) for code, phrase i
 
 _FIELD = b": ".join  # a header's line, without its CRLF
 
+_ASGI = {"version": "3.0"}  # every request's scope["asgi"]: one dict, not one a request (an app reads it)
 _LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, then close
 
 
@@ -332,7 +333,7 @@ class _Conn(asyncio.Protocol):
     async def _run(self, req: _Request) -> bool:
         """Answer ``req``; whether the connection goes on to the next request."""
         path, _, query = req.url.partition(b"?")
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+        scope = {"type": "http", "asgi": _ASGI, "http_version": "1.1",
                  "method": req.method.decode("latin-1"), "path": path.decode("latin-1"), "raw_path": path,
                  "query_string": query, "headers": req.headers, "server": self.server.bound, "client": self.peer}
         body = req.body[0] if len(req.body) == 1 else b"".join(req.body)

@@ -153,25 +153,30 @@ class Meter:
         just written is sent from memory; one kept for later is read again (memory stays bounded while the
         control API is down)."""
         async with self._flushing:  # the sender's and the shutdown's never interleave
-            self._close_current()
-            await asyncio.to_thread(self._settle)
-            for f in self.batches():
-                records = self._held.pop(f.name, None)
-                if records is None:
-                    records = await asyncio.to_thread(self._read, f)
-                for i in range(0, len(records), BATCH):  # a part sent again after a failure is not counted twice
-                    try:
-                        ok = await self.send(records[i:i + BATCH])
-                    except Exception as exc:  # the control API is down or slow: keep the batch for later
-                        log.warning("usage batch %s not sent (%s); kept for later", f.name, type(exc).__name__)
-                        ok = False
-                    if not ok:
-                        self.failures += 1
-                        self._held.clear()
-                        return
-                self.sent += len(records)
-                await asyncio.to_thread(f.unlink)
-                self._whole.discard(f.name)
+            try:
+                await self._send_spooled()
+            finally:
+                self._held.clear()  # what a flush did not send is on disk: memory holds nothing past it
+
+    async def _send_spooled(self) -> None:
+        self._close_current()
+        await asyncio.to_thread(self._settle)
+        for f in self.batches():
+            records = self._held.pop(f.name, None)
+            if records is None:
+                records = await asyncio.to_thread(self._read, f)
+            for i in range(0, len(records), BATCH):  # a part sent again after a failure is not counted twice
+                try:
+                    ok = await self.send(records[i:i + BATCH])
+                except Exception as exc:  # the control API is down or slow: keep the batch for later
+                    log.warning("usage batch %s not sent (%s); kept for later", f.name, type(exc).__name__)
+                    ok = False
+                if not ok:
+                    self.failures += 1
+                    return
+            self.sent += len(records)
+            await asyncio.to_thread(f.unlink)
+            self._whole.discard(f.name)
 
     def _read(self, f: Path) -> list[bytes]:
         """The batch's records, each as its JSON. A batch this process wrote whole is split into its lines; any

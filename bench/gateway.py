@@ -9,7 +9,8 @@ The same bounded loopback load goes to:
   outage (the control URL is a sink that has no route table);
 * **litellm**: the LiteLLM proxy (own venv, ``pip install 'litellm[proxy]'``), two deployments and a
   fallback group, a master key, no database, ``LITELLM_LOCAL_MODEL_COST_MAP=True``;
-* **vllm-router**: the Rust router (own venv, ``pip install vllm-router``), round robin.
+* **vllm-router**: the Rust router (own venv, ``pip install vllm-router``), round robin;
+* **tensora busy-poll**: tensora again with busy polling on (``busy_poll_us``, off by default; ``--busy-poll-us``).
 
 The proxies are pinned to one core (``--proxy-cpu``: all of them, the multi-threaded vllm-router too) and
 the load generator and backends to the other (``--load-cpu``), so proxies compare per core. All of them run
@@ -181,14 +182,16 @@ def venv(peers: Path, name: str, package: str, exe: str) -> Path | None:
     return bin_
 
 
-def gateway_settings(tmp: Path, sink: str, port: int, *, consecutive: int = 5, metrics: bool | None = True) -> str:
+def gateway_settings(tmp: Path, sink: str, port: int, *, consecutive: int = 5, metrics: bool | None = True,
+                     busy_poll_us: int = 0) -> str:
     """``metrics``: on (the default, as shipped), off, or None: the setting left out (a --baseline-src tree from
-    before metrics would refuse it)."""
+    before metrics would refuse it). ``busy_poll_us``: 0 (the default) leaves the setting out."""
     return json.dumps({"data_dir": str(tmp), "control_url": sink, "port": port, "region": "bench",
                        "requests_per_minute": 10**9, "tokens_per_minute": 10**12, "poll_s": 5,
                        "breaker_consecutive": consecutive, "log_level": "error",
                        **({} if metrics is None else
-                          {"metrics_listen": f"127.0.0.1:{free_port()}" if metrics else None})})
+                          {"metrics_listen": f"127.0.0.1:{free_port()}" if metrics else None}),
+                       **({"busy_poll_us": busy_poll_us} if busy_poll_us else {})})
 
 
 def write_routes(tmp: Path, key: str, urls: list[str]) -> None:
@@ -216,11 +219,13 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline-src", type=Path, help="also the gateway of another source tree (its src/, e.g. "
                     "of `git archive main`) as 'tensora baseline', in the same rounds: an A/B of a change")
+    ap.add_argument("--busy-poll-us", type=int, default=100, help="also tensora with busy polling on, this many µs "
+                    "(the setting busy_poll_us, off by default), as 'tensora busy-poll'; 0: not")
     ap.add_argument("--metrics", action="store_true", help="also tensora with its metrics off and on, alternately "
                     "(--rounds each), in the same run: what counting them costs")
     a = ap.parse_args()
     if a.quick:
-        a.duration, a.streams, a.no_peers, a.rounds = 1.0, 30, True, 1
+        a.duration, a.streams, a.no_peers, a.rounds, a.busy_poll_us = 1.0, 30, True, 1, 0
     if (os.cpu_count() or 1) < 2:
         a.proxy_cpu = a.load_cpu = None
     if shutil.which("wrk") is None:
@@ -249,6 +254,15 @@ def main() -> int:
                                               tmp / "gateway.log", f"http://127.0.0.1:{port}/healthz",
                                               env={"TENSORA_GATEWAY_SETTINGS": gateway_settings(tmp, sink, port)}))
                 targets["tensora"] = (f"http://127.0.0.1:{port}", key)
+                if a.busy_poll_us:  # the same gateway with busy polling on (opt-in): its own data dir, spool, port
+                    bdir = tmp / "busy-poll"
+                    write_routes(bdir, key, [f"{b}/v1" for b in backs[:2]])
+                    port = free_port()
+                    proxies.enter_context(process(
+                        [*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"], bdir / "gateway.log",
+                        f"http://127.0.0.1:{port}/healthz", env={"TENSORA_GATEWAY_SETTINGS": gateway_settings(
+                            bdir, sink, port, busy_poll_us=a.busy_poll_us)}))
+                    targets["tensora busy-poll"] = (f"http://127.0.0.1:{port}", key)
                 if a.baseline_src is not None:
                     bdir = tmp / "baseline"
                     write_routes(bdir, key, [f"{b}/v1" for b in backs[:2]])
@@ -372,7 +386,7 @@ def report(results: dict[str, Any]) -> None:
         r["added_over_direct"] = added
         rows.append(f"{name} +{added['p50_ms']:.3f} ms")
     print(", ".join(rows))
-    for name in ("tensora", "tensora baseline"):
+    for name in ("tensora", "tensora busy-poll", "tensora baseline"):
         t = results.get(name)
         for peer in ("litellm", "vllm-router"):
             if t is not None and peer in results:  # round by round: the same minutes of a shared machine

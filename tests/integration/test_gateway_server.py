@@ -5,6 +5,7 @@ the lifespan, and a graceful stop that lets a request in flight finish."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -151,3 +152,57 @@ def test_a_server_that_is_its_process_keeps_the_collector_out_of_the_tail(own: b
                          text=True, timeout=60, check=True).stdout.split()
     frozen, gen0 = int(out[0]), int(out[1])
     assert (frozen > 10_000 and gen0 == 50_000) if own else (frozen == 0 and gen0 == 700), out
+
+
+# -- busy polling (opt-in) ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def started(**kw: Any) -> Iterator[Server]:
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    srv = Server(app, "127.0.0.1", free_port(), grace_s=5, **kw)
+    t = threading.Thread(target=lambda: loop.run_until_complete(srv.serve(stop)), daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while srv.bound is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        yield srv
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        t.join(10)
+        loop.close()
+
+
+def test_busy_polling_spins_after_traffic_and_stops_once_it_ends() -> None:
+    with started(busy_poll_s=0.005) as srv:
+        assert srv.spin is not None and srv.spin.turns == 0  # nothing came: it sleeps as before
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}") as c:
+            for i in range(20):
+                r = c.post(f"/p{i}", content=b"x")
+                assert r.status_code == 201 and r.text == "got x "
+        spun = srv.spin.turns
+        assert spun > 20  # it polled between the requests
+        time.sleep(0.2)  # 40 windows: traffic ended, and so did the spinning
+        assert not srv.spin.on
+        idle = srv.spin.turns
+        time.sleep(0.2)
+        assert srv.spin.turns == idle  # idle: no turn at all
+
+
+def test_by_default_the_loop_never_spins() -> None:
+    with started() as srv, httpx.Client(base_url=f"http://127.0.0.1:{srv.port}") as c:
+        assert c.post("/x", content=b"y").status_code == 201
+        assert srv.busy_poll_s == 0 and srv.spin is None
+
+
+@pytest.mark.parametrize("bad", [-1, 10_001])
+def test_busy_poll_us_is_bounded(tmp_path: Any, bad: int) -> None:
+    from pydantic import ValidationError
+
+    from tensora.gateway.app import GatewaySettings
+
+    with pytest.raises(ValidationError, match="busy_poll_us"):
+        GatewaySettings(data_dir=tmp_path, busy_poll_us=bad)

@@ -415,6 +415,21 @@ def test_a_batch_this_gateway_wrote_whole_is_sent_unparsed(tmp_path: Path, monke
     m.close()
 
 
+def test_a_batch_past_the_memory_bound_is_read_back_unparsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = _Counted()
+    monkeypatch.setattr(metering, "orjson", counted)
+    monkeypatch.setattr(metering, "HELD_BYTES", 1000)  # a few records' worth
+    cp = ControlPlane()
+    m = Meter(tmp_path, cp.send)
+    for i in range(50):
+        m.record(rec(i))
+    m._close_current()
+    assert m._held == {}  # past the bound: not kept in memory (a long usage_flush_s would hold it all)
+    asyncio.run(m.flush())
+    assert counted.parsed == 0 and len(cp.seen) == 50 and m.batches() == []
+    m.close()
+
+
 class _DiskFills:
     """The spool's file on a disk that fills: the next write puts half its bytes down, then fails."""
 

@@ -121,6 +121,8 @@ class GatewaySettings(BaseModel):
                                  "Retry-After beyond")
     max_pipelined: int = Field(default=8, ge=1, description="requests queued behind the one in flight on a "
                                "connection: reading stops there")
+    busy_poll_us: int = Field(default=0, ge=0, le=10_000, description="busy polling: after each request in and "
+                              "answer out, poll this long rather than sleep (latency for CPU; 0: off; see README)")
     write_buffer_bytes: int = Field(default=64 << 10, ge=1024, description="answer bytes a client that does not "
                                     "read may leave waiting: reading it and its stream stop there")
     max_upstream_body_bytes: int = Field(default=32 << 20, ge=1024, description="a model server's whole answer: "
@@ -353,4 +355,4 @@ def run(settings: GatewaySettings, quiet: bool = False) -> None:
               f"routes from {settings.control_url})", flush=True)
         if settings.metrics_listen:
             print(f"gateway metrics on http://{settings.metrics_listen}/metrics", flush=True)
-    server.run(gw, settings.host, settings.port, limits=settings.limits())
+    server.run(gw, settings.host, settings.port, limits=settings.limits(), busy_poll_s=settings.busy_poll_us / 1e6)

@@ -34,6 +34,7 @@ import orjson
 log = logging.getLogger("tensora.gateway")
 
 BATCH = 1000  # records a request: what the control API takes at once
+HELD_BYTES = 16 << 20  # a batch's records kept in memory to be sent without reading the file back, at most
 
 Send = Callable[[list[bytes]], Awaitable[bool]]  # records, each as its JSON object; True: taken
 
@@ -54,7 +55,7 @@ class Meter:
         self.failures = 0  # batches the control API did not take (down, refused, 5xx): kept for later
         self._seq = int(time.time() * 1000)
         self._bytes = 0  # written whole to the current file by this process: a file of another size is checked
-        self._lines: list[bytes] = []  # ...and those records
+        self._lines: list[bytes] | None = []  # ...and those records, up to ``HELD_BYTES`` (None past it)
         self._whole: set[str] = set()  # batches made of such files: their lines need no checking
         self._held: dict[str, list[bytes]] = {}  # the records of such batches not yet sent: no need to read them
         self._flushing = asyncio.Lock()
@@ -94,7 +95,11 @@ class Meter:
                 f.close()
             raise
         self._bytes += len(data)
-        self._lines += self._pending
+        if self._lines is not None:
+            if self._bytes <= HELD_BYTES:
+                self._lines += self._pending
+            else:  # a long flush_s or a flood: the batch is read back when it goes, not held
+                self._lines = None
         self._pending.clear()
 
     def _close_current(self) -> None:
@@ -112,7 +117,8 @@ class Meter:
             os.replace(self.current, self.dir / f"closing-{self._seq:016d}.jsonl")
             if f is not None and size == self._bytes:  # its every line a record this process wrote whole
                 self._whole.add(f"batch-{self._seq:016d}.jsonl")
-                self._held[f"batch-{self._seq:016d}.jsonl"] = self._lines
+                if self._lines is not None:
+                    self._held[f"batch-{self._seq:016d}.jsonl"] = self._lines
         self._lines = []
 
     def _settle(self) -> None:

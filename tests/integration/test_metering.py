@@ -13,6 +13,10 @@ from typing import Any
 
 import orjson
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from tensora.gateway import app, metering
 from tensora.gateway.app import GatewaySettings, build
@@ -268,24 +272,15 @@ class UsageSink:
         self.statuses = statuses
         self.took: list[dict[str, Any]] = []
         self.auth: list[str] = []
+        self.app = Starlette(routes=[Route("/v1/gateway/usage", self.usage, methods=["POST"])])
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+    async def usage(self, request: Request) -> Response:
         status = self.statuses.pop(0) if self.statuses else 200
-        self.auth.append(dict(scope["headers"]).get(b"authorization", b"").decode())
+        self.auth.append(request.headers.get("authorization", ""))
         if status == 200:
-            self.took += orjson.loads(body)["records"]
+            self.took += orjson.loads(await request.body())["records"]
         answer = b'{"detail": "records[0].id: too long"}' if status == 422 else b"{}"
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": answer})
+        return Response(answer, status, media_type="application/json")
 
 
 @pytest.mark.parametrize(("statuses", "kept", "taken", "logged"), [
@@ -300,7 +295,7 @@ def test_the_gateway_sends_its_usage_to_the_control_api(
         kept: int, taken: int, logged: str | None) -> None:
     monkeypatch.setenv("TENSORA_GATEWAY_KEY", "the-gateway-key")
     sink = UsageSink(statuses)
-    with services.serving(sink) as live:
+    with services.serving(sink.app) as live:
         gw = build(GatewaySettings(data_dir=tmp_path, control_url=live.url, startup_grace_s=60))
         assert gw.meter is not None
         for i in range(3):

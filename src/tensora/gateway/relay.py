@@ -25,6 +25,13 @@ log = logging.getLogger("tensora.gateway")
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
+def _what_served(b: Backend, served_by: str, trail: str) -> Headers:
+    """X-Tensora-Served-By, -Fallback and -Attempts of an answer ``b`` gave (``trail``: the attempts, its own last)."""
+    fallback = b.peer or b.served_by is not ServedBy.REPLICA
+    return [(b"x-tensora-served-by", served_by.encode()), (b"x-tensora-fallback", b"true" if fallback else b"false"),
+            (b"x-tensora-attempts", trail.encode())]
+
+
 class Relay:
     """Sends a backend's answer on; each call returns what served it (``Served``), or raises ``Failed`` while the
     client has seen nothing yet."""
@@ -40,11 +47,8 @@ class Relay:
             assert resp is not None
             served_by = (resp.header(b"x-tensora-served-by") or b"replica").decode("latin-1")
             region = (resp.header(b"x-tensora-region") or b.region.encode()).decode("latin-1")
-        fallback = b.peer or b.served_by is not ServedBy.REPLICA
         trail = ",".join([*call.attempts, f"{b.key}:{ok}"])
-        return [(b"x-tensora-served-by", served_by.encode()),
-                (b"x-tensora-fallback", b"true" if fallback else b"false"),
-                (b"x-tensora-attempts", trail.encode()), *call.limit_headers()], served_by, region
+        return [*_what_served(b, served_by, trail), *call.limit_headers()], served_by, region
 
     def prepare(self, call: Call, b: Backend) -> None:
         """While ``b`` works on the request (``Upstream.post``'s ``meanwhile``): the headers of its answer should it
@@ -71,10 +75,8 @@ class Relay:
         the same every time, made once (by backend: one that changes in the route table is a new one)."""
         if len(self._fixed) >= 10_000:  # replicas come and go: bounded
             self._fixed.clear()
-        fixed = self._fixed[b.key] = (b, [
-            (b"x-tensora-region", b.region.encode()), (b"x-tensora-served-by", b.served_by.encode()),
-            (b"x-tensora-fallback", b"false" if b.served_by is ServedBy.REPLICA else b"true"),
-            (b"x-tensora-attempts", f"{b.key}:ok".encode())])
+        fixed = self._fixed[b.key] = (b, [(b"x-tensora-region", b.region.encode()),
+                                          *_what_served(b, b.served_by, f"{b.key}:ok")])
         return fixed
 
     async def pass_through(self, call: Call, headers: Headers, data: bytes, served: Served) -> Served:

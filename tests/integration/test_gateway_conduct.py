@@ -132,6 +132,82 @@ def test_a_kept_alive_connection_closed_while_it_idled_is_replaced_before_the_re
     assert backends.requests("r1") - before == 3
 
 
+class Polls:
+    """An idle connection's ``poll``, counted: whether ``unused`` asked the socket."""
+
+    def __init__(self, conn: Any) -> None:
+        self.real, self.calls = conn.poll, 0
+        conn.poll = self
+
+    def poll(self, timeout: int) -> list[tuple[int, int]]:
+        self.calls += 1
+        return self.real.poll(timeout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("loop", "asked"), [("uvloop", 0), ("asyncio", 1)])
+def test_a_connection_idle_since_the_loop_read_is_taken_without_asking_its_socket(backends: Backends, loop: str,
+                                                                                  asked: int) -> None:
+    """On uvloop a read handed on since the connection went idle means the loop's I/O phase ran since, and saw
+    any close that came before it: the socket is not asked again (a syscall per request). asyncio's loop runs its
+    I/O after the callbacks already queued: there it is always asked."""
+    async def go() -> tuple[int, int, int]:
+        c = Client()
+        try:
+            assert await _send(c, backends.url("r1")) == 200
+            (conn,) = c.pools[("http", "127.0.0.1", backends.ports["r1"])].idle
+            polls = Polls(conn)
+            assert await _send(c, backends.url("r2")) == 200  # reads on another connection: the loop turned
+            return await _send(c, backends.url("r1")), polls.calls, len(c.pools[("http", "127.0.0.1",
+                                                                                   backends.ports["r1"])].idle)
+        finally:
+            c.close()
+
+    before = backends.requests("r1")
+    assert LOOPS[loop](go()) == (200, asked, 1)  # the same connection, back in its pool
+    assert backends.requests("r1") - before == 2
+
+
+def test_a_connection_taken_again_before_the_loop_read_asks_its_socket(backends: Backends) -> None:
+    """Released and taken in the same turn of the loop (nothing read since, as under load): its socket is asked."""
+    async def go() -> int:
+        c = Client()
+        try:
+            assert await _send(c, backends.url("r1")) == 200
+            pool = c.pools[("http", "127.0.0.1", backends.ports["r1"])]
+            polls = Polls(pool.idle[0])
+            conn = pool.take()
+            assert conn is not None
+            conn.close()
+            return polls.calls
+        finally:
+            c.close()
+
+    assert uvloop.run(go()) == 1
+
+
+@pytest.mark.parametrize("run", LOOPS.values(), ids=LOOPS.keys())
+def test_a_close_the_loop_saw_while_the_connection_idled_is_never_written_to(backends: Backends,
+                                                                             run: Callable[[Any], Any]) -> None:
+    """The attack on the socket not being asked: the upstream closed the idle connection, and the loop has read
+    since (another connection's answer). The close was seen in that turn: the request goes once, on a fresh
+    connection, as no failure at all."""
+    async def go() -> list[int]:
+        c = Client()
+        try:
+            backends.mode("r1", "close_idle")  # answers, then closes the kept-alive connection
+            first = await _send(c, backends.url("r1"))
+            await asyncio.sleep(0.1)  # the close comes in
+            second = await _send(c, backends.url("r2"))  # a read: the count moves
+            third = await _send(c, backends.url("r1"))
+            return [first, second, third]
+        finally:
+            c.close()
+
+    before = backends.requests("r1")
+    assert run(go()) == [200, 200, 200]
+    assert backends.requests("r1") - before == 2
+
+
 @pytest.mark.parametrize("run", LOOPS.values(), ids=LOOPS.keys())
 def test_a_write_that_fails_at_once_goes_again_on_a_fresh_connection(backends: Backends, run: Callable[[Any], Any],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:

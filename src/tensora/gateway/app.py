@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Coroutine
@@ -277,7 +278,8 @@ def build(settings: GatewaySettings) -> Gateway:
                                connect_timeout_s=settings.redis_connect_timeout_s,
                                fail_mode=settings.redis_fail_mode, replicas=settings.replicas,
                                probe_s=settings.redis_probe_s)
-    gw = Gateway(settings.options(), lambda: source.table, limiter, meter)
+    # the table's getter runs on every request: C parts alone (a lambda here ran as interpreted Python)
+    gw = Gateway(settings.options(), functools.partial(getattr, source, "table"), limiter, meter)
     gw.idem = Idempotency(
         DiskStore(settings.dir / "idempotency", settings.idempotency_max_total_bytes,
                   settings.idempotency_max_owner_bytes),

@@ -36,7 +36,7 @@ from typing import Any
 
 import httptools
 
-from tensora.gateway.upstream import nodelay
+from tensora.gateway.upstream import LOOP_READS, nodelay
 
 log = logging.getLogger("tensora.gateway")
 
@@ -197,6 +197,7 @@ class _Conn(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        LOOP_READS.n += 1  # the upstream connections' liveness check asks the socket less for it (``_Conn.unused``)
         spin = self.server.spin
         if spin is not None:
             spin.poke()  # the upstream's answer comes soon: poll for it rather than sleep

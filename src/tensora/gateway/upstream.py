@@ -192,6 +192,19 @@ def nodelay(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class Reads:
+    """How many reads the event loop has handed on (a client's request, an upstream's answer), all told: a count that
+    moves only in the loop's I/O phase, which handles every event that came before it. See ``_Conn.unused``."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+LOOP_READS = Reads()  # counted by the gateway's server and by the upstream connections
+
+
 class _Conn(asyncio.Protocol):
     def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop, sock: socket.socket | None = None) -> None:
         self.pool = pool
@@ -209,6 +222,10 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.paused = False
+        self.idle_at = -1  # ``LOOP_READS.n`` when it went back to its pool; -1: ask the socket (``unused``)
+        # uvloop (libuv) runs a turn's ready callbacks before its poll, and that poll's I/O all at once; asyncio's own
+        # loop queues the I/O after the callbacks already scheduled, so a count that moved says less there
+        self.reads_first = type(loop).__module__.startswith("uvloop")
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None and not self.closed:
@@ -226,6 +243,7 @@ class _Conn(asyncio.Protocol):
         nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
+        LOOP_READS.n += 1
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -279,10 +297,20 @@ class _Conn(asyncio.Protocol):
     def unused(self) -> bool:
         """Is this idle connection still open, with nothing unasked-for waiting on it? A close the upstream sent
         while it idled may not have reached ``connection_lost`` yet, and a request written to it would fail in a
-        way that cannot be told from a failure after its work. One non-blocking ``poll`` of the socket (a third
-        of a peek's cost: no exception when it is quiet), or a peek where there is no ``poll``."""
+        way that cannot be told from a failure after its work.
+
+        On uvloop, when the loop has handed on a read since this connection went idle (``LOOP_READS`` moved), its
+        I/O phase has run since, and that phase handles every ready event: a close or bytes that came before it
+        are known here already (closed, or closing). Only what came in the microseconds since is not, as with the
+        syscall below, which only asks a little later. So the socket is asked only when nothing was read since (a
+        connection taken again in the same turn of the loop, under load), on another loop, or while its reading is
+        paused: one non-blocking ``poll`` (a third of a peek's cost: no exception when it is quiet), or a peek
+        where there is no ``poll``. A syscall less on the way of a request that finds its connection idle since a
+        turn before."""
         if self.closed or self.sock is None or self.transport is None or self.transport.is_closing():
             return False
+        if self.idle_at >= 0 and self.idle_at != LOOP_READS.n and not self.paused:
+            return True
         if self.poll is not None:
             return not self.poll.poll(0)  # no event: open, and quiet; else closed (EOF), reset, or unasked bytes
         try:
@@ -298,6 +326,7 @@ class _Conn(asyncio.Protocol):
         self.resp = None
         if keep:  # its parser, at a message's end, is ready for the next one: kept (a new one a request showed)
             self.reused = True
+            self.idle_at = LOOP_READS.n if self.reads_first else -1
             self.pool.put(self)
         else:
             self.close()

@@ -144,18 +144,21 @@ class Polls:
         return self.real.poll(timeout)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize(("loop", "asked"), [("uvloop", 0), ("asyncio", 1)])
+@pytest.mark.parametrize(("loop", "paused", "asked"), [("uvloop", False, 0), ("uvloop", True, 1),
+                                                      ("asyncio", False, 1)], ids=["uvloop", "paused", "asyncio"])
 def test_a_connection_idle_since_the_loop_read_is_taken_without_asking_its_socket(backends: Backends, loop: str,
-                                                                                  asked: int) -> None:
+                                                                                  paused: bool, asked: int) -> None:
     """On uvloop a read handed on since the connection went idle means the loop's I/O phase ran since, and saw
-    any close that came before it: the socket is not asked again (a syscall per request). asyncio's loop runs its
-    I/O after the callbacks already queued: there it is always asked."""
+    any close that came before it: the socket is not asked again (a syscall per request). Not while its reading is
+    paused (the loop reads nothing of it), and not on asyncio's loop, which runs its I/O after the callbacks already
+    queued: there it is asked."""
     async def go() -> tuple[int, int, int]:
         c = Client()
         try:
             assert await _send(c, backends.url("r1")) == 200
             (conn,) = c.pools[("http", "127.0.0.1", backends.ports["r1"])].idle
             polls = Polls(conn)
+            conn.paused = paused
             assert await _send(c, backends.url("r2")) == 200  # reads on another connection: the loop turned
             return await _send(c, backends.url("r1")), polls.calls, len(c.pools[("http", "127.0.0.1",
                                                                                    backends.ports["r1"])].idle)

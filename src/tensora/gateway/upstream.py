@@ -299,14 +299,14 @@ class _Conn(asyncio.Protocol):
         while it idled may not have reached ``connection_lost`` yet, and a request written to it would fail in a
         way that cannot be told from a failure after its work.
 
-        On uvloop, when the loop has handed on a read since this connection went idle (``LOOP_READS`` moved), its
-        I/O phase has run since, and that phase handles every ready event: a close or bytes that came before it
-        are known here already (closed, or closing). Only what came in the microseconds since is not, as with the
-        syscall below, which only asks a little later. So the socket is asked only when nothing was read since (a
-        connection taken again in the same turn of the loop, under load), on another loop, or while its reading is
-        paused: one non-blocking ``poll`` (a third of a peek's cost: no exception when it is quiet), or a peek
-        where there is no ``poll``. A syscall less on the way of a request that finds its connection idle since a
-        turn before."""
+        On uvloop, when the loop has handed on a read since this connection went idle (``LOOP_READS`` moved),
+        its I/O phase has run since, and that phase handles every ready event: a close, or an answer nobody
+        asked for (on which the connection closes itself), that came before it is known here already (closed, or
+        closing). Only what came in the microseconds since is not, as with the syscall below, which only asks a
+        little later. So the socket is asked only when nothing was read since (a connection taken again in the
+        same turn of the loop, under load), on another loop, or while its reading is paused: one non-blocking
+        ``poll`` (a third of a peek's cost: no exception when it is quiet), or a peek where there is no
+        ``poll``. A syscall less on the way of a request that finds its connection idle since a turn before."""
         if self.closed or self.sock is None or self.transport is None or self.transport.is_closing():
             return False
         if self.idle_at >= 0 and self.idle_at != LOOP_READS.n and not self.paused:

@@ -166,21 +166,22 @@ def test_a_connection_idle_since_the_loop_read_is_taken_without_asking_its_socke
     any close that came before it: the socket is not asked again (a syscall per request). Not while its reading is
     paused (the loop reads nothing of it), and not on asyncio's loop, which runs its I/O after the callbacks already
     queued: there it is asked."""
-    async def go() -> tuple[int, int, int]:
+    async def go() -> tuple[int, int, bool]:
         c = Client()
         try:
             assert await _send(c, backends.url("r1")) == 200
-            (conn,) = c.pools[("http", "127.0.0.1", backends.ports["r1"])].idle
+            pool = c.pools[("http", "127.0.0.1", backends.ports["r1"])]
+            (conn,) = pool.idle
             polls = Polls(conn)
             conn.paused = paused
             assert await _send(c, backends.url("r2")) == 200  # reads on another connection: the loop turned
-            return await _send(c, backends.url("r1")), polls.calls, len(c.pools[("http", "127.0.0.1",
-                                                                                   backends.ports["r1"])].idle)
+            status = await _send(c, backends.url("r1"))
+            return status, polls.calls, list(pool.idle) == [conn]
         finally:
             c.close()
 
     before = backends.requests("r1")
-    assert LOOPS[loop](go()) == (200, asked, 1)  # the same connection, back in its pool
+    assert LOOPS[loop](go()) == (200, asked, True)  # the same connection carried it, and is back in its pool
     assert backends.requests("r1") - before == 2
 
 

@@ -248,31 +248,23 @@ def main() -> int:
                   f"{a.duration:g} s a run, {a.rounds} round(s)", flush=True)
             with contextlib.ExitStack() as proxies:
                 targets = {"direct": (backs[0], key)}
-                write_routes(tmp, key, [f"{b}/v1" for b in backs[:2]])
-                port = free_port()
-                proxies.enter_context(process([*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"],
-                                              tmp / "gateway.log", f"http://127.0.0.1:{port}/healthz",
-                                              env={"TENSORA_GATEWAY_SETTINGS": gateway_settings(tmp, sink, port)}))
-                targets["tensora"] = (f"http://127.0.0.1:{port}", key)
-                if a.busy_poll_us:  # the same gateway with busy polling on (opt-in): its own data dir, spool, port
-                    bdir = tmp / "busy-poll"
-                    write_routes(bdir, key, [f"{b}/v1" for b in backs[:2]])
+
+                def gateway(d: Path, env: dict[str, str] | None = None, **settings: Any) -> tuple[str, str]:
+                    """A Tensora gateway in front of the first two backends: its own data dir, spool and port."""
+                    write_routes(d, key, [f"{b}/v1" for b in backs[:2]])
                     port = free_port()
                     proxies.enter_context(process(
-                        [*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"], bdir / "gateway.log",
-                        f"http://127.0.0.1:{port}/healthz", env={"TENSORA_GATEWAY_SETTINGS": gateway_settings(
-                            bdir, sink, port, busy_poll_us=a.busy_poll_us)}))
-                    targets["tensora busy-poll"] = (f"http://127.0.0.1:{port}", key)
-                if a.baseline_src is not None:
-                    bdir = tmp / "baseline"
-                    write_routes(bdir, key, [f"{b}/v1" for b in backs[:2]])
-                    port = free_port()
-                    proxies.enter_context(process(
-                        [*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"], bdir / "gateway.log",
-                        f"http://127.0.0.1:{port}/healthz", env={
-                            "TENSORA_GATEWAY_SETTINGS": gateway_settings(bdir, sink, port, metrics=None),
-                            "PYTHONPATH": str(a.baseline_src.resolve())}))
-                    targets["tensora baseline"] = (f"http://127.0.0.1:{port}", key)
+                        [*taskset(a.proxy_cpu), py, "-m", "tensora.gateway"], d / "gateway.log",
+                        f"http://127.0.0.1:{port}/healthz",
+                        env={"TENSORA_GATEWAY_SETTINGS": gateway_settings(d, sink, port, **settings), **(env or {})}))
+                    return f"http://127.0.0.1:{port}", key
+
+                targets["tensora"] = gateway(tmp)
+                if a.busy_poll_us:  # the same gateway with busy polling on (opt-in)
+                    targets["tensora busy-poll"] = gateway(tmp / "busy-poll", busy_poll_us=a.busy_poll_us)
+                if a.baseline_src is not None:  # another tree's (maybe from before metrics: the setting left out)
+                    baseline = {"PYTHONPATH": str(a.baseline_src.resolve())}
+                    targets["tensora baseline"] = gateway(tmp / "baseline", baseline, metrics=None)
                 if not a.no_peers:
                     targets.update(peers(a, tmp, key, backs, proxies))
                 names = list(targets)

@@ -44,31 +44,36 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"got " + body + b" " + scope["query_string"]})
 
 
-@pytest.fixture
-def server() -> Iterator[tuple[str, asyncio.Event, asyncio.AbstractEventLoop, threading.Thread]]:
-    EVENTS.clear()
-    port = free_port()
+@contextlib.contextmanager
+def started(**kw: Any) -> Iterator[tuple[Server, asyncio.Event, asyncio.AbstractEventLoop, threading.Thread]]:
+    """A server on a loop of its own in a thread, listening: it, its stop event, its loop and its thread."""
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
+    srv = Server(app, "127.0.0.1", free_port(), grace_s=5, **kw)
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(Server(app, "127.0.0.1", port, grace_s=5).serve(stop))
+        loop.run_until_complete(srv.serve(stop))
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
+    try:
+        deadline = time.monotonic() + 10
+        while srv.bound is None:
             assert time.monotonic() < deadline
-            time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", stop, loop, t
-    loop.call_soon_threadsafe(stop.set)
-    t.join(10)
-    loop.close()
+            time.sleep(0.01)
+        yield srv, stop, loop, t
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        t.join(10)
+        loop.close()
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, asyncio.Event, asyncio.AbstractEventLoop, threading.Thread]]:
+    EVENTS.clear()
+    with started() as (srv, stop, loop, t):
+        yield f"http://127.0.0.1:{srv.port}", stop, loop, t
 
 
 def test_whole_bodies_streams_and_keep_alive(server: Any) -> None:
@@ -157,27 +162,8 @@ def test_a_server_that_is_its_process_keeps_the_collector_out_of_the_tail(own: b
 # -- busy polling (opt-in) ---------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def started(**kw: Any) -> Iterator[Server]:
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    srv = Server(app, "127.0.0.1", free_port(), grace_s=5, **kw)
-    t = threading.Thread(target=lambda: loop.run_until_complete(srv.serve(stop)), daemon=True)
-    t.start()
-    try:
-        deadline = time.monotonic() + 10
-        while srv.bound is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        yield srv
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        t.join(10)
-        loop.close()
-
-
 def test_busy_polling_spins_after_traffic_and_stops_once_it_ends() -> None:
-    with started(busy_poll_s=0.005) as srv:
+    with started(busy_poll_s=0.005) as (srv, *_):
         assert srv.spin is not None and srv.spin.turns == 0  # nothing came: it sleeps as before
         with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}") as c:
             for i in range(20):
@@ -193,7 +179,7 @@ def test_busy_polling_spins_after_traffic_and_stops_once_it_ends() -> None:
 
 
 def test_by_default_the_loop_never_spins() -> None:
-    with started() as srv, httpx.Client(base_url=f"http://127.0.0.1:{srv.port}") as c:
+    with started() as (srv, *_), httpx.Client(base_url=f"http://127.0.0.1:{srv.port}") as c:
         assert c.post("/x", content=b"y").status_code == 201
         assert srv.busy_poll_s == 0 and srv.spin is None
 

@@ -272,6 +272,22 @@ def test_keys_scopes_and_models_in_openais_error_shape(backends: Backends) -> No
     assert [m["id"] for m in models.json()["data"]] == ["m-shared"]
 
 
+def test_a_keys_scopes_are_those_of_the_route_table_in_force(backends: Backends) -> None:
+    """The gateway keeps each key's 'inference' verdict for one route table: a grant is honoured, and a revocation
+    takes, on the next table (a verdict kept past it would go on serving a key its owner took the scope from)."""
+    grant = {**KEYS, NO_INFERENCE: ("alice", ["workloads:read", "inference"])}
+    tables = [make_table(endpoints(backends), KEYS), make_table(endpoints(backends), grant),
+              make_table(endpoints(backends), KEYS)]
+    now = [tables[0]]
+    gw = Gateway(Options(ttft_s=0.5, deadline_s=4.0), lambda: now[0], MemoryLimiter(), None)
+    codes = []
+    with serving(gw) as url:
+        for t in tables:
+            now[0] = t
+            codes.append([post(url, chat(), key=NO_INFERENCE).status_code for _ in range(2)])
+    assert codes == [[403, 403], [200, 200], [403, 403]]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_replica_gets_its_own_key_upstream_and_never_the_callers(backends: Backends, stream: bool) -> None:
     table = make_table([{"id": "wl_k", "name": "keyed", "owner": "alice",

@@ -19,6 +19,11 @@ from tensora.gateway.server import Server
 from tests.support.services import free_port
 
 EVENTS: list[str] = []
+HEADER_SHAPES: dict[str, Any] = {  # ASGI lets an app send its headers as any pairs: each is answered alike
+    "tuples": [(b"x-a", b"1"), (b"content-length", b"2")],
+    "lists": [[b"x-a", b"1"], [b"content-length", b"2"]],
+    "a-tuple-then-a-list": [(b"x-a", b"1"), [b"content-length", b"2"]],
+}
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -35,6 +40,11 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         for i in range(3):
             await send({"type": "http.response.body", "body": b"part%d;" % i, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    if scope["path"].startswith("/pairs/"):
+        shape = HEADER_SHAPES[scope["path"].removeprefix("/pairs/")]
+        await send({"type": "http.response.start", "status": 200, "headers": shape})
+        await send({"type": "http.response.body", "body": b"ok"})
         return
     if scope["path"] == "/slow":
         await asyncio.sleep(0.5)
@@ -86,6 +96,20 @@ def test_whole_bodies_streams_and_keep_alive(server: Any) -> None:
                                                                                           "13", "/echo")
     assert s.text == "part0;part1;part2;" and s.headers["transfer-encoding"] == "chunked"
     assert again.text == "got more "
+
+
+@pytest.mark.parametrize("shape", HEADER_SHAPES)
+def test_an_apps_headers_are_answered_alike_whatever_pairs_it_sends_them_as(server: Any, shape: str) -> None:
+    url, *_ = server
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as s:
+        s.sendall(f"GET /pairs/{shape} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        data = b""
+        while not data.endswith(b"\r\n\r\nok"):
+            chunk = s.recv(65536)
+            assert chunk, data
+            data += chunk
+    head = data.split(b"\r\n\r\n")[0].split(b"\r\n")
+    assert head[0] == b"HTTP/1.1 200 OK" and sorted(head[1:]) == [b"content-length: 2", b"x-a: 1"]
 
 
 def test_pipelined_requests_are_answered_in_order_and_bad_ones_get_400(server: Any) -> None:

@@ -52,6 +52,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "tensora.gateway.walk",
         "tensora.gateway.limits",
         "tensora.gateway.metrics",
+        "tensora.gateway.records",
         "tensora.gateway.idempotency",
         "tensora.gateway.proxy",
         "tensora.gateway.server",
@@ -60,10 +61,11 @@ GROUPS: dict[str, tuple[str, ...]] = {
 """The modules compiled, by group: each group is one shared library (``<group>__mypyc``) whose modules call each
 other natively. Each module is typed, and no test patches one of its functions (a compiled call does not look
 the name up). The gateway's group is its request path (left out: ``routedoc``, TypedDicts only; ``metering``, whose
-tests replace a Meter's methods, off the request path but for an append; ``app`` and ``probe``, start-up and
-background work). Its coroutines await nothing inside an ``except`` or ``finally`` and ``async with`` only
-``asyncio.timeout`` (``tests/unit/test_gateway_compiled_rules.py``): compiled, the end of such a block raises
-again whatever exception the thread holds, which after an ``await`` may be another request's."""
+tests replace a Meter's methods, off the request path: the request path queues its records in ``records``;
+``app`` and ``probe``, start-up and background work). Its coroutines await nothing inside an ``except`` or
+``finally`` and ``async with`` only ``asyncio.timeout`` (``tests/unit/test_gateway_compiled_rules.py``): compiled,
+the end of such a block raises again whatever exception the thread holds, which after an ``await`` may be another
+request's."""
 
 MANIFEST = "_native_build.json"
 """Written by the build next to this file: ``{"sources": {module: sha256 of its source}}``."""

@@ -99,6 +99,33 @@ def test_big_batches_go_in_parts_and_a_part_resent_is_not_counted_twice(tmp_path
     m.close()
 
 
+def test_records_of_a_few_milliseconds_go_to_disk_in_one_write(tmp_path: Path) -> None:
+    m = Meter(tmp_path, ControlPlane().send)
+    writes: list[int] = []
+    write = m._write
+
+    def counted() -> None:
+        writes.append(len(m.records.lines))
+        write()
+
+    m._write = counted  # type: ignore[method-assign]
+
+    async def run() -> None:
+        for i in range(3):
+            m.record(rec(i))
+        assert writes == [] and not m.current.exists()  # queued: written within write_after_s
+        await asyncio.sleep(m.write_after_s * 4)
+        assert writes == [3]
+        for i in range(3, 5):
+            m.record(rec(i))
+        await asyncio.sleep(m.write_after_s * 4)
+        assert writes == [3, 2]
+
+    asyncio.run(run())
+    assert [orjson.loads(line)["id"] for line in m.current.read_bytes().splitlines()] == [f"req_{i}" for i in range(5)]
+    m.close()
+
+
 def test_the_spool_is_bounded_and_says_what_it_dropped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cp = ControlPlane()
     cp.up = False

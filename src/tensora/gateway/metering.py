@@ -31,6 +31,8 @@ from typing import IO, Any
 
 import orjson
 
+from tensora.gateway.records import Records
+
 log = logging.getLogger("tensora.gateway")
 
 BATCH = 1000  # records a request: what the control API takes at once
@@ -45,7 +47,7 @@ class Meter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.send, self.flush_s, self.max_bytes = send, flush_s, max_bytes
         self._file: IO[bytes] | None = None
-        self._pending: list[bytes] = []
+        self.records = Records(self._schedule)  # what the request path adds to: compiled (``records``)
         self._timer: asyncio.TimerHandle | None = None
         self.write_after_s = 0.005
         self.sent = 0
@@ -66,26 +68,31 @@ class Meter:
 
     def record(self, rec: dict[str, Any]) -> None:
         """Spool one record. Under an event loop, records of the same few milliseconds go to disk in one
-        write (``write_after_s``): a write per request costs the hot path a syscall each."""
-        self._pending.append(orjson.dumps(rec))
-        if self._timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                self._write()
-                return
-            self._timer = loop.call_later(self.write_after_s, self._write)
+        write (``write_after_s``): a write per request costs the hot path a syscall each. The gateway's request
+        path adds to ``records`` itself, the same way."""
+        self.records.add(rec)
+
+    def _schedule(self) -> None:
+        """The first record since the last write: the write, in ``write_after_s``, or at once outside a loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._write()
+            return
+        self._timer = loop.call_later(self.write_after_s, self._write)
 
     def _write(self) -> None:
         self._timer = None
-        if not self._pending:
+        self.records.waking = False
+        pending = self.records.lines
+        if not pending:
             return
         if self._file is None:
             self._file = open(self.current, "ab")  # noqa: SIM115 (kept open between records)
             self._bytes, self._lines = 0, []
             if self._file.tell() and _last_byte(self.current) != b"\n":
                 self._file.write(b"\n")  # a line torn by a crash must not swallow the next record
-        data = b"\n".join(self._pending) + b"\n"
+        data = b"\n".join(pending) + b"\n"
         try:
             self._file.write(data)
             self._file.flush()  # in the OS's hands: a crash of this process loses nothing written
@@ -97,10 +104,10 @@ class Meter:
         self._bytes += len(data)
         if self._lines is not None:
             if self._bytes <= HELD_BYTES:
-                self._lines += self._pending
+                self._lines += pending
             else:  # a long flush_s or a flood: the batch is read back when it goes, not held
                 self._lines = None
-        self._pending.clear()
+        pending.clear()
 
     def _close_current(self) -> None:
         """On the loop, and quick: what is pending written, and the current file set aside under a name of its

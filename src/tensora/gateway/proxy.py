@@ -317,7 +317,7 @@ class Gateway:
             b = served.backend
             product = ("cross-region" if b.peer else "serverless" if served.served_by == ServedBy.SERVERLESS
                        else "fallback-model" if served.served_by == ServedBy.FALLBACK_MODEL else "endpoint")
-            self.meter.record({  # the id is ours and unguessable; the client's X-Request-Id is only stored beside
+            self.meter.records.add({  # the id is ours and unguessable; the client's X-Request-Id is only stored beside
                 "id": next(self._record_ids), "client_request_id": rid, "at": self.wall(), "owner": key.owner,
                 "key_id": key.id, "endpoint": endpoint.name,
                 "endpoint_id": endpoint.id, "product": product, "answered_by": b.endpoint_id, "model": b.model,

@@ -272,6 +272,33 @@ def test_keys_scopes_and_models_in_openais_error_shape(backends: Backends) -> No
     assert [m["id"] for m in models.json()["data"]] == ["m-shared"]
 
 
+@pytest.mark.parametrize("pair", [tuple, list], ids=["tuples", "lists"])
+def test_the_app_reads_the_headers_an_asgi_server_hands_it_as_any_pairs(backends: Backends, pair: Any) -> None:
+    """ASGI lets a server give the request headers as any pairs: the gateway's key, request id and idempotency
+    key are read from lists as from tuples (and the first of a repeated header counts)."""
+    gw = gateway(make_table(endpoints(backends), KEYS))
+    sent: list[dict[str, Any]] = []
+    body = orjson.dumps(chat())
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    headers = [pair(h) for h in ((b"authorization", f"Bearer {ALICE}".encode()), (b"x-request-id", b"mine-1"),
+                                 (b"authorization", f"Bearer {NO_INFERENCE}".encode()))]
+
+    async def go() -> None:
+        await gw({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}, receive, send)
+        gw.client.close()  # its pooled connection to the backend, on the loop that made it
+        await asyncio.sleep(0)
+
+    asyncio.run(go())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 200 and (b"x-request-id", b"mine-1") in start["headers"]
+
+
 def test_a_keys_scopes_are_those_of_the_route_table_in_force(backends: Backends) -> None:
     """The gateway keeps each key's 'inference' verdict for one route table: a grant is honoured, and a revocation
     takes, on the next table (a verdict kept past it would go on serving a key its owner took the scope from)."""

@@ -382,12 +382,11 @@ _ASKED = {b"authorization": 0, b"x-request-id": 1, HOP: 2, idempotency.HEADER: 3
 
 class Asked:
     """The request headers the gateway reads, found in one pass over them, the first of each name. A scan of the
-    headers for each (typed ``Any`` in the ASGI scope, so walked with generic calls) was ~4% of the gateway's CPU
-    per request at c=32 (perf, bench/gateway.py)."""
+    headers for each was ~4% of the gateway's CPU per request at c=32 (perf, bench/gateway.py)."""
 
     __slots__ = ("auth", "hop", "idem", "rid")
 
-    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, headers: Any) -> None:  # the scope's: any iterable of pairs, as ASGI allows
         self.auth: bytes | None = None  # Authorization
         self.rid: bytes | None = None  # X-Request-Id
         self.hop = False  # X-Tensora-Hop: sent by a peer gateway

@@ -274,8 +274,8 @@ def test_keys_scopes_and_models_in_openais_error_shape(backends: Backends) -> No
 
 @pytest.mark.parametrize("pair", [tuple, list], ids=["tuples", "lists"])
 def test_the_app_reads_the_headers_an_asgi_server_hands_it_as_any_pairs(backends: Backends, pair: Any) -> None:
-    """ASGI lets a server give the request headers as any pairs: the gateway's key, request id and idempotency
-    key are read from lists as from tuples (and the first of a repeated header counts)."""
+    """ASGI lets a server give the request headers as any pairs: the caller's key and request id are read from lists
+    as from tuples, and the first of a repeated header counts (the second key here lacks the 'inference' scope)."""
     gw = gateway(make_table(endpoints(backends), KEYS))
     sent: list[dict[str, Any]] = []
     body = orjson.dumps(chat())

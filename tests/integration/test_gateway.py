@@ -416,7 +416,9 @@ def test_the_openai_client_end_to_end_streaming_and_not(backends: Backends) -> N
         completion = client.completions.create(model="my-llm", prompt="once upon", max_tokens=3)
         models = [m.id for m in client.models.list()]
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=url, api_key=BOB[:-1] + "x", max_retries=0).models.list()
+            # the last character changed (to another: a key that ends in "x" already would be the key itself)
+            wrong = BOB[:-1] + ("y" if BOB.endswith("x") else "x")
+            openai.OpenAI(base_url=url, api_key=wrong, max_retries=0).models.list()
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     assert whole.headers["x-tensora-served-by"] == "replica" and done.model == "my-llm"

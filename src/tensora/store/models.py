@@ -157,6 +157,23 @@ class ApiKey(Base):
     tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)  # tokens per minute at the gateway
 
 
+class DashboardSession(Base):
+    """A signed-in dashboard browser: only the SHA-256 of its random session id is kept (the browser holds
+    the id; never the API key it signed in with). It acts as ``key_id`` until ``expires_at`` (the absolute
+    lifetime), while pages come within the idle timeout of ``last_seen_at``, and until ``revoked_at`` (sign
+    out) or its key's own revocation."""
+
+    __tablename__ = "dashboard_sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # SHA-256 hex of the session id
+    key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"), index=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float, index=True)
+    last_seen_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
 class TokenUsage(Base):
     """One inference request as the gateway metered it. ``id`` is made by the gateway (random, never
     the client's): a batch sent twice (the gateway retries after an outage) is counted once."""

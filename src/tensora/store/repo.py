@@ -11,7 +11,7 @@ import string
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
@@ -38,6 +38,7 @@ from tensora.errors import Conflict, TensoraError
 from tensora.placement.kinds import HOLDING, ReplicaRole, ReplicaState, WorkloadKind, WorkloadState
 from tensora.store.models import (
     ApiKey,
+    DashboardSession,
     Event,
     IdempotencyRecord,
     Lease,
@@ -61,6 +62,7 @@ from tensora.store.rows import (
     HeldReplica,
     NodeRow,
     ReplicaRow,
+    SessionRow,
     WorkloadRecord,
     WorkloadRow,
 )
@@ -78,6 +80,7 @@ O = cast(Table, Owner.__table__)  # noqa: E741
 F = cast(Table, StoredFile.__table__)
 UID = cast(Table, OwnerUid.__table__)
 RV = cast(Table, Revision.__table__)
+S = cast(Table, DashboardSession.__table__)
 
 # Hot-path statements are built once with bound parameters and executed with a dict of
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
@@ -360,6 +363,46 @@ def revoke_key(conn: Connection, key_id: str, owner: str | None, at: float) -> b
 def count_admin_keys(conn: Connection) -> int:
     rows = conn.execute(select(K.c.scopes).where(K.c.revoked_at.is_(None))).scalars()
     return sum(1 for scopes in rows if "admin" in scopes)
+
+
+# -- dashboard sessions --------------------------------------------------------------
+
+_S_COLUMNS = [S.c[f.name] for f in fields(SessionRow)]
+_LIVE_SESSION = (select(*_S_COLUMNS, K.c.scopes).join(K, K.c.id == S.c.key_id)
+                 .where(S.c.id == bindparam("b_id"), S.c.revoked_at.is_(None), K.c.revoked_at.is_(None)))
+
+
+def insert_session(conn: Connection, row: SessionRow) -> None:
+    conn.execute(insert(S), asdict(row))
+
+
+def live_session(conn: Connection, digest: str) -> tuple[SessionRow, tuple[str, ...]] | None:
+    """The session with this digest and its key's scopes, unless it or its key is revoked (the caller
+    checks its lifetime and idle timeout: ``SessionRow.live``)."""
+    found = conn.execute(_LIVE_SESSION, {"b_id": digest}).first()
+    if found is None:
+        return None
+    *columns, scopes = found
+    return SessionRow(*columns), tuple(scopes)
+
+
+def touch_session(conn: Connection, digest: str, at: float) -> None:
+    conn.execute(update(S).where(S.c.id == digest, S.c.revoked_at.is_(None)).values(last_seen_at=at))
+
+
+def revoke_session(conn: Connection, digest: str, at: float) -> bool:
+    q = update(S).where(S.c.id == digest, S.c.revoked_at.is_(None)).values(revoked_at=at)
+    return conn.execute(q).rowcount == 1
+
+
+def revoke_sessions_of_key(conn: Connection, key_id: str, at: float) -> int:
+    q = update(S).where(S.c.key_id == key_id, S.c.revoked_at.is_(None)).values(revoked_at=at)
+    return conn.execute(q).rowcount
+
+
+def prune_sessions(conn: Connection, now: float) -> int:
+    """Forget the sessions past their lifetime (signed out or not): they can never be used again."""
+    return conn.execute(delete(S).where(S.c.expires_at <= now)).rowcount
 
 
 # -- owners ---------------------------------------------------------------------------

@@ -172,6 +172,23 @@ class NodeRow:
                     self.schedulable)
 
 
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    """A dashboard session (``dashboard_sessions``): ``id`` is the SHA-256 of the id the browser holds."""
+
+    id: str
+    key_id: str
+    owner: str
+    created_at: float
+    expires_at: float
+    last_seen_at: float
+    revoked_at: float | None = None
+
+    def live(self, now: float, idle_s: float) -> bool:
+        """Not signed out, within its lifetime, and used within the idle timeout."""
+        return self.revoked_at is None and now < self.expires_at and now < self.last_seen_at + idle_s
+
+
 class HeldReplica(NamedTuple):
     """A replica that holds capacity, with its workload's owner (running quotas)."""
 

@@ -1,0 +1,90 @@
+"""How the dashboard's pages call the API as the signed-in user, and why no one else can.
+
+A page's in-process client hands the API the session's ``Principal`` in the ASGI scope, which only code in
+this process can write: an HTTP request (served here by uvicorn, on a real socket) has headers, cookies and
+a path, and none of them becomes a principal. The session cookie is the dashboard's alone: the API takes
+keys only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tensora.sdk import Client
+from tests.support import services
+from tests.support.stack import Stack, stack
+
+SESSION = "__Host-tensora_session"
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[tuple[Stack, str]]:
+    s = stack(str(tmp_path / "t.db"), tmp_path, run_controller=False)
+    try:
+        with services.serving(s.app) as server:
+            yield s, server.url
+    finally:
+        s.services.db.dispose()
+
+
+def signed_in(url: str, key: str) -> httpx.Client:
+    """A client that signed in to the dashboard with ``key`` and holds its cookies."""
+    c = httpx.Client(base_url=url, follow_redirects=False)
+    c.get("/login")
+    r = c.post("/login", data={"csrf": c.cookies.get("__Host-tensora_csrf") or "", "key": key})
+    assert r.status_code == 303, r.text
+    return c
+
+
+FORGED = {  # what a caller can put in a request, trying to be someone without a key
+    "the scope key as a header": {"tensora.principal": "admin"},
+    "its spelling as a header": {"tensora-principal": "admin", "x-tensora-principal": "admin"},
+    "proxy user headers": {"x-forwarded-user": "admin", "x-remote-user": "admin", "remote-user": "admin",
+                           "x-auth-request-user": "admin"},
+    "a principal as JSON": {"x-principal": '{"key_id": "key_x", "owner": "admin", "scopes": ["admin"]}'},
+    "forwarded for loopback": {"x-forwarded-for": "127.0.0.1", "forwarded": "for=127.0.0.1",
+                               "x-real-ip": "127.0.0.1"},
+}
+
+
+@pytest.mark.parametrize("headers", FORGED.values(), ids=FORGED.keys())
+def test_an_external_request_cannot_become_a_principal(live: tuple[Stack, str], headers: dict[str, str]) -> None:
+    _, url = live
+    for method, path in [("GET", "/v1/workloads"), ("GET", "/v1/keys"), ("GET", "/v1/operator"),
+                         ("POST", "/v1/workloads")]:
+        r = httpx.request(method, url + path, headers=headers, json={} if method == "POST" else None)
+        assert r.status_code == 401, (path, r.status_code, r.text)
+
+
+def test_the_session_cookie_is_no_key_to_the_api(live: tuple[Stack, str]) -> None:
+    s, url = live
+    with signed_in(url, s.admin) as dash:
+        session = dash.cookies.get(SESSION)
+        assert session and dash.get("/").status_code == 200
+        as_cookie = httpx.get(url + "/v1/workloads", cookies={SESSION: session})
+        as_bearer = httpx.get(url + "/v1/workloads", headers={"Authorization": f"Bearer {session}"})
+    assert as_cookie.status_code == 401 and as_bearer.status_code == 401
+
+
+def test_pages_act_as_the_session_and_its_scopes(live: tuple[Stack, str]) -> None:
+    """A form creates a workload for the session's owner (an idempotent POST, keyed by its key's id); a key
+    without a scope gets the API's 403 on the page, as it would with the key."""
+    s, url = live
+    with Client(s.admin, url) as sdk:
+        reader = sdk.create_key("reader", owner="alice", scopes=["workloads:read"]).key
+    assert reader
+    with signed_in(url, s.alice) as dash:
+        csrf = dash.cookies.get("__Host-tensora_csrf")
+        r = dash.post("/new", data={"csrf": csrf, "kind": "notebook", "name": "mine", "gpu_class": "cpu-1c-4g"})
+        assert r.status_code == 303 and r.headers["location"].startswith("/workloads/wl_")
+    with Client(s.alice, url) as sdk:
+        assert [w.name for w in sdk.iter_workloads()] == ["mine"]
+    with signed_in(url, reader) as dash:
+        assert "mine" in dash.get("/").text
+        csrf = dash.cookies.get("__Host-tensora_csrf")
+        r = dash.post("/new", data={"csrf": csrf, "kind": "notebook", "name": "not-mine", "gpu_class": "cpu-1c-4g"})
+        assert r.status_code == 403 and "workloads:write" in r.text

@@ -29,6 +29,7 @@ from tensora import replicakeys
 from tensora.api.auth import KeyChecker, create_key
 from tensora.api.idempotency import Idempotency
 from tensora.api.services import Services
+from tensora.api.sessions import Sessions
 from tensora.apikeys import digest, well_formed
 from tensora.clock import Clock, SystemClock
 from tensora.config.catalog import load_catalog
@@ -178,8 +179,10 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     storage = Storage(settings.data_dir / "files", shared=dict(settings.shared_models))
     isolation, why = isolation_of(settings)
     replica_secret = replicakeys.ensure_secret(settings.data_dir) if settings.driver == "local" else None
-    return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=KeyChecker(db),
-                    idempotency=Idempotency(db, clock), controller=controller, storage=storage,
+    keys = KeyChecker(db)
+    sessions = Sessions(db, clock, keys, lifetime_s=settings.session_lifetime_s, idle_s=settings.session_idle_s)
+    return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=keys,
+                    idempotency=Idempotency(db, clock), sessions=sessions, controller=controller, storage=storage,
                     isolation=isolation or None, isolation_reason=why, replica_secret=replica_secret,
                     owner_defaults=settings.owner_defaults(), metrics_listen=_metrics_sources(settings))
 

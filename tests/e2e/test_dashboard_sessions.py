@@ -21,6 +21,7 @@ from tensora.sdk import Client
 from tensora.store import repo
 from tests.e2e.test_dashboard import browser
 from tests.support import services
+from tests.support.dashboard import CSRF, signed_in
 from tests.support.stack import Stack, stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -154,7 +155,7 @@ HEADERS = {
     "content-security-policy": ("default-src 'self'; frame-ancestors 'none'; form-action 'self'; "
                                 "base-uri 'none'; object-src 'none'"),
     "x-frame-options": "DENY",
-    "referrer-policy": "no-referrer",
+    "referrer-policy": "same-origin",
     "x-content-type-options": "nosniff",
 }
 
@@ -164,13 +165,14 @@ def test_every_dashboard_response_carries_the_headers(live: tuple[Stack, str]) -
     with httpx.Client(base_url=url, follow_redirects=False) as c:
         answers = {"sign-in page": c.get("/login"), "static script": c.get("/static/live.js"),
                    "static style": c.get("/static/dashboard.css"), "a page, signed out": c.get("/"),
-                   "a forged form": c.post("/new", data={"name": "x"})}
-        csrf = c.cookies.get("__Host-tensora_csrf") or c.cookies.get("tensora_csrf") or ""
-        answers["refused sign-in"] = c.post("/login", data={"csrf": csrf, "key": "tsk_nope"})
-        answers["sign-in"] = c.post("/login", data={"csrf": csrf, "key": s.alice})
+                   "a forged form": c.post("/new", data={"name": "x"}), "no such page": c.get("/nothing")}
+        csrf = answers["sign-in page"].cookies[CSRF]
+        answers["refused sign-in"] = c.post("/login", data={"csrf": csrf, "key": "tsk_nope"},
+                                            headers={"Cookie": f"{CSRF}={csrf}"})
+    with signed_in(url, s.alice) as c:
         for path in ["/", "/new", "/capacity", "/operator", "/workloads/wl_nothere", "/ui/rows"]:
             answers[path] = c.get(path)
-    assert answers["sign-in"].status_code == 303 and answers["/"].status_code == 200
+    assert answers["refused sign-in"].status_code == 401 and answers["/"].status_code == 200
     assert answers["/operator"].status_code == 403 and answers["/workloads/wl_nothere"].status_code == 404
     for name, r in answers.items():
         got = {h: r.headers.get(h) for h in HEADERS}

@@ -16,9 +16,8 @@ import pytest
 
 from tensora.sdk import Client
 from tests.support import services
+from tests.support.dashboard import CSRF, SESSION, cookie, signed_in
 from tests.support.stack import Stack, stack
-
-SESSION = "__Host-tensora_session"
 
 
 @pytest.fixture
@@ -29,15 +28,6 @@ def live(tmp_path: Path) -> Iterator[tuple[Stack, str]]:
             yield s, server.url
     finally:
         s.services.db.dispose()
-
-
-def signed_in(url: str, key: str) -> httpx.Client:
-    """A client that signed in to the dashboard with ``key`` and holds its cookies."""
-    c = httpx.Client(base_url=url, follow_redirects=False)
-    c.get("/login")
-    r = c.post("/login", data={"csrf": c.cookies.get("__Host-tensora_csrf") or "", "key": key})
-    assert r.status_code == 303, r.text
-    return c
 
 
 FORGED = {  # what a caller can put in a request, trying to be someone without a key
@@ -63,9 +53,9 @@ def test_an_external_request_cannot_become_a_principal(live: tuple[Stack, str], 
 def test_the_session_cookie_is_no_key_to_the_api(live: tuple[Stack, str]) -> None:
     s, url = live
     with signed_in(url, s.admin) as dash:
-        session = dash.cookies.get(SESSION)
+        session = cookie(dash, SESSION)
         assert session and dash.get("/").status_code == 200
-        as_cookie = httpx.get(url + "/v1/workloads", cookies={SESSION: session})
+        as_cookie = httpx.get(url + "/v1/workloads", headers={"Cookie": f"{SESSION}={session}"})
         as_bearer = httpx.get(url + "/v1/workloads", headers={"Authorization": f"Bearer {session}"})
     assert as_cookie.status_code == 401 and as_bearer.status_code == 401
 
@@ -78,13 +68,13 @@ def test_pages_act_as_the_session_and_its_scopes(live: tuple[Stack, str]) -> Non
         reader = sdk.create_key("reader", owner="alice", scopes=["workloads:read"]).key
     assert reader
     with signed_in(url, s.alice) as dash:
-        csrf = dash.cookies.get("__Host-tensora_csrf")
+        csrf = cookie(dash, CSRF)
         r = dash.post("/new", data={"csrf": csrf, "kind": "notebook", "name": "mine", "gpu_class": "cpu-1c-4g"})
         assert r.status_code == 303 and r.headers["location"].startswith("/workloads/wl_")
     with Client(s.alice, url) as sdk:
         assert [w.name for w in sdk.iter_workloads()] == ["mine"]
     with signed_in(url, reader) as dash:
         assert "mine" in dash.get("/").text
-        csrf = dash.cookies.get("__Host-tensora_csrf")
+        csrf = cookie(dash, CSRF)
         r = dash.post("/new", data={"csrf": csrf, "kind": "notebook", "name": "not-mine", "gpu_class": "cpu-1c-4g"})
         assert r.status_code == 403 and "workloads:write" in r.text

@@ -28,7 +28,7 @@ def keys(db: Database) -> tuple[str, str]:
 
 
 def test_a_session_is_found_with_its_keys_scopes(db: Database) -> None:
-    a, b = keys(db)
+    _, b = keys(db)
     with db.write() as conn:
         repo.insert_session(conn, session("d" * 64, b))
     with db.read() as conn:

@@ -18,6 +18,7 @@ from tensora import __version__, dashboard
 from tensora.api import catalog, errors, files, gatewayroutes, health, keys, metrics, operator, owners, usage, workloads
 from tensora.api.limits import Guard
 from tensora.api.services import Services
+from tensora.dashboard.headers import PageHeaders
 
 DESCRIPTION = """\
 Tensora's control API: notebooks, VMs and OpenAI-compatible endpoints on GPU classes, with
@@ -37,7 +38,8 @@ fallbacks that are **opt-in, explicit and visible**.
 
 def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: int = 1 << 20,
                run_controller: bool = True) -> Any:
-    """The ASGI app: FastAPI wrapped in the Guard (request ids, body limit, in-flight bound, draining)."""
+    """The ASGI app: FastAPI wrapped in the dashboard's page headers, the metrics and the Guard (request ids,
+    body limit, in-flight bound, draining)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -59,6 +61,6 @@ def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: 
     app.include_router(files.router)
     app.include_router(operator.router)
     dashboard.install(app)
-    guard = Guard(metrics.Measure(app), max_in_flight=max_in_flight, max_body_bytes=max_body_bytes)
+    guard = Guard(metrics.Measure(PageHeaders(app)), max_in_flight=max_in_flight, max_body_bytes=max_body_bytes)
     guard.fastapi = app  # type: ignore[attr-defined]
     return guard

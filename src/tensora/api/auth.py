@@ -10,34 +10,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
 from tensora import apikeys
 from tensora.api.errors import ApiError
+from tensora.api.principal import Principal
 from tensora.store import repo
 from tensora.store.db import Database
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    key_id: str
-    owner: str
-    scopes: tuple[str, ...]
-
-    @property
-    def is_admin(self) -> bool:
-        return "admin" in self.scopes
-
-    def require(self, scope: str) -> None:
-        if not apikeys.allows(self.scopes, scope):
-            raise ApiError(403, f"this key lacks the {scope!r} scope")
-
-    def owner_filter(self) -> str | None:
-        """Owners see only their own; admin keys see everyone's."""
-        return None if self.is_admin else self.owner
 
 
 class KeyChecker:
@@ -65,7 +46,19 @@ class KeyChecker:
         return apikeys.digest(key)
 
     def check(self, request: Request) -> Principal:
-        d = self._digest(request)
+        return self._check(self._digest(request))
+
+    def lookup(self, key: str) -> Principal | None:
+        """The live key's principal, or None for a malformed, unknown or revoked key (the dashboard's sign-in)."""
+        key = key.strip()
+        if not apikeys.well_formed(key):
+            return None
+        try:
+            return self._check(apikeys.digest(key))
+        except ApiError:
+            return None
+
+    def _check(self, d: str) -> Principal:
         now = time.monotonic()
         hit = self._cache.get(d)
         if hit and hit[0] > now:

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Header, Path, Request
 from fastapi.concurrency import run_in_threadpool
 
-from tensora.api.auth import Principal
+from tensora.api.principal import Principal, in_scope
 from tensora.api.schemas import OWNER_PATTERN, ErrorOut
 from tensora.api.services import Services
 
@@ -43,10 +43,12 @@ async def services(request: Request) -> Services:
 
 def caller(scope: str) -> Callable[..., Any]:
     async def dependency(request: Request) -> Principal:
-        keys = _services(request).keys
-        p = keys.cached(request)
+        p = in_scope(request.scope)  # a dashboard page's in-process call, as its session (``api.principal``)
         if p is None:
-            p = await run_in_threadpool(keys.check, request)
+            keys = _services(request).keys
+            p = keys.cached(request)
+            if p is None:
+                p = await run_in_threadpool(keys.check, request)
         p.require(scope)
         return p
 

@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from tensora.api import metrics
-from tensora.api.auth import Principal
 from tensora.api.deps import ERRORS, Svc, caller, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import owner_settings
+from tensora.api.principal import Principal
 from tensora.api.services import Services
 from tensora.storage import (
     BadName,

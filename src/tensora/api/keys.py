@@ -1,4 +1,4 @@
-"""API keys: create (the secret shown once), list, revoke."""
+"""API keys: create (the secret shown once), list, revoke (and with a key, its dashboard sessions)."""
 
 from __future__ import annotations
 
@@ -73,5 +73,6 @@ def revoke_api_key(key_id: str, svc: Svc, p: KeyAdmin) -> Response:
     with svc.db.write() as conn:
         if not repo.revoke_key(conn, key_id, p.owner_filter(), svc.clock.now()):
             raise ApiError(404, f"no key {key_id!r}")
+        repo.revoke_sessions_of_key(conn, key_id, svc.clock.now())  # its dashboard sessions end with it
     svc.keys.forget(key_id)
     return Response(status_code=204)

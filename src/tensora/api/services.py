@@ -1,5 +1,5 @@
 """What the routes need, in one object on ``app.state``: store, catalog, clock, region, keys,
-idempotency, and a way to wake the controller."""
+idempotency, the dashboard's sessions, and a way to wake the controller."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from tensora.api.auth import KeyChecker
 from tensora.api.idempotency import Idempotency
+from tensora.api.sessions import Sessions
 from tensora.clock import Clock
 from tensora.control.controller import Controller
 from tensora.names import controller_lease
@@ -28,6 +29,8 @@ class Services:
     region: str
     keys: KeyChecker
     idempotency: Idempotency
+    sessions: Sessions
+    """The dashboard's signed-in browsers (``tensora.api.sessions``)."""
     controller: Controller | None = None
     reserves: dict[str, GpuReserve] | None = None
     waker: Callable[[], None] | None = None

@@ -9,10 +9,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query
 from fastapi.responses import Response
 
-from tensora.api.auth import Principal
 from tensora.api.deps import ERRORS, IdemKey, Reader, Svc, Writer, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import check_quota
+from tensora.api.principal import Principal
 from tensora.api.schemas import EventList, RestartBody, WorkloadList, WorkloadOut, pattern
 from tensora.api.services import Services
 from tensora.control import workloads

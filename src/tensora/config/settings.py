@@ -114,6 +114,10 @@ class ServeSettings(BaseModel):
                               description="the uids (each also the gid) owners' sandboxes run as: one per owner, "
                               "allocated on first use; never 0 or Tensora's own")
     runtimes: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    session_lifetime_s: float = Field(default=12 * 3600.0, ge=60, le=30 * 86400.0, description="the dashboard: a "
+                                      "signed-in browser's session ends this long after sign-in, however active")
+    session_idle_s: float = Field(default=3600.0, ge=60, description="the dashboard: a session also ends this long "
+                                  "after the last page its user opened (a page's own refresh does not count)")
     isolation: Literal["sandbox", "none"] = Field(
         default="sandbox", description="local driver: 'sandbox' runs every replica in a sandbox of its own (runc: "
         "the owner's uid, read-only host, the class's limits, its own network); where this host cannot sandbox, "

@@ -1,27 +1,35 @@
 """The dashboard: web pages at ``/`` over the public control API.
 
-Each page is an ``AsyncClient`` (the SDK) calling this same app's API routes in-process, with the
-signed-in user's key: the dashboard can do nothing the API would not let that key do, and has no
-store access of its own. Sign-in keeps the key in an http-only, Secure, SameSite=Strict cookie;
-every POST carries a CSRF token (double submit: a cookie and a form field, compared in constant
-time) and a foreign ``Origin`` is refused. Pages render on the server, so reading works without
-JavaScript; ``live.js`` refreshes the live parts every two seconds and shows the CPU warning as
-soon as a CPU class is chosen in the create form.
+Each page is an ``AsyncClient`` (the SDK) calling this same app's API routes in-process, as the signed-in
+user: the dashboard can do nothing the API would not let that user's key do, and has no store access of
+its own. Sign-in takes an API key once and keeps a session instead (``tensora.api.sessions``): the browser
+holds a random session id in an http-only, Secure, SameSite=Strict ``__Host-`` cookie, never the key, and
+the page's client hands the API the session's principal in the ASGI scope (``tensora.api.principal``),
+which no HTTP request can write. Every POST carries a CSRF token (double submit: a cookie and a form
+field, compared in constant time) and a foreign ``Origin`` is refused. Pages render on the server, so
+reading works without JavaScript; ``live.js`` refreshes the live parts every two seconds and shows the
+CPU warning as soon as a CPU class is chosen in the create form. Every response carries the headers of
+``headers`` (a Content-Security-Policy without inline script or style, among them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import ipaddress
 import os
 import secrets
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from tensora.api.principal import Principal, as_principal
 from tensora.api.schemas import TokenUsageOut, UsageOut
 from tensora.dashboard.charts import bars_svg, colors, duration, usage_svg
 from tensora.placement.fallback import CPU_WARNING
@@ -43,13 +51,22 @@ def when(iso: str | None) -> str:
 
 templates.env.filters["when"] = when
 
-KEY_COOKIE, CSRF_COOKIE = "tensora_key", "tensora_csrf"
+SESSION_COOKIE, CSRF_COOKIE = "tensora_session", "tensora_csrf"
+HOST_PREFIX = "__Host-"
 FALLBACK_SLOTS = 3
 router = APIRouter(include_in_schema=False)
 
 
+class SessionBook(Protocol):
+    """What the dashboard asks of the server's sessions (``tensora.api.sessions.Sessions``)."""
+
+    def start(self, key: str) -> str | None: ...
+    def principal(self, session_id: str, *, active: bool = True) -> Principal | None: ...
+    def end(self, session_id: str) -> None: ...
+
+
 class SignIn(Exception):
-    """No key, or one the API refuses: back to the sign-in page."""
+    """No session, or one that ended: back to the sign-in page."""
 
 
 class PageError(Exception):
@@ -60,16 +77,67 @@ class PageError(Exception):
         self.status = status
 
 
-def _client(request: Request, key: str | None = None) -> AsyncClient:
-    key = key or request.cookies.get(KEY_COOKIE)
-    if not key:
-        raise SignIn
-    return AsyncClient(key, "http://dashboard.invalid", transport=httpx.ASGITransport(app=request.app),
-                       max_retries=0, timeout=30)
+def secure_cookies(scheme: str, host: str | None) -> bool:
+    """Whether a browser keeps a ``Secure`` (and so a ``__Host-``) cookie from this origin: https, or a
+    loopback host (localhost, *.localhost, 127.0.0.0/8, ::1), which browsers count as secure over http."""
+    if scheme in ("https", "wss"):
+        return True
+    host = (host or "").lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
-def _cookie(response: Response, name: str, value: str) -> None:
-    response.set_cookie(name, value, httponly=True, secure=True, samesite="strict", path="/")
+def _secure(request: Request) -> bool:
+    return secure_cookies(request.url.scheme, request.url.hostname)
+
+
+def cookie_name(request: Request, name: str) -> str:
+    """``__Host-<name>`` where the browser keeps it (bound to this host, Secure, Path=/); else plain http on
+    another host, where a browser drops Secure cookies: ``<name>``, and the network can read it."""
+    return HOST_PREFIX + name if _secure(request) else name
+
+
+def _cookie(response: Response, request: Request, name: str, value: str) -> None:
+    response.set_cookie(cookie_name(request, name), value, httponly=True, secure=_secure(request),
+                        samesite="strict", path="/")
+
+
+def _forget(response: Response, request: Request, name: str) -> None:
+    response.delete_cookie(cookie_name(request, name), path="/", secure=_secure(request), httponly=True,
+                           samesite="strict")
+
+
+def _sessions(request: Request) -> SessionBook:
+    book: SessionBook = request.app.state.services.sessions
+    return book
+
+
+async def _principal(request: Request) -> Principal:
+    """Who this request's session acts as (once per request); SignIn without one."""
+    p: Principal | None = getattr(request.state, "principal", None)
+    if p is None:
+        session_id = request.cookies.get(cookie_name(request, SESSION_COOKIE), "")
+        if session_id:
+            p = await run_in_threadpool(_sessions(request).principal, session_id,
+                                        active=not request.url.path.startswith("/ui/"))
+        if p is None:
+            raise SignIn
+        request.state.principal = p
+    return p
+
+
+@contextlib.asynccontextmanager
+async def _client(request: Request) -> AsyncIterator[AsyncClient]:
+    """The SDK on this app, acting as the session's principal: no key is sent (an empty one: none from the
+    environment either), and none is needed."""
+    app = as_principal(request.app, await _principal(request))
+    async with AsyncClient("", "http://dashboard.invalid", transport=httpx.ASGITransport(app=app), max_retries=0,
+                           timeout=30) as c:
+        yield c
 
 
 def isolation_notice(isolation: str | None, reason: str | None) -> str | None:
@@ -89,18 +157,20 @@ def _isolation_notice(request: Request) -> str | None:
     """The notice for this server: its isolation is settings of the app's services (no store read), told
     only to a signed-in user, as the API tells it only to a key (``GET /v1/catalog``)."""
     services = getattr(request.app.state, "services", None)
-    if services is None or KEY_COOKIE not in request.cookies:
+    if services is None or getattr(request.state, "principal", None) is None:
         return None
     return isolation_notice(services.isolation, services.isolation_reason)
 
 
 def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
-    token = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(32)
-    response = templates.TemplateResponse(request, name, {"csrf": token, "signed_in": KEY_COOKIE in request.cookies,
+    csrf = cookie_name(request, CSRF_COOKIE)
+    token = request.cookies.get(csrf) or secrets.token_urlsafe(32)
+    signed_in = getattr(request.state, "principal", None) is not None
+    response = templates.TemplateResponse(request, name, {"csrf": token, "signed_in": signed_in,
                                                           "isolation_notice": _isolation_notice(request),
                                                           **context}, status_code=status)
-    if request.cookies.get(CSRF_COOKIE) != token:
-        _cookie(response, CSRF_COOKIE, token)
+    if request.cookies.get(csrf) != token:
+        _cookie(response, request, CSRF_COOKIE, token)
     return response
 
 
@@ -110,7 +180,7 @@ async def _form(request: Request) -> dict[str, str]:
     if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
         raise PermissionError("this form came from another site")
     form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
-    cookie, sent = request.cookies.get(CSRF_COOKIE, ""), form.get("csrf", "")
+    cookie, sent = request.cookies.get(cookie_name(request, CSRF_COOKIE), ""), form.get("csrf", "")
     if not cookie or not hmac.compare_digest(cookie.encode(), sent.encode()):
         raise PermissionError("the form's CSRF token is missing or stale: reload the page and try again")
     return form
@@ -128,12 +198,10 @@ def install(app: FastAPI) -> None:
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.exception_handler(SignIn)
-    @app.exception_handler(AuthenticationError)  # the key was revoked meanwhile: sign in again
+    @app.exception_handler(AuthenticationError)  # cannot happen in-process (no key is sent): as SignIn
     async def _sign_in(request: Request, _: Exception) -> Response:
-        if request.url.path.startswith("/ui/"):
-            return Response(status_code=401)
-        response = _see("/login")
-        response.delete_cookie(KEY_COOKIE, path="/")
+        response = Response(status_code=401) if request.url.path.startswith("/ui/") else _see("/login")
+        _forget(response, request, SESSION_COOKIE)
         return response
 
     @app.exception_handler(PermissionError)
@@ -163,25 +231,29 @@ async def login_page(request: Request) -> HTMLResponse:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
+    """The one request that carries the key: it starts a session, and the key goes no further (no cookie,
+    page, redirect or log holds it)."""
     form = await _form(request)
-    key = form.get("key", "").strip()
-    try:
-        if not key:
-            raise AuthenticationError("no key given", status=401)
-        async with _client(request, key) as c:
-            await c.list_workloads(limit=1)
-    except AuthenticationError:
+    sessions = _sessions(request)
+    session_id = await run_in_threadpool(sessions.start, form.get("key", ""))
+    if session_id is None:
         return render(request, "login.html", 401, error="That key was refused: check it and try again.")
+    if old := request.cookies.get(cookie_name(request, SESSION_COOKIE)):
+        await run_in_threadpool(sessions.end, old)  # the browser's previous session, if any, ends here
     response = _see("/")
-    _cookie(response, KEY_COOKIE, key)
+    _cookie(response, request, SESSION_COOKIE, session_id)
+    _cookie(response, request, CSRF_COOKIE, secrets.token_urlsafe(32))  # a new token for the new session
     return response
 
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
+    """Sign out: the session ends in the store, so a copy of its cookie is worth nothing either."""
     await _form(request)
+    if session_id := request.cookies.get(cookie_name(request, SESSION_COOKIE)):
+        await run_in_threadpool(_sessions(request).end, session_id)
     response = _see("/login")
-    response.delete_cookie(KEY_COOKIE, path="/")
+    _forget(response, request, SESSION_COOKIE)
     return response
 
 

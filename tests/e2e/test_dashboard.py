@@ -23,6 +23,7 @@ from tensora.models.tinymodel import write_tiny_model
 from tensora.sdk import Client
 from tests.e2e.test_serve import served
 from tests.support import services
+from tests.support.dashboard import CSRF, SESSION, cookie, signed_in
 from tests.support.stack import stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -81,7 +82,7 @@ def test_a_wrong_key_is_refused(browser: Any, server: tuple[str, str, Path]) -> 
     page = sign_in(browser, url, "tsk_this-is-not-a-key")
     expect(page.locator("#login-error")).to_contain_text("refused")
     shot(page, "login-refused")
-    assert not [c for c in page.context.cookies() if c["name"] == "tensora_key"]
+    assert not [c for c in page.context.cookies() if c["name"] == SESSION]
     page.goto(url + "/capacity")
     assert page.url.endswith("/login")
     page.context.close()
@@ -91,8 +92,8 @@ def test_the_fallback_story(browser: Any, server: tuple[str, str, Path]) -> None
     url, key, tmp = server
     page = sign_in(browser, url, key)
     expect(page.get_by_role("heading", name="Workloads")).to_be_visible()
-    cookie = next(c for c in page.context.cookies() if c["name"] == "tensora_key")
-    assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
+    cookie = next(c for c in page.context.cookies() if c["name"] == SESSION)
+    assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict" and cookie["value"] != key
 
     with Client(key, url) as sdk:  # the L40S is sold out
         sdk.upload_dir(tmp / "tiny", "tiny")  # a model is named by its name in the owner's files
@@ -228,10 +229,12 @@ def test_pages_read_without_javascript(browser: Any, server: tuple[str, str, Pat
 
 def test_forms_need_the_csrf_token_and_this_origin(server: tuple[str, str, Path]) -> None:
     url, key, _ = server
-    with httpx.Client(base_url=url, cookies={"tensora_key": key}, follow_redirects=False) as c:
-        r = c.post("/new", data={"kind": "notebook", "name": "forged", "gpu_class": "cpu-1c-4g"})
+    with signed_in(url, key) as c:
+        session = f"{SESSION}={cookie(c, SESSION)}"
+        r = c.post("/new", data={"kind": "notebook", "name": "forged", "gpu_class": "cpu-1c-4g"},
+                   headers={"Cookie": session})
         assert r.status_code == 403 and "CSRF" in r.text
-        c.cookies.set("tensora_csrf", "t0ken")
+        c.headers["Cookie"] = f"{session}; {CSRF}=t0ken"
         r = c.post("/new", data={"kind": "notebook", "name": "forged", "gpu_class": "cpu-1c-4g", "csrf": "t0ken"},
                    headers={"Origin": "https://evil.example"})
         assert r.status_code == 403 and "another site" in r.text

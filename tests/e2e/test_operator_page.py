@@ -15,6 +15,7 @@ import pytest
 from tensora.sdk import Client
 from tests.e2e.test_dashboard import WAIT_MS, browser, shot, sign_in
 from tests.e2e.test_serve import served
+from tests.support.dashboard import signed_in
 from tests.support.services import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -76,6 +77,6 @@ def test_an_owner_is_refused(browser: Any, server: tuple[str, str, str]) -> None
 
 def test_without_javascript_the_page_reads_the_same(server: tuple[str, str, str], tmp_path: Path) -> None:
     url, admin, _ = server
-    with httpx.Client(base_url=url, cookies={"tensora_key": admin}) as c:
+    with signed_in(url, admin) as c:
         r = c.get("/operator")
     assert r.status_code == 200 and "Fallback placements" in r.text and "gateway metrics unavailable" in r.text

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from tensora.sdk import Client
 from tests.support import services
@@ -78,3 +79,52 @@ def test_pages_act_as_the_session_and_its_scopes(live: tuple[Stack, str]) -> Non
         csrf = cookie(dash, CSRF)
         r = dash.post("/new", data={"csrf": csrf, "kind": "notebook", "name": "not-mine", "gpu_class": "cpu-1c-4g"})
         assert r.status_code == 403 and "workloads:write" in r.text
+
+
+def test_plain_http_on_another_host_gets_cookies_without_the_prefix_or_secure(live: tuple[Stack, str]) -> None:
+    """A browser drops a Secure cookie sent over http to a host that is not loopback: there the dashboard
+    still works, with the same cookies minus ``__Host-`` and Secure (and says nothing of a ``__Host-`` one)."""
+    s, url = live
+    host = {"Host": "tensora.example"}
+    with httpx.Client(base_url=url, follow_redirects=False, headers=host) as c:
+        page = c.get("/login")
+        csrf = page.cookies["tensora_csrf"]
+        r = c.post("/login", data={"csrf": csrf, "key": s.alice}, headers={"Cookie": f"tensora_csrf={csrf}"})
+        assert r.status_code == 303
+        set_cookies = r.headers.get_list("set-cookie") + page.headers.get_list("set-cookie")
+        assert set_cookies and all(v.startswith("tensora_") for v in set_cookies)
+        assert not any("secure" in v.lower() for v in set_cookies)
+        assert all("httponly" in v.lower() and "samesite=strict" in v.lower() for v in set_cookies)
+        session = r.cookies["tensora_session"]
+        assert c.get("/", headers={"Cookie": f"tensora_session={session}"}).status_code == 200
+        assert c.get("/", headers={"Cookie": f"{SESSION}={session}"}).status_code == 303  # not this host's name
+    with httpx.Client(base_url=url, follow_redirects=False) as c:  # on 127.0.0.1, only the prefixed name counts
+        assert c.get("/", headers={"Cookie": f"tensora_session={session}"}).status_code == 303
+        assert c.get("/", headers={"Cookie": f"{SESSION}={session}"}).status_code == 200
+
+
+def test_a_pages_own_refresh_does_not_keep_the_session_from_going_idle(live: tuple[Stack, str]) -> None:
+    s, url = live
+    with signed_in(url, s.alice) as dash:
+        for _ in range(2):  # a page left open refreshes itself; nobody looks
+            s.clock.advance(1_500)
+            assert dash.get("/ui/rows").status_code == 200
+        s.clock.advance(1_500)
+        assert dash.get("/ui/rows").status_code == 401  # 75 min after the last page opened
+        assert dash.get("/").headers["location"] == "/login"
+    with signed_in(url, s.alice) as dash:
+        for _ in range(3):  # pages opened: the session stays
+            s.clock.advance(1_500)
+            assert dash.get("/").status_code == 200
+
+
+def test_revoking_a_key_through_the_api_signs_its_sessions_out(live: tuple[Stack, str]) -> None:
+    s, url = live
+    with Client(s.admin, url) as sdk:
+        made = sdk.create_key("carol", owner="carol")
+        assert made.key
+        with signed_in(url, made.key), signed_in(url, made.key), signed_in(url, s.alice):
+            sdk.revoke_key(made.id)
+    with s.services.db.read() as conn:
+        rows = conn.execute(text("SELECT key_id, revoked_at FROM dashboard_sessions")).all()
+    assert sorted((k == made.id, at is not None) for k, at in rows) == [(False, False), (True, True), (True, True)]

@@ -98,6 +98,7 @@ def test_after_sign_out_the_old_cookie_goes_to_sign_in(browser: Any, live: tuple
     stolen = page.context.cookies()
     page.get_by_role("button", name="Sign out").click()
     assert page.url.endswith("/login")
+    assert SESSION not in {c["name"] for c in page.context.cookies()}  # the browser dropped it, too
     page.context.close()
     thief = replay(browser, url, stolen)
     assert thief.url.endswith("/login")

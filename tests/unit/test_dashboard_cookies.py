@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensora.dashboard.pages import secure_cookies
+from tensora.dashboard.signin import secure_cookies
 
 CASES = {  # (scheme, host) -> Secure (and __Host-) cookies?
     "https anywhere": ("https", "tensora.example", True),

@@ -2,10 +2,10 @@
 
 Each page is an ``AsyncClient`` (the SDK) calling this same app's API routes in-process, as the signed-in
 user: the dashboard can do nothing the API would not let that user's key do, and has no store access of
-its own. Sign-in takes an API key once and keeps a session instead (``tensora.api.sessions``): the browser
-holds a random session id in an http-only, Secure, SameSite=Strict ``__Host-`` cookie, never the key, and
-the page's client hands the API the session's principal in the ASGI scope (``tensora.api.principal``),
-which no HTTP request can write. Every POST carries a CSRF token (double submit: a cookie and a form
+its own. Sign-in takes an API key once and keeps a session instead (``signin``, ``tensora.api.sessions``):
+the browser holds a random session id in an http-only, Secure, SameSite=Strict ``__Host-`` cookie, never
+the key, and the page's client hands the API the session's principal in the ASGI scope
+(``tensora.api.principal``), which no HTTP request can write. Every POST carries a CSRF token (double submit: a cookie and a form
 field, compared in constant time) and a foreign ``Origin`` is refused. Pages render on the server, so
 reading works without JavaScript; ``live.js`` refreshes the live parts every two seconds and shows the
 CPU warning as soon as a CPU class is chosen in the create form. Every response carries the headers of
@@ -14,27 +14,32 @@ CPU warning as soon as a CPU class is chosen in the create form. Every response 
 
 from __future__ import annotations
 
-import contextlib
 import hmac
-import ipaddress
 import os
 import secrets
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from tensora.api.principal import Principal, as_principal
 from tensora.api.schemas import TokenUsageOut, UsageOut
 from tensora.dashboard.charts import bars_svg, colors, duration, usage_svg
+from tensora.dashboard.signin import (
+    CSRF_COOKIE,
+    SESSION_COOKIE,
+    SignIn,
+    client,
+    cookie_name,
+    forget,
+    sessions,
+    set_cookie,
+)
 from tensora.placement.fallback import CPU_WARNING
 from tensora.placement.kinds import WorkloadKind
-from tensora.sdk import APIError, AsyncClient, AuthenticationError, Workload
+from tensora.sdk import APIError, AuthenticationError, Workload
 from tensora.sdk.calls import Call
 from tensora.sdk.client import DEFAULT_GATEWAY_URL
 
@@ -51,22 +56,8 @@ def when(iso: str | None) -> str:
 
 templates.env.filters["when"] = when
 
-SESSION_COOKIE, CSRF_COOKIE = "tensora_session", "tensora_csrf"
-HOST_PREFIX = "__Host-"
 FALLBACK_SLOTS = 3
 router = APIRouter(include_in_schema=False)
-
-
-class SessionBook(Protocol):
-    """What the dashboard asks of the server's sessions (``tensora.api.sessions.Sessions``)."""
-
-    def start(self, key: str) -> str | None: ...
-    def principal(self, session_id: str, *, active: bool = True) -> Principal | None: ...
-    def end(self, session_id: str) -> None: ...
-
-
-class SignIn(Exception):
-    """No session, or one that ended: back to the sign-in page."""
 
 
 class PageError(Exception):
@@ -75,69 +66,6 @@ class PageError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-def secure_cookies(scheme: str, host: str | None) -> bool:
-    """Whether a browser keeps a ``Secure`` (and so a ``__Host-``) cookie from this origin: https, or a
-    loopback host (localhost, *.localhost, 127.0.0.0/8, ::1), which browsers count as secure over http."""
-    if scheme in ("https", "wss"):
-        return True
-    host = (host or "").lower().rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _secure(request: Request) -> bool:
-    return secure_cookies(request.url.scheme, request.url.hostname)
-
-
-def cookie_name(request: Request, name: str) -> str:
-    """``__Host-<name>`` where the browser keeps it (bound to this host, Secure, Path=/); else plain http on
-    another host, where a browser drops Secure cookies: ``<name>``, and the network can read it."""
-    return HOST_PREFIX + name if _secure(request) else name
-
-
-def _cookie(response: Response, request: Request, name: str, value: str) -> None:
-    response.set_cookie(cookie_name(request, name), value, httponly=True, secure=_secure(request),
-                        samesite="strict", path="/")
-
-
-def _forget(response: Response, request: Request, name: str) -> None:
-    response.delete_cookie(cookie_name(request, name), path="/", secure=_secure(request), httponly=True,
-                           samesite="strict")
-
-
-def _sessions(request: Request) -> SessionBook:
-    book: SessionBook = request.app.state.services.sessions
-    return book
-
-
-async def _principal(request: Request) -> Principal:
-    """Who this request's session acts as (once per request); SignIn without one."""
-    p: Principal | None = getattr(request.state, "principal", None)
-    if p is None:
-        session_id = request.cookies.get(cookie_name(request, SESSION_COOKIE), "")
-        if session_id:
-            p = await run_in_threadpool(_sessions(request).principal, session_id,
-                                        active=not request.url.path.startswith("/ui/"))
-        if p is None:
-            raise SignIn
-        request.state.principal = p
-    return p
-
-
-@contextlib.asynccontextmanager
-async def _client(request: Request) -> AsyncIterator[AsyncClient]:
-    """The SDK on this app, acting as the session's principal: no key is sent (an empty one: none from the
-    environment either), and none is needed."""
-    app = as_principal(request.app, await _principal(request))
-    async with AsyncClient("", "http://dashboard.invalid", transport=httpx.ASGITransport(app=app), max_retries=0,
-                           timeout=30) as c:
-        yield c
 
 
 def isolation_notice(isolation: str | None, reason: str | None) -> str | None:
@@ -170,7 +98,7 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> HT
                                                           "isolation_notice": _isolation_notice(request),
                                                           **context}, status_code=status)
     if request.cookies.get(csrf) != token:
-        _cookie(response, request, CSRF_COOKIE, token)
+        set_cookie(response, request, CSRF_COOKIE, token)
     return response
 
 
@@ -201,7 +129,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(AuthenticationError)  # cannot happen in-process (no key is sent): as SignIn
     async def _sign_in(request: Request, _: Exception) -> Response:
         response = Response(status_code=401) if request.url.path.startswith("/ui/") else _see("/login")
-        _forget(response, request, SESSION_COOKIE)
+        forget(response, request, SESSION_COOKIE)
         return response
 
     @app.exception_handler(PermissionError)
@@ -234,15 +162,15 @@ async def login(request: Request) -> Response:
     """The one request that carries the key: it starts a session, and the key goes no further (no cookie,
     page, redirect or log holds it)."""
     form = await _form(request)
-    sessions = _sessions(request)
-    session_id = await run_in_threadpool(sessions.start, form.get("key", ""))
+    book = sessions(request)
+    session_id = await run_in_threadpool(book.start, form.get("key", ""))
     if session_id is None:
         return render(request, "login.html", 401, error="That key was refused: check it and try again.")
     if old := request.cookies.get(cookie_name(request, SESSION_COOKIE)):
-        await run_in_threadpool(sessions.end, old)  # the browser's previous session, if any, ends here
+        await run_in_threadpool(book.end, old)  # the browser's previous session, if any, ends here
     response = _see("/")
-    _cookie(response, request, SESSION_COOKIE, session_id)
-    _cookie(response, request, CSRF_COOKIE, secrets.token_urlsafe(32))  # a new token for the new session
+    set_cookie(response, request, SESSION_COOKIE, session_id)
+    set_cookie(response, request, CSRF_COOKIE, secrets.token_urlsafe(32))  # a new token for the new session
     return response
 
 
@@ -251,16 +179,16 @@ async def logout(request: Request) -> Response:
     """Sign out: the session ends in the store, so a copy of its cookie is worth nothing either."""
     await _form(request)
     if session_id := request.cookies.get(cookie_name(request, SESSION_COOKIE)):
-        await run_in_threadpool(_sessions(request).end, session_id)
+        await run_in_threadpool(sessions(request).end, session_id)
     response = _see("/login")
-    _forget(response, request, SESSION_COOKIE)
+    forget(response, request, SESSION_COOKIE)
     return response
 
 
 # -- workloads --------------------------------------------------------------------------------
 
 async def _workloads(request: Request) -> list[Workload]:
-    async with _client(request) as c:
+    async with client(request) as c:
         page = await c.list_workloads(limit=500)
     return sorted(page.data, key=lambda w: w.created_at)  # the API pages by id; people read by age
 
@@ -276,7 +204,7 @@ async def workload_rows(request: Request) -> HTMLResponse:
 
 
 async def _detail(request: Request, workload_id: str) -> dict[str, Any]:
-    async with _client(request) as c:
+    async with client(request) as c:
         try:
             w = await c.get_workload(workload_id)
             events = await c.workload_events(workload_id)
@@ -301,7 +229,7 @@ async def workload_live(request: Request, workload_id: str) -> HTMLResponse:
 @router.post("/workloads/{workload_id}/{action}")
 async def workload_action(request: Request, workload_id: str, action: str) -> Response:
     form = await _form(request)
-    async with _client(request) as c:
+    async with client(request) as c:
         try:
             if action == "restart":
                 await c.restart_workload(workload_id, form.get("placement", "policy"))
@@ -323,7 +251,7 @@ async def workload_action(request: Request, workload_id: str, action: str) -> Re
 # -- create -----------------------------------------------------------------------------------
 
 async def _classes(request: Request) -> list[Any]:
-    async with _client(request) as c:
+    async with client(request) as c:
         return list((await c.catalog()).data)
 
 
@@ -353,7 +281,7 @@ async def create(request: Request) -> Response:
     if kind == WorkloadKind.VM and form.get("image", "").strip():
         more["image"] = form["image"].strip()
     after = form.get("fallback_after", "").strip() or None
-    async with _client(request) as c:
+    async with client(request) as c:
         try:
             w = await c.create_workload(kind, form.get("name", "").strip(), form.get("gpu_class", ""),
                                         fallback=chain, fallback_after=after, **more)
@@ -370,7 +298,7 @@ async def create(request: Request) -> Response:
 
 @router.get("/capacity", response_class=HTMLResponse)
 async def capacity_page(request: Request) -> HTMLResponse:
-    async with _client(request) as c:
+    async with client(request) as c:
         catalog = await c.catalog()
         usage: UsageOut | None
         tokens: TokenUsageOut | None
@@ -405,7 +333,7 @@ templates.env.filters["seconds"] = _seconds
 @router.get("/operator", response_class=HTMLResponse)
 async def operator_page(request: Request) -> HTMLResponse:
     """What an operator watches, from ``GET /v1/operator`` (admin keys only: the API's 403 is the page's)."""
-    async with _client(request) as c:
+    async with client(request) as c:
         try:
             ops: dict[str, Any] = await c.run(Call("GET", "/v1/operator", dict))
         except AuthenticationError:

@@ -96,6 +96,12 @@ def read_all(s: socket.socket, until: float = 20.0) -> tuple[bytes, bool]:
     return out, True
 
 
+def read_each(socks: list[socket.socket], within: float = 30.0) -> list[tuple[bytes, bool]]:
+    """``read_all`` of each socket, all of them within ``within`` seconds together (they were held together)."""
+    deadline = time.monotonic() + within
+    return [read_all(s, max(0.1, deadline - time.monotonic())) for s in socks]
+
+
 def answered(s: socket.socket) -> bool:
     """Whether the server has sent anything (or closed) on ``s`` yet; does not wait."""
     ready, _, _ = select.select([s], [], [], 0)
@@ -143,30 +149,34 @@ class Dribbler:
 
 
 def test_endless_headers_are_answered_408_while_healthz_and_a_revoke_are_served(tmp_path: Path) -> None:
-    """20 connections each sending a header that never ends: every one is answered 408 and closed; while they are
-    held, /healthz and an admin's key revoke from another connection are answered, and the key is revoked."""
+    """20 connections each dribbling a header that never ends, and 2 pouring one out as fast as they can: the first
+    are answered 408 and closed, the others 431; while they are held, /healthz and an admin's key revoke from
+    another connection are answered, and the key is revoked."""
     with serving(tmp_path, header_timeout_s="6") as api:
         made = httpx.post(api.url + "/v1/keys", headers=api.auth, json={"name": "leaked"}, timeout=10)
         assert made.status_code == 201, made.text
         leaked, leaked_id = made.json()["key"], made.json()["id"]
         slow = [connect(api) for _ in range(20)]
+        fast = [connect(api) for _ in range(2)]
         try:
-            for s in slow:
+            for s in slow + fast:
                 s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-endless: ")
-            with Dribbler(slow, b"a" * 40):
+            with Dribbler(slow, b"a" * 40), Dribbler(fast, b"a" * (256 << 10), every_s=0.01, rounds=2000):
                 with httpx.Client(base_url=api.url, timeout=30) as client:
                     health = client.get("/healthz")
                     revoke = client.delete(f"/v1/keys/{leaked_id}", headers=api.auth)
                     after = client.get("/v1/keys", headers={"Authorization": f"Bearer {leaked}"})
                 held_meanwhile = [not answered(s) for s in slow]
-                ends = [read_all(s, 30) for s in slow]
+                ends = read_each(slow)
+                poured = read_each(fast)
         finally:
-            for s in slow:
+            for s in slow + fast:
                 s.close()
     assert health.status_code == 200 and revoke.status_code == 204, (health.text, revoke.text)
     assert after.status_code == 401, after.text
     assert all(held_meanwhile), "the slow connections were dropped before the revoke was answered"
     assert all(out.startswith(b"HTTP/1.1 408") and closed for out, closed in ends), ends[0]
+    assert all(out.startswith(b"HTTP/1.1 431") and closed for out, closed in poured), poured[0]
 
 
 def test_one_client_address_cannot_take_every_connection(tmp_path: Path) -> None:
@@ -183,7 +193,7 @@ def test_one_client_address_cannot_take_every_connection(tmp_path: Path) -> None
             with connect(api, "127.0.0.2") as other:
                 other.sendall(get(headers=b"connection: close\r\n"))
                 answer, _ = read_all(other)
-            refused = [read_all(s, 10)[0] for s in flood]
+            refused = [out for out, _ in read_each(flood, 10)]
             # the whole cap: 10 more clients' 3 connections each fill it with those 10 held
             others = [connect(api, f"127.0.1.{i}") for i in range(1, 11) for _ in range(3)]
             for s in others:

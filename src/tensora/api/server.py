@@ -205,8 +205,7 @@ class Protocol(HttpToolsProtocol):
             self._refuse(_Refuse(408, "the request's headers did not arrive in time"))
 
     def _body_late(self) -> None:
-        """The body's deadline: a 408 when it stopped coming while it was being read; reading paused by the server
-        (the app has not taken what came) is no stall of the client's."""
+        """The body's deadline: a 408 when it stopped coming for ``idle_timeout_s`` while it was awaited."""
         self.timer = None
         if self.head >= 0 or self.refused or self.cycle is None or not self.cycle.more_body:
             return
@@ -214,8 +213,10 @@ class Protocol(HttpToolsProtocol):
             self.transport.close()
             return
         quiet = self.loop.time() - self.body_at
-        if self.flow.read_paused or quiet < self.limits.idle_timeout_s:
-            self._arm(self.limits.idle_timeout_s - (0 if self.flow.read_paused else quiet), self._body_late)
+        # reading paused by the server, or a client waiting for its 100 Continue: no stall of the client's
+        held = self.flow.read_paused or self.cycle.waiting_for_100_continue
+        if held or quiet < self.limits.idle_timeout_s:
+            self._arm(self.limits.idle_timeout_s - (0 if held else quiet), self._body_late)
             return
         self._refuse(_Refuse(408, "the request's body stopped coming"))
 

@@ -152,7 +152,7 @@ def test_endless_headers_are_answered_408_while_healthz_and_a_revoke_are_served(
     """20 connections each dribbling a header that never ends, and 2 pouring one out as fast as they can: the first
     are answered 408 and closed, the others 431; while they are held, /healthz and an admin's key revoke from
     another connection are answered, and the key is revoked."""
-    with serving(tmp_path, header_timeout_s="6") as api:
+    with serving(tmp_path, header_timeout_s="10") as api:
         made = httpx.post(api.url + "/v1/keys", headers=api.auth, json={"name": "leaked"}, timeout=10)
         assert made.status_code == 201, made.text
         leaked, leaked_id = made.json()["key"], made.json()["id"]
@@ -224,7 +224,7 @@ HEADS = [  # (name, request head, expected status)
 @pytest.fixture(scope="module")
 def small_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     with serving(tmp_path_factory.mktemp("small"), max_header_bytes="8192", max_headers="20",
-                 max_body_bytes="65536", idle_timeout_s="2") as api:
+                 max_body_bytes="65536", idle_timeout_s="5") as api:
         yield api
 
 
@@ -269,14 +269,17 @@ def test_an_upload_past_the_json_bound_streams_and_its_own_bound_holds(small_api
         s.sendall(b"PUT /v1/files/big.bin HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + small_api.key.encode()
                   + b"\r\ncontent-length: %d\r\n\r\n" % size)
         s.sendall(b"x" * (2 << 20))
-        on_disk = 0
-        for _ in range(200):  # until a batch of it is on disk, the rest not yet sent (bounded)
+        rest, on_disk = size - (2 << 20), 0
+        piece = 16 << 10
+        while rest > 0:  # until a batch of it is on disk, the body kept coming a piece at a time (bounded)
             on_disk = max((p.stat().st_size for p in (small_api.data_dir / "files").rglob(".upload-*")), default=0)
             if on_disk >= 1 << 20:
                 break
+            s.sendall(b"x" * piece)
+            rest -= piece
             time.sleep(0.1)
-        s.sendall(b"x" * (size - (2 << 20)))
-        out, _ = read_all(s, 5)
+        s.sendall(b"x" * rest)
+        out, _ = read_all(s, 10)
     assert on_disk >= 1 << 20
     assert out.startswith(b"HTTP/1.1 201"), out[:300]
 

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from tensora import replicakeys
 from tensora.api.auth import KeyChecker, create_key
@@ -52,6 +52,9 @@ from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
 from tensora.tracing import setup as setup_tracing
+
+if TYPE_CHECKING:
+    from tensora.api.server import HttpLimits
 
 
 class Occupied(TensoraError):
@@ -255,9 +258,9 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     process it would hold the GIL against the requests (the latency of every request would
     grow with the queue). Apart, each has a core of its own when the machine has two.
     """
-    from uvicorn import Config
     from uvicorn.supervisors import Multiprocess
 
+    from tensora.api.server import Config, make_room
     from tensora.control.wake import WakeListener, socket_path
 
     metrics = _metrics_listener(settings, services, multiprocess=True)
@@ -269,8 +272,10 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
     if services.controller is not None:
         os.environ[CONTROLLER_HOLDER_ENV] = services.controller.holder
-    config = Config("tensora.serve:worker_app", factory=True, workers=settings.workers, host=settings.host,
-                    port=settings.port, log_level=settings.log_level, access_log=False,
+    limits = http_limits(settings)
+    make_room(limits)  # the workers inherit it
+    config = Config("tensora.serve:worker_app", limits=limits, factory=True, workers=settings.workers,
+                    host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
                     timeout_graceful_shutdown=10)
     try:
         Multiprocess(config, sockets=[config.bind_socket()]).run()
@@ -364,8 +369,7 @@ def _stop_gateway(proc: Any) -> None:
 
 def run(settings: ServeSettings, profile: str = "serve") -> None:
     """Serve until interrupted. ``profile="up"``: one machine, once per data dir, and say so."""
-    import uvicorn
-
+    from tensora.api import server as api_server
     from tensora.api.app import create_app
 
     gw = gateway_settings_for(settings, {"port": settings.gateway_port}) if profile == "up" else None
@@ -416,8 +420,18 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_clean)
     _metrics_listener(settings, services, multiprocess=False)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, timeout_graceful_shutdown=10)
+    api_server.run(app, http_limits(settings), host=settings.host, port=settings.port,
+                   log_level=settings.log_level, access_log=False, timeout_graceful_shutdown=10)
+
+
+def http_limits(settings: ServeSettings) -> HttpLimits:
+    """What one client may hold of an API worker's HTTP server (``tensora.api.server``)."""
+    from tensora.api.server import HttpLimits
+
+    return HttpLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
+                      header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
+                      max_connections=settings.max_connections,
+                      max_connections_per_client=settings.max_connections_per_client)
 
 
 def left_running(replicas: Sequence[ReplicaStatus]) -> str:

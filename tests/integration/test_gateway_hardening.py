@@ -327,3 +327,40 @@ def test_bodies_are_bounded(request_: bytes, status: int) -> None:
         out = read_all(s, 3)
     assert out.startswith(b"HTTP/1.1 %d" % status), out[:200]
     assert seen == (["/"] if status == 200 else [])
+
+
+def connect_from(server: Any, source: str) -> socket.socket:
+    """A connection from another loopback address (Linux answers on all of 127.0.0.0/8)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", server.bound[1]))
+    return s
+
+
+def test_one_client_address_cannot_take_every_connection() -> None:
+    """40 idle connections from 127.0.0.1 (its share is 10 of the 40): past its share that client is answered 503
+    with Retry-After, while 127.0.0.2 is still served."""
+    with serving_own(app, Limits(max_connections=40, max_connections_per_client=10, retry_after_s=2)) as server:
+        held = [connect(server) for _ in range(10)]
+        flood = [connect(server) for _ in range(30)]  # past its share, up to the server's whole cap
+        try:
+            with connect_from(server, "127.0.0.2") as other:
+                other.sendall(get("/other", b"connection: close\r\n"))
+                answer = read_all(other)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+            refused = [read_all(s, 5) for s in flood]
+            held.pop().close()
+            deadline = time.monotonic() + 5
+            while len(server.conns) >= 10:  # its slot comes back when one of its connections ends
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            with connect(server) as again:
+                again.sendall(get("/again", b"connection: close\r\n"))
+                again_answer = read_all(again)
+        finally:
+            for s in held + flood:
+                s.close()
+    assert all(r.startswith(b"HTTP/1.1 503") and b"retry-after: 2\r\n" in r for r in refused), refused[:1]
+    assert again_answer.startswith(b"HTTP/1.1 200"), again_answer[:200]
+    assert seen == ["/other", "/again"]

@@ -54,7 +54,21 @@ class ServeSettings(BaseModel):
     port: int = Field(default=8700, ge=0, le=65535)
     region: str = Field(default="local", pattern=NAME_PATTERN)
     max_in_flight: int = Field(default=256, ge=1)
-    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, description="a JSON request body: 413 beyond, before it "
+                                "is read (uploads to /v1/files stream under the owner's storage quota instead)")
+    # what one client may hold of an API worker's HTTP server (tensora.api.server)
+    max_header_bytes: int = Field(default=32 << 10, ge=1024, description="request line and headers: 431 beyond")
+    max_headers: int = Field(default=100, ge=8, description="headers per request: 431 beyond")
+    header_timeout_s: float = Field(default=10.0, gt=0, description="from a request's first byte to its last "
+                                    "header: 408 beyond")
+    idle_timeout_s: float = Field(default=30.0, gt=0, description="a connection with no request is closed after "
+                                  "this; a body that stops coming this long is a 408")
+    max_connections: int = Field(default=1024, ge=1, description="open connections per HTTP worker: 503 with "
+                                 "Retry-After beyond")
+    max_connections_per_client: int = Field(default=128, ge=1, description="open connections from one client "
+                                            "address per HTTP worker (its share of max_connections): 503 with "
+                                            "Retry-After to that client beyond; behind a proxy, raise it to "
+                                            "max_connections")
     tick_s: float = Field(default=2.0, gt=0)
     lease_ttl_s: float = Field(default=15.0, gt=0)
     drain_s: float = Field(default=5.0, ge=0, description="a replica replaced by a move back keeps serving the "

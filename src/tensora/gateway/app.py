@@ -120,6 +120,9 @@ class GatewaySettings(BaseModel):
     max_body_bytes: int = Field(default=8 << 20, ge=1024, description="a request body: 413 beyond")
     max_connections: int = Field(default=10_000, ge=1, description="open client connections: 503 with "
                                  "Retry-After beyond")
+    max_connections_per_client: int = Field(default=1_000, ge=1, description="open connections from one client "
+                                            "address (its share of max_connections): 503 with Retry-After to that "
+                                            "client beyond; behind a proxy, raise it to max_connections")
     max_pipelined: int = Field(default=8, ge=1, description="requests queued behind the one in flight on a "
                                "connection: reading stops there")
     busy_poll_us: int = Field(default=0, ge=0, le=10_000, description="busy polling: after each request in and "
@@ -164,6 +167,7 @@ class GatewaySettings(BaseModel):
         return Limits(max_header_bytes=self.max_header_bytes, max_headers=self.max_headers,
                       header_timeout_s=self.header_timeout_s, idle_timeout_s=self.idle_timeout_s,
                       max_body_bytes=self.max_body_bytes, max_connections=self.max_connections,
+                      max_connections_per_client=self.max_connections_per_client,
                       max_pipelined=self.max_pipelined, write_buffer_bytes=self.write_buffer_bytes,
                       retry_after_s=self.retry_after_s)
 

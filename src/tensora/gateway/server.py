@@ -11,7 +11,8 @@ The app stays a plain ASGI app: the tests also serve it with uvicorn.
 
 Hostile clients are bounded as Envoy bounds them (``Limits``): the request line and headers
 (431), the header count (431), the time to send them (408), idle keep-alive connections (closed),
-the body (413), connections (503 with Retry-After), requests queued on one connection, and the
+the body (413), connections (503 with Retry-After), connections from one client address (its share of them:
+503 with Retry-After to that client only), requests queued on one connection, and the
 response bytes waiting for a client that does not read (reading stops, the app's ``send`` waits).
 A refusal is answered in its turn after the requests before it, then the connection is closed
 after a short linger, so that the client reads the answer rather than a reset.
@@ -63,9 +64,10 @@ class Limits:
     idle_timeout_s: float = 60.0  # a connection with no request in flight, or a body that stops coming
     max_body_bytes: int = 8 << 20
     max_connections: int = 10_000
+    max_connections_per_client: int = 1_000  # from one client address: its share, so that one cannot take them all
     max_pipelined: int = 8  # requests parsed and waiting behind the one in flight, per connection
     write_buffer_bytes: int = 64 << 10  # response bytes a slow reader may leave waiting before reading stops
-    retry_after_s: int = 1  # on the 503 beyond max_connections
+    retry_after_s: int = 1  # on the 503 beyond max_connections (or the client's share)
 
 
 def _head_lines(status: int, headers: Any) -> tuple[list[bytes], bool]:
@@ -159,6 +161,7 @@ class _Conn(asyncio.Protocol):
         self.lim = server.limits
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None  # the client's address: the scope's "client", asked of the transport once
+        self.host: Any = None  # the client's host, counted in ``server.per_host`` while this connection is open
         self.parser = httptools.HttpRequestParser(self)
         self.req = _Request()
         self.size = 0
@@ -185,8 +188,18 @@ class _Conn(asyncio.Protocol):
             self._reject(503, b"the gateway is at its connection limit", [b"retry-after: %d\r\n" %
                                                                           self.lim.retry_after_s])
             return
+        self.peer = peer = transport.get_extra_info("peername")
+        host = peer[0] if type(peer) is tuple else ""  # a unix socket's clients: one
+        per_host = self.server.per_host
+        held = per_host.get(host, 0)
+        if held >= self.lim.max_connections_per_client:
+            self.done_reading = True
+            self._reject(503, b"this client is at its connection limit", [b"retry-after: %d\r\n" %
+                                                                          self.lim.retry_after_s])
+            return
+        per_host[host] = held + 1
+        self.host = host
         nodelay(transport)
-        self.peer = transport.get_extra_info("peername")
         transport.set_write_buffer_limits(high=self.lim.write_buffer_bytes)  # type: ignore[attr-defined]
         self.lost = loop.create_future()
         self.deadline = self.server.now + self.lim.idle_timeout_s
@@ -196,12 +209,24 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         self.deadline = None
         self.server.conns.discard(self)
+        if self.host is not None:
+            self._release()
         if self.lost is not None and not self.lost.done():
             self.lost.set_result(None)
         if self.drain is not None and not self.drain.done():
             self.drain.set_result(None)
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client is gone: stop the upstream work for it
+
+    def _release(self) -> None:
+        """Give the client's connection back to its share."""
+        per_host = self.server.per_host
+        left = per_host.get(self.host, 1) - 1
+        if left > 0:
+            per_host[self.host] = left
+        else:
+            per_host.pop(self.host, None)
+        self.host = None
 
     def pause_writing(self) -> None:
         self.drain = self.server.loop.create_future()
@@ -485,6 +510,7 @@ class Server:
         self.own_process = own_process  # the process is this server's alone: its collector is tuned (``quiet_gc``)
         self.limits, self.grace_s = limits or Limits(), grace_s
         self.conns: set[_Conn] = set()
+        self.per_host: dict[Any, int] = {}  # open connections by client host (``Limits.max_connections_per_client``)
         self.bound: tuple[str, int] | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self.now = 0.0  # the loop's time at the last sweep: deadlines are a tick coarse, never a call per request

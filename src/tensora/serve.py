@@ -236,6 +236,14 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return lambda: prctl(PR_SET_PDEATHSIG, term, 0, 0, 0)
 
 
+def worker_settings_json(settings: ServeSettings) -> str:
+    """The settings as the HTTP workers read them back: the older ``storage_quota`` folded into
+    ``quotas.storage_bytes``, so that they validate again (a dump holds every field of ``quotas``, and the two
+    names together are refused)."""
+    folded = settings.model_copy(update={"quotas": settings.owner_defaults().quotas, "storage_quota": None})
+    return folded.model_dump_json()
+
+
 def worker_app() -> Any:
     """The app of one HTTP worker of ``serve --workers N``: no controller here; wakes go over a socket."""
     from tensora.api.app import create_app
@@ -268,7 +276,7 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     if services.controller is not None:
         listener = WakeListener(socket_path(settings.data_dir, settings.region), services.controller.wake).start()
         services.controller.start()
-    os.environ[WORKER_SETTINGS_ENV] = settings.model_dump_json()
+    os.environ[WORKER_SETTINGS_ENV] = worker_settings_json(settings)
     os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
     if services.controller is not None:
         os.environ[CONTROLLER_HOLDER_ENV] = services.controller.holder

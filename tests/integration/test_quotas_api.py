@@ -19,6 +19,7 @@ from sqlalchemy import text
 
 from tensora.config.settings import ServeSettings
 from tensora.placement.quotas import GIB, Limits, OwnerSettings, Quotas, effective, overlay
+from tensora.serve import worker_settings_json
 from tests.integration.test_api import Api, assert_error, created
 from tests.integration.test_api import api as api  # the fixture, re-exported under its name
 
@@ -153,6 +154,13 @@ def test_storage_quota_stays_the_default_of_storage_bytes(case: tuple[dict[str, 
                                                           tmp_path: Any) -> None:
     config, want = case
     assert ServeSettings(data_dir=tmp_path, **config).owner_defaults().quotas.storage_bytes == want
+
+
+@pytest.mark.parametrize("case", STORAGE_CONFIG.values(), ids=STORAGE_CONFIG.keys())
+def test_the_http_workers_read_the_same_defaults_back(case: tuple[dict[str, Any], int], tmp_path: Any) -> None:
+    config, want = case
+    back = ServeSettings.model_validate_json(worker_settings_json(ServeSettings(data_dir=tmp_path, **config)))
+    assert back.owner_defaults().quotas.storage_bytes == want
 
 
 def test_storage_quota_and_storage_bytes_together_are_refused(tmp_path: Any) -> None:

@@ -361,6 +361,19 @@ def test_a_replica_never_gets_the_callers_cookies_or_credentials(backends: Backe
             assert [(k, v) for k, v in seen if any(s in v for s in secrets_)] == [], seen
 
 
+def test_a_replicas_answer_reaches_the_caller_with_only_the_gateways_headers(backends: Backends) -> None:
+    """A model server's page never becomes one on Tensora's host: its content type and cookies stay behind."""
+    table = make_table([{"id": "wl_open", "name": "open", "owner": "alice",
+                         "replicas": [replica("r1", backends.url("r1"))]}], KEYS)
+    backends.mode("r1", "http_400", headers={"Set-Cookie": "tenant=planted; Path=/", "Content-Type": "text/html",
+                                             "Content-Security-Policy": "script-src *"})
+    with serving(gateway(table)) as url:
+        r = post(url, chat(model="open"))
+    assert r.status_code == 400, r.text  # a client error, passed through: its status and body
+    assert "set-cookie" not in r.headers and "content-security-policy" not in r.headers
+    assert r.headers.get_list("content-type") == ["application/json"]
+
+
 # The windows are whole minutes of wall time: a test whose requests straddled a minute's end would see
 # two windows (CI once admitted all 16 of the two-gateway test's requests). The rate tests hold the
 # wall clock 30 s into a minute.

@@ -492,6 +492,8 @@ def test_a_crash_between_start_and_record_leaves_one_process_which_the_next_driv
             again.observe()
             time.sleep(0.1)
         assert replica_processes("rp_crash") == [server]
+        # it keeps the loopback address of its own that was recorded with the claim (not Tensora's 127.0.0.1)
+        assert claim["address"] != "127.0.0.1" and seen.url == f"http://{claim['address']}:{claim['port']}/v1"
         again.stop("rp_crash")
         deadline = time.monotonic() + 30
         while any(s.state is not ReplicaState.STOPPED for s in again.observe()):

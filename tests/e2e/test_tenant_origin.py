@@ -3,12 +3,14 @@ notebook under ``tensora up`` (a real sandbox), with a Jupyter config in its hom
 write it from a terminal) that logs every request's headers to a file in that home; the admin signs in to the
 dashboard in Chromium, opens the tenant's notebook page and clicks "Open JupyterLab". Nothing logged may hold
 the admin key or the value of any cookie the browser holds for the dashboard: browsers send cookies by host,
-not port, so the notebook must be served on a host of its own. Checked again after a restart (a new replica)."""
+not port, so the notebook must be served on a host of its own. Checked again after a restart (a new replica).
+Where the host has no other loopback address, the notebook's ``*.localhost`` name works in Chromium."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tensora.config.catalog import default_catalog
+from tensora.drivers import loopback
+from tensora.drivers.base import ReplicaSpec
+from tensora.drivers.local import Isolation, LocalDriver
+from tensora.placement.capacity import Node
+from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tests.e2e.test_dashboard import CHROMIUM, FLAGS, sign_in
 from tests.e2e.test_isolation import _client, _key_for, real, tensora_up
 
@@ -101,6 +109,43 @@ def test_a_tenants_jupyterlab_never_gets_the_dashboards_cookies(tmp_path: Path) 
                           if any(s in value for s in secrets_)]
                 assert leaked == [], f"{turn}: the tenant's server got a Tensora credential in {leaked}"
                 assert httpx.URL(before).host != "127.0.0.1", (turn, before)
+
+
+@pytest.mark.slow
+def test_where_the_host_has_no_other_loopback_address_a_notebook_gets_a_localhost_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS configures only 127.0.0.1: a notebook is bound there, and its URL names ``r-<hex>.localhost``, a host
+    of its own to a browser (Chromium resolves every ``*.localhost`` itself), which JupyterLab answers to."""
+    monkeypatch.setattr(loopback, "bindable", lambda _address: False)  # as EADDRNOTAVAIL says on such a host
+    driver = LocalDriver(tmp_path / "data", Node("box", "local", 4, 16 * 2**30), default_catalog(),
+                         isolation=Isolation.NONE)
+    rid = "rp_named" + secrets.token_hex(3)
+    driver.start(ReplicaSpec(rid, "wl_named", WorkloadKind.NOTEBOOK, "cpu-1c-4g", "box", owner="admin"))
+    try:
+        deadline = time.monotonic() + 90
+        while (seen := {s.id: s for s in driver.observe()}[rid]).state is not ReplicaState.RUNNING:
+            assert seen.state is ReplicaState.STARTING and time.monotonic() < deadline, seen
+            time.sleep(0.2)
+        url = httpx.URL(seen.url)
+        assert url.host.startswith("r-") and url.host.endswith(".localhost"), url
+        token = url.params["token"]
+        with _browser(tmp_path) as browser:
+            page = browser.new_page()
+            response = page.goto(str(url))
+            assert response is not None and response.ok, response
+            assert page.evaluate("document.location.hostname") == url.host
+            page.close()
+        # Jupyter's Host check: its own name passes, any other name is refused
+        status = f"http://127.0.0.1:{url.port}/api/status"
+        for host, want in ((url.host, 200), ("tensora.example.org", 403)):
+            r = httpx.get(status, params={"token": token}, headers={"Host": f"{host}:{url.port}"}, timeout=10)
+            assert r.status_code == want, (host, r.status_code)
+    finally:
+        driver.stop(rid)
+        deadline = time.monotonic() + 30
+        while {s.id: s for s in driver.observe()}[rid].state is not ReplicaState.STOPPED:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
 
 
 class _browser:

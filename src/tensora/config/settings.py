@@ -75,7 +75,7 @@ class ServeSettings(BaseModel):
                                         description="kubernetes driver: each notebook gets an Ingress at "
                                         "https://<name>.<notebook_domain>/ (a wildcard DNS record and certificate "
                                         "at the ingress controller); default: none, the Service's cluster address. "
-                                        "A registrable domain of its own (as github.io is to github.com), never "
+                                        "In a registrable domain of its own (as github.io is to github.com), never "
                                         "the dashboard's host nor a name above or below it: tenant pages must be "
                                         "cross-site to the dashboard")
     ingress_class: str | None = Field(default=None, description="kubernetes driver: the notebooks' IngressClass "

@@ -32,6 +32,7 @@ from tensora.config.settings import ServeSettings, describe_isolation, isolation
 from tensora.drivers import launch as plan
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import Isolation, LocalDriver
+from tensora.drivers.loopback import Origin
 from tensora.drivers.vmdisk import DiskFormat, ImageInfo, Layer
 from tensora.models import runtimes
 from tensora.models.tinymodel import write_tiny_model
@@ -98,6 +99,8 @@ def _mounts(launch: plan.Launch) -> dict[str, tuple[str, bool]]:
     return {m.target: (m.source, m.writable) for m in launch.mounts}
 
 
+OWN = Origin("127.9.8.7", "127.9.8.7")
+NAMED = Origin("127.0.0.1", "r-0123456789abcdef.localhost")
 ENV_FROM_SCRATCH = {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
                     "MKL_NUM_THREADS"}
 
@@ -126,6 +129,23 @@ LAUNCH_CASES: dict[str, tuple[Callable[[], plan.Launch], Callable[[plan.Launch],
         lambda x: "--allow-root" in x.argv and x.mounts == () and x.cwd == "/data/workdirs/wl_1"
         and x.env["JUPYTER_CONFIG_DIR"] == "/data/replicas/r/jupyter/config"
         and not any("tok-secret" in a for a in x.argv)),
+    "notebook sandboxed: 127.0.0.1 inside, published on its own address": (
+        lambda: _notebook(origin=OWN), lambda x: "--ServerApp.ip=127.0.0.1" in x.argv and x.address == "127.9.8.7"),
+    "notebook unsandboxed: binds its own address itself, never 127.0.0.1": (
+        lambda: _notebook(sandboxed=False, origin=OWN),
+        lambda x: "--ServerApp.ip=127.9.8.7" in x.argv and x.address == "127.9.8.7"
+        and not any("local_hostnames" in a for a in x.argv)),
+    "notebook named (no other loopback address): the name passes Jupyter's Host check": (
+        lambda: _notebook(sandboxed=False, origin=NAMED),
+        lambda x: "--ServerApp.ip=127.0.0.1" in x.argv and x.address == "127.0.0.1"
+        and "--ServerApp.local_hostnames=r-0123456789abcdef.localhost" in x.argv
+        and "--ServerApp.local_hostnames=localhost" in x.argv),
+    "endpoint unsandboxed: the model server binds its own address": (
+        lambda: _endpoint(sandboxed=False, address="127.9.8.7"),
+        lambda x: x.argv[x.argv.index("--host") + 1] == "127.9.8.7" and x.address == "127.9.8.7"),
+    "endpoint sandboxed: 127.0.0.1 inside, published on its own address": (
+        lambda: _endpoint(address="127.9.8.7"),
+        lambda x: x.argv[x.argv.index("--host") + 1] == "127.0.0.1" and x.address == "127.9.8.7"),
     "endpoint: the model read-only at /model, the runtime's venv read-only, served as /model": (
         _endpoint, lambda x: _mounts(x) == {"/model": ("/data/files/alice/tiny", False),
                                             "/opt/runtime": ("/srv/tensora/venv", False),
@@ -231,6 +251,8 @@ def test_choose_cpuset(case: tuple[tuple[list[int], set[int], float, bool], list
 def test_the_sandbox_publishes_its_port_and_reaches_only_tensoras_ports() -> None:
     spec = plan.sandbox_spec(_notebook(), "rp_1", 100_001, 100_001, plan.limits(CPU1, [2]), [], [8700, 8701, 0])
     assert spec.publish == ((41000, 41000),) and spec.allow_host_ports == (8700, 8701)
+    mine = plan.sandbox_spec(_notebook(origin=OWN), "rp_1", 100_001, 100_001, plan.limits(CPU1), [], [8700])
+    assert mine.publish_address == "127.9.8.7"  # its own address, not Tensora's
     assert (spec.uid, spec.gid, spec.limits.cpus, spec.limits.memory_bytes) == (100_001, 100_001, 1, 4 << 30)
     assert spec.limits.cpuset == "2" and spec.limits.pids == plan.PIDS
 
@@ -343,9 +365,9 @@ def attempt(fn):
         return "ok"
     except OSError as e:
         return errno.errorcode.get(e.errno, str(e.errno))
-def reach(port):
+def reach(port, host="127.0.0.1"):
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=3):
+        with socket.create_connection((host, port), timeout=3):
             return "ok"
     except OSError as e:
         return type(e).__name__
@@ -366,6 +388,7 @@ out["token on argv"] = [p for p in glob.glob("/proc/[0-9]*/cmdline")
                         if P["token"].encode() in open(p, "rb").read()]
 out["processes"] = len(glob.glob("/proc/[0-9]*"))
 out["ports"] = {name: reach(port) for name, port in P["ports"].items()}
+out["hosts"] = {name: reach(port, host) for name, (host, port) in P.get("hosts", {}).items()}
 out["api"] = urllib.request.urlopen(P["api"], timeout=5).status
 print(json.dumps(out))
 """
@@ -472,9 +495,9 @@ def _stand_in_server() -> tuple[int, Callable[[], None]]:
     return int(srv.getsockname()[1]), close
 
 
-def _token_port(url: str) -> tuple[str, int]:
+def _token_port(url: str) -> tuple[str, str, int]:
     parsed = httpx.URL(url)
-    return str(parsed.params["token"]), int(parsed.port or 0)
+    return str(parsed.params["token"]), parsed.host, int(parsed.port or 0)
 
 
 @pytest.mark.slow
@@ -494,8 +517,10 @@ def test_a_tenants_notebook_kernel_reaches_nothing_of_tensora_or_other_tenants(t
         mine = _state(alice, ids["alice"], {"running", "failed"})
         theirs = _state(bob, ids["bob"], {"running", "failed"})
         assert (mine["state"], theirs["state"]) == ("running", "running"), (mine, theirs)
-        token, nb_port = _token_port(mine["access"]["url"])
-        _, bob_port = _token_port(theirs["access"]["url"])
+        token, nb_host, nb_port = _token_port(mine["access"]["url"])
+        _, bob_host, bob_port = _token_port(theirs["access"]["url"])
+        # each on a loopback address of its own: neither Tensora's 127.0.0.1 nor the other's
+        assert len({"127.0.0.1", nb_host, bob_host}) == 3, (nb_host, bob_host)
         alice_home, bob_home = data / "workdirs" / ids["alice"], data / "workdirs" / ids["bob"]
         (bob_home / "secret.txt").write_text("bob's")
         os.chown(bob_home / "secret.txt", bob_home.stat().st_uid, bob_home.stat().st_gid)
@@ -504,8 +529,9 @@ def test_a_tenants_notebook_kernel_reaches_nothing_of_tensora_or_other_tenants(t
                            "database": str(data / "tensora.db"), "bob's home": str(bob_home),
                            "bob's file": str(bob_home / "secret.txt"), "replicas": str(data / "replicas")},
                  "ports": {"bob's notebook": bob_port, "a private host service": private_port,
-                           "the control API": port}}
-        ran = kernel_run(f"http://127.0.0.1:{nb_port}", token, PROBE % json.dumps(probe))
+                           "the control API": port},
+                 "hosts": {"bob's notebook at its address": (bob_host, bob_port)}}
+        ran = kernel_run(f"http://{nb_host}:{nb_port}", token, PROBE % json.dumps(probe))
         assert ran.end == "idle", ran
         seen = json.loads(ran.out)
         # 1. identity: the owner's own uid, never root, not bob's
@@ -525,6 +551,7 @@ def test_a_tenants_notebook_kernel_reaches_nothing_of_tensora_or_other_tenants(t
         assert any(dest == "00000000" for _, dest in seen["routes"]), seen["routes"]
         assert seen["api"] == 200 and seen["ports"]["the control API"] == "ok"
         assert seen["ports"]["bob's notebook"] == "ConnectionRefusedError"
+        assert seen["hosts"]["bob's notebook at its address"] == "ConnectionRefusedError"
         assert seen["ports"]["a private host service"] == "ConnectionRefusedError"
         # 6. secrets: the token on no process's argv, inside or on the host; replica.json 0600 in a 0700 dir
         assert seen["token on argv"] == []
@@ -688,7 +715,7 @@ def test_a_kernel_past_its_class_memory_is_killed_and_the_replica_says_so(tiny_d
     assert _wait(tiny_driver, rid, {ReplicaState.RUNNING, ReplicaState.FAILED}).state is ReplicaState.RUNNING
     meta = tiny_driver._read(rid)
     assert meta is not None
-    ran = kernel_run(f"http://127.0.0.1:{meta['port']}", meta["token"], HOG)
+    ran = kernel_run(f"http://{meta['address']}:{meta['port']}", meta["token"], HOG)
     assert ran.end == "died", ran
     seen = _wait(tiny_driver, rid, {ReplicaState.RUNNING}, 10, lambda s: "out of memory" in s.detail)
     assert seen.detail.startswith("out of memory: limit 512 MiB of cpu-tiny-512m"), seen.detail

@@ -106,14 +106,17 @@ def test_a_notebook_is_jupyterlab_in_a_sandbox_with_a_token_and_no_gpus(driver: 
     running = wait_for(driver, rid("nb1"), {ReplicaState.RUNNING, ReplicaState.FAILED})
     assert running.state is ReplicaState.RUNNING, running.detail
     m = meta(driver, rid("nb1"))
-    assert running.url == f"http://127.0.0.1:{m['port']}/lab?token={m['token']}"
-    status = f"http://127.0.0.1:{m['port']}/api/status"
+    # a loopback address of its own, never Tensora's 127.0.0.1 (a browser would send it the dashboard's cookies)
+    assert m["address"].startswith("127.") and m["address"] != "127.0.0.1" and m["host"] == m["address"]
+    assert running.url == f"http://{m['address']}:{m['port']}/lab?token={m['token']}"
+    status = f"http://{m['address']}:{m['port']}/api/status"
     assert httpx.get(status, params={"token": m["token"]}, timeout=10).status_code == 200
     assert httpx.get(status, timeout=10).status_code == 403
     assert httpx.get(running.url, timeout=10).status_code == 200
-    with socket.socket() as s:  # published on 127.0.0.1 only
-        s.settimeout(2)
-        assert s.connect_ex(("127.0.0.2", m["port"])) != 0
+    for elsewhere in ("127.0.0.1", "127.0.0.2"):  # published on its own address only
+        with socket.socket() as s:
+            s.settimeout(2)
+            assert s.connect_ex((elsewhere, m["port"])) != 0, elsewhere
     env = environ(m["pid"])
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # CPU placement hides every GPU
     assert env["HOME"] == "/home/owner" and not [k for k in env if k.startswith("TENSORA")]
@@ -132,7 +135,7 @@ def test_a_notebook_is_jupyterlab_in_a_sandbox_with_a_token_and_no_gpus(driver: 
 def test_a_notebooks_files_outlive_its_replica_until_the_workload_is_released(driver: LocalDriver) -> None:
     def contents(replica_id: str, method: str = "GET", **kw: Any) -> httpx.Response:
         m = meta(driver, replica_id)
-        return httpx.request(method, f"http://127.0.0.1:{m['port']}/api/contents/notes.txt",
+        return httpx.request(method, f"http://{m['address']}:{m['port']}/api/contents/notes.txt",
                              params={"token": m["token"]}, timeout=10, **kw)
 
     for name in ("f1", "f2"):  # the second: the same workload restarted (on GPU, say)
@@ -214,7 +217,8 @@ def test_an_endpoint_serves_the_tiny_model_with_transformers_serve(tmp_path: Pat
         up = wait_for(d, rid("ep2"), {ReplicaState.RUNNING, ReplicaState.FAILED}, 120)
         assert up.state is ReplicaState.RUNNING, up.detail
         m = meta(d, rid("ep2"))
-        assert m["runtime"] == "tensora-transformers" and up.url == f"http://127.0.0.1:{m['port']}/v1"
+        assert m["runtime"] == "tensora-transformers" and up.url == f"http://{m['address']}:{m['port']}/v1"
+        assert m["address"] != "127.0.0.1"
         assert up.served_model == "/model"  # started on the sandbox's model path: its name upstream
         r = httpx.post(f"{up.url}/chat/completions", timeout=60, json={
             "model": up.served_model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})

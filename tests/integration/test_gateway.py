@@ -333,6 +333,47 @@ def test_a_replica_gets_its_own_key_upstream_and_never_the_callers(backends: Bac
         assert backends.authorization("r1") is None
 
 
+UPSTREAM_HEADERS = {"host", "content-type", "content-length", "x-request-id", "authorization", "traceparent",
+                    "tracestate"}
+"""All a replica may get from the gateway: the request's own framing, its id, the replica's key, trace context."""
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_replica_never_gets_the_callers_cookies_or_credentials(backends: Backends, stream: bool) -> None:
+    """A browser's request (a page of the dashboard's host calling the gateway with the key) carries the
+    dashboard's cookies: none of it, nor the caller's key, reaches a replica, whose server its owner controls."""
+    table = make_table([{"id": "wl_k", "name": "keyed", "owner": "alice",
+                         "replicas": [replica("k1", backends.url("k1"), api_key=REPLICA_KEY)]},
+                        {"id": "wl_open", "name": "open", "owner": "alice",
+                         "replicas": [replica("r1", backends.url("r1"))]}], KEYS)
+    browser = {"Cookie": f"tensora_key={ALICE}; tensora_session=s3ss10n-value; tensora_csrf=csrf-value",
+               "Origin": "http://127.0.0.1:8700", "Referer": "http://127.0.0.1:8700/workloads/wl_k",
+               "X-Forwarded-For": "10.9.8.7", "Proxy-Authorization": f"Bearer {ALICE}", "X-Api-Key": ALICE}
+    secrets_ = [ALICE, "s3ss10n-value", "csrf-value"]
+    with serving(gateway(table)) as url:
+        for model, name in (("keyed", "k1"), ("open", "r1")):
+            r = httpx.post(f"{url}/chat/completions", json=chat(stream, model=model), timeout=30,
+                           headers={"Authorization": f"Bearer {ALICE}", **browser})
+            assert r.status_code == 200, r.text
+            seen = backends.headers(name)
+            assert seen, "the backend recorded no request: nothing was checked"
+            assert {k.lower() for k, _ in seen} <= UPSTREAM_HEADERS, seen
+            assert [(k, v) for k, v in seen if any(s in v for s in secrets_)] == [], seen
+
+
+def test_a_replicas_answer_reaches_the_caller_with_only_the_gateways_headers(backends: Backends) -> None:
+    """A model server's page never becomes one on Tensora's host: its content type and cookies stay behind."""
+    table = make_table([{"id": "wl_open", "name": "open", "owner": "alice",
+                         "replicas": [replica("r1", backends.url("r1"))]}], KEYS)
+    backends.mode("r1", "http_400", headers={"Set-Cookie": "tenant=planted; Path=/", "Content-Type": "text/html",
+                                             "Content-Security-Policy": "script-src *"})
+    with serving(gateway(table)) as url:
+        r = post(url, chat(model="open"))
+    assert r.status_code == 400, r.text  # a client error, passed through: its status and body
+    assert "set-cookie" not in r.headers and "content-security-policy" not in r.headers
+    assert r.headers.get_list("content-type") == ["application/json"]
+
+
 # The windows are whole minutes of wall time: a test whose requests straddled a minute's end would see
 # two windows (CI once admitted all 16 of the two-gateway test's requests). The rate tests hold the
 # wall clock 30 s into a minute.

@@ -179,6 +179,7 @@ def test_an_endpoint_with_no_runtime_fails_once_with_the_install_hint(db: Databa
 MODELS_SERVER = """
 import http.server, sys
 port = int(sys.argv[sys.argv.index("--port") + 1])
+host = sys.argv[sys.argv.index("--host") + 1]  # the replica's own loopback address
 class Models(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/v1/models" else 404)
@@ -186,7 +187,7 @@ class Models(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b'{"data": []}')
     def log_message(self, *args):
         pass
-http.server.HTTPServer(("127.0.0.1", port), Models).serve_forever()
+http.server.HTTPServer((host, port), Models).serve_forever()
 """
 
 
@@ -491,6 +492,8 @@ def test_a_crash_between_start_and_record_leaves_one_process_which_the_next_driv
             again.observe()
             time.sleep(0.1)
         assert replica_processes("rp_crash") == [server]
+        # it keeps the loopback address of its own that was recorded with the claim (not Tensora's 127.0.0.1)
+        assert claim["address"] != "127.0.0.1" and seen.url == f"http://{claim['address']}:{claim['port']}/v1"
         again.stop("rp_crash")
         deadline = time.monotonic() + 30
         while any(s.state is not ReplicaState.STOPPED for s in again.observe()):

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tensora.drivers import loopback
 from tensora.sandbox import (
     SERVER_HOST,
     CgroupVersion,
@@ -176,6 +177,9 @@ REFUSED = {
     "port 0": spec(publish=((0, 8080),)),
     "a host port twice": spec(publish=((18000, 8080), (18000, 8081))),
     "a port both published and forwarded": spec(publish=((18000, 8700),), allow_host_ports=(8700,)),
+    "published on every address": spec(publish=((18000, 8080),), publish_address="0.0.0.0"),
+    "published on a non-loopback address": spec(publish=((18000, 8080),), publish_address="10.0.0.1"),
+    "published on a name": spec(publish=((18000, 8080),), publish_address="localhost"),
 }
 
 
@@ -204,6 +208,9 @@ PASTA_CASES = {
         NetworkPlan(Path("/b/x")), ["-t", "none", "-u", "none", "-U", "none", "-T", "none"]),
     "publish on the host's loopback only": (
         NetworkPlan(Path("/b/x"), publish=((18080, 8080),)), ["-t", "127.0.0.1/18080:8080"]),
+    "publish on the replica's own loopback address": (
+        NetworkPlan(Path("/b/x"), publish=((18080, 8080),), publish_address="127.4.5.6"),
+        ["-t", "127.4.5.6/18080:8080"]),
     "allowed host ports forwarded from the namespace's loopback": (
         NetworkPlan(Path("/b/x"), allow_host_ports=(8700, 8701)), ["-T", "8700,8701"]),
     "the gateway is not mapped to the host": (NetworkPlan(Path("/b/x")), ["--no-map-gw"]),
@@ -494,6 +501,7 @@ gateway = next(socket.inet_ntoa(bytes.fromhex(l.split()[2])[::-1])
 ports = json.loads(os.environ["PORTS"])
 # the gateway is a real router here: it may drop rather than refuse, hence the short wait
 out = {name: {"loopback": reach("127.0.0.1", p, 3), "gateway": reach(gateway, p, 1)} for name, p in ports.items()}
+out["at its address"] = {host: reach(host, p, 3) for host, p in json.loads(os.environ.get("AT", "{}")).items()}
 json.dump(out, open(os.environ["HOME"] + "/net.json", "w"))
 """
 
@@ -511,25 +519,28 @@ def test_network_publishes_the_server_and_reaches_only_allowed_host_ports(runner
     private, close_private = _tcp_server(b"private")   # a database or Redis on the host's loopback
     allowed, close_allowed = _tcp_server(b"tensora-api")  # Tensora's API, which checks keys
     try:
-        # another replica's model server, published on the host
-        published = free_port()
+        # another replica's model server, published on the host at a loopback address of its own
+        address = loopback.candidate(sid("server"), 0)
+        published = loopback.free_port(address)
         server = sandbox(sid("server"), SERVER, home_dir(tmp_path, "server-home"), publish=((published, 8080),))
-        server = replace(server, argv=(*server.argv, SERVER_HOST))
+        server = replace(server, argv=(*server.argv, SERVER_HOST), publish_address=address)
         runner.start(server)
 
-        def answers() -> bool:
+        def answers(host: str) -> bool:
             try:
-                return urllib.request.urlopen(f"http://127.0.0.1:{published}/index.html", timeout=2).read() \
+                return urllib.request.urlopen(f"http://{host}:{published}/index.html", timeout=2).read() \
                     == b"hello from the sandbox"
             except OSError:
                 return False
 
-        wait_until(answers)
+        wait_until(lambda: answers(address))
+        assert not answers("127.0.0.1")  # not on Tensora's own address
         # a notebook that tries them all
         home = home_dir(tmp_path, "probe-home")
         ports = {"private": private, "allowed": allowed, "other replica": published}
         probe = sandbox(sid("netprobe"), NET_PROBE, home, allow_host_ports=(allowed,))
-        runner.start(replace(probe, env={**probe.env, "PORTS": json.dumps(ports)}))
+        runner.start(replace(probe, env={**probe.env, "PORTS": json.dumps(ports),
+                                         "AT": json.dumps({address: published})}))
         wait_until(lambda: runner.state(sid("netprobe")) is SandboxState.STOPPED)
         net = json.loads((home / "net.json").read_text())
     finally:
@@ -538,6 +549,7 @@ def test_network_publishes_the_server_and_reaches_only_allowed_host_ports(runner
     assert net["allowed"]["loopback"] == "tensora-api"
     assert net["private"]["loopback"] == "ConnectionRefusedError"
     assert net["other replica"]["loopback"] == "ConnectionRefusedError"
+    assert net["at its address"] == {address: "ConnectionRefusedError"}  # the sandbox's own loopback there
     # the gateway is not the host (pasta would map it to the host's loopback without --no-map-gw)
     for name in ("private", "allowed", "other replica"):
         assert net[name]["gateway"] not in ("private", "tensora-api", "connected"), net

@@ -15,8 +15,8 @@ at once, as a server with a short idle timeout does), ``down`` (503 to every ``/
 ``http_*`` answer, e.g. Retry-After), ``error`` (the error object it carries, e.g. a context-length 400),
 ``hold_s`` (default 0.3) and ``times`` (the mode serves that many completion requests, then ``ok``
 again); ``GET /_stats`` counts requests (and probes: ``GET /v1/models``) and shows the last completion's
-Authorization header (what the gateway sent upstream); ``POST /v1/gateway/usage`` takes usage batches (a
-sink for a gateway under benchmark) and other paths are 404. Raw asyncio and httptools: it must be much
+Authorization header and all its headers (what the gateway sent upstream); ``POST /v1/gateway/usage`` takes
+usage batches (a sink for a gateway under benchmark) and other paths are 404. Raw asyncio and httptools: it must be much
 faster than what it is put behind, or the benchmark measures it. Not part of the product: the gateway tests
 (``gateway_harness``) and ``bench/gateway.py`` run it as a child process; it imports nothing from tensora.
 """
@@ -49,6 +49,7 @@ class State:
         self.headers: dict[str, str] = {}  # extra headers of an http_* answer
         self.error: dict[str, Any] | None = None  # the error object of an http_* answer
         self.probes = 0  # GET /v1/models
+        self.seen: list[tuple[str, str]] = []  # every header of the last completion request, as it came
 
 
 def _json(status: int, obj: Any, extra: bytes = b"") -> bytes:
@@ -68,6 +69,7 @@ class _Proto(asyncio.Protocol):
         self.body: list[bytes] = []
         self.authorization: bytes | None = None
         self.traceparent: bytes | None = None
+        self.head: list[tuple[str, str]] = []
         self.tasks: set[asyncio.Task[None]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -88,6 +90,7 @@ class _Proto(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.head.append((name.decode("latin-1"), value.decode("latin-1")))
         if name.lower() == b"authorization":
             self.authorization = value
         elif name.lower() == b"traceparent":
@@ -97,10 +100,10 @@ class _Proto(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        url, body, auth, tp = self.url, b"".join(self.body), self.authorization, self.traceparent
-        self.url, self.body, self.authorization, self.traceparent = b"", [], None, None
+        url, body, auth, tp, head = self.url, b"".join(self.body), self.authorization, self.traceparent, self.head
+        self.url, self.body, self.authorization, self.traceparent, self.head = b"", [], None, None, []
         method = self.parser.get_method()
-        t = asyncio.get_running_loop().create_task(self.handle(method, url, body, auth, tp))
+        t = asyncio.get_running_loop().create_task(self.handle(method, url, body, auth, tp, head))
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
@@ -117,7 +120,7 @@ class _Proto(asyncio.Protocol):
             self.transport.write(data)
 
     async def handle(self, method: bytes, url: bytes, body: bytes, auth: bytes | None = None,
-                     traceparent: bytes | None = None) -> None:
+                     traceparent: bytes | None = None, head: list[tuple[str, str]] | None = None) -> None:
         s = self.state
         if url == b"/_mode":
             knobs = orjson.loads(body)
@@ -128,7 +131,7 @@ class _Proto(asyncio.Protocol):
         if url == b"/_stats":
             self.write(_json(200, {"requests": s.requests, "mode": s.mode, "name": s.name,
                                    "authorization": s.authorization, "probes": s.probes,
-                                   "traceparent": s.traceparent}))
+                                   "traceparent": s.traceparent, "headers": s.seen}))
             return
         if url.startswith(b"/v1/") and s.api_key and auth != b"Bearer " + s.api_key.encode():
             self.write(_json(401, {"error": "Unauthorized"}))
@@ -155,6 +158,7 @@ class _Proto(asyncio.Protocol):
         s.requests += 1
         s.authorization = auth.decode("latin-1") if auth is not None else None
         s.traceparent = traceparent.decode("latin-1") if traceparent is not None else None
+        s.seen = list(head or [])
         mode = s.mode
         if s.left is not None:
             s.left -= 1

@@ -70,6 +70,11 @@ class Backends:
         value: str | None = httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["traceparent"]
         return value
 
+    def headers(self, name: str) -> list[tuple[str, str]]:
+        """Every header of the last completion request it got, as (name, value) in the order they came."""
+        seen = httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["headers"]
+        return [(str(k), str(v)) for k, v in seen]
+
     def probes(self, name: str) -> int:
         """How many GET /v1/models it got."""
         return int(httpx.get(f"http://127.0.0.1:{self.ports[name]}/_stats", timeout=5).json()["probes"])

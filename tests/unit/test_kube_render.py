@@ -443,3 +443,17 @@ def test_an_object_that_is_not_this_replica_s_is_refused(labels: dict[str, str])
     current["metadata"]["labels"] = labels
     with pytest.raises(NotOurs, match="left alone"):
         reconciled(current, EP_DOC)
+
+
+def test_each_notebook_replica_gets_a_host_name_of_its_own_under_the_domain() -> None:
+    """Browsers send cookies by host: two notebooks (two owners', or one restarted) never share one, and none is
+    the domain itself, where a page of the operator's could be."""
+    ctx = Context(CTX.namespace, CTX.owner, notebook_domain="nb.example.org")
+    ids = ["rp_Ab3", "rp_aB3", "rp_Later1"]  # the first two differ only in case, as base-62 ids may
+    hosts = [next(d for d in replica_objects(dataclasses.replace(spec(WorkloadKind.NOTEBOOK, "cpu-2c-8g"), id=i),
+                                             CATALOG["cpu-2c-8g"], ctx) if d["kind"] == "Ingress"
+                  )["spec"]["rules"][0]["host"] for i in ids]
+    assert len(set(hosts)) == len(ids)
+    for host in hosts:
+        label, _, domain = host.partition(".")
+        assert domain == "nb.example.org" and label  # one label of its own, right under the domain

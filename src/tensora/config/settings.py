@@ -3,13 +3,14 @@ environment variables, then flags (rising precedence); a bad value names its fil
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tensora.config import yamlsource
 from tensora.drivers.hardware import NodeOverrides
@@ -87,7 +88,10 @@ class ServeSettings(BaseModel):
     notebook_domain: str | None = Field(default=None, pattern=DOMAIN_PATTERN,
                                         description="kubernetes driver: each notebook gets an Ingress at "
                                         "https://<name>.<notebook_domain>/ (a wildcard DNS record and certificate "
-                                        "at the ingress controller); default: none, the Service's cluster address")
+                                        "at the ingress controller); default: none, the Service's cluster address. "
+                                        "In a registrable domain of its own (as github.io is to github.com), never "
+                                        "the dashboard's host nor a name above or below it: tenant pages must be "
+                                        "cross-site to the dashboard")
     ingress_class: str | None = Field(default=None, description="kubernetes driver: the notebooks' IngressClass "
                                       "(default: the cluster's default class)")
     storage_class: str | None = Field(default=None, pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
@@ -154,6 +158,20 @@ class ServeSettings(BaseModel):
     def _listen(cls, v: str | None) -> str | None:
         return check_listen(v)
 
+    @field_validator("notebook_domain")
+    @classmethod
+    def _apart_from_tensoras_host(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """Notebooks are tenants' pages: a domain that is the API's host (``host``, where it is a name), or
+        above or below it, would make them same-site to the dashboard, or give them its cookies outright."""
+        host = str(info.data.get("host") or "").lower().rstrip(".")
+        if v is None or not host or _is_ip(host):
+            return v
+        if host == v or host.endswith("." + v) or v.endswith("." + host):
+            raise ValueError(f"{v!r} is, or is above or below, the API's host {host!r}: notebooks would share a "
+                             "site with the dashboard; use a registrable domain of their own (as github.io is "
+                             "to github.com)")
+        return v
+
     @field_validator("shared_models")
     @classmethod
     def _shared_names(cls, roots: dict[str, Path]) -> dict[str, Path]:
@@ -170,6 +188,14 @@ class ServeSettings(BaseModel):
     def uid_range(self) -> tuple[int, int]:
         first, _, last = self.sandbox_uids.partition("-")
         return int(first), int(last)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def isolation_of(settings: ServeSettings, why_not: Callable[[], str | None] | None = None) -> tuple[str, str | None]:

@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tensora.drivers.loopback import Origin
 from tensora.drivers.vmdisk import ImageInfo, qemu_disk_args, qemu_sandbox_args
 from tensora.models import runtimes
 from tensora.placement.catalog import ComputeClass
@@ -68,6 +69,9 @@ PIDS = 4096
 GPU_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 """NVIDIA's shared device nodes a GPU class needs beside its own ``/dev/nvidiaN`` (those the host has)."""
 NVIDIA_DIR = "/opt/nvidia"
+TENSORAS = Origin(SERVER_HOST, SERVER_HOST)
+"""127.0.0.1, Tensora's own servers' host: the default of the pure builders below, never what the local driver
+gives a replica (``drivers.loopback``)."""
 """Where a sandboxed GPU replica sees the host's NVIDIA driver: ``lib/`` and ``bin/``, first on its paths."""
 
 
@@ -97,8 +101,10 @@ class PythonEnv:
 class Launch:
     """A replica's process: what to run, with what environment, where, and what it sees besides the system.
 
-    ``port`` is the server's port, the same number inside the sandbox and on the host's 127.0.0.1 (published);
-    ``devices`` are host device nodes the sandbox gets; ``served_model`` is the name its server answers to.
+    ``port`` is the server's port, the same number inside the sandbox and on the host's ``address`` (the
+    replica's own loopback address, ``drivers.loopback``: published there, or bound there by a process that is
+    not sandboxed); ``devices`` are host device nodes the sandbox gets; ``served_model`` is the name its server
+    answers to.
     """
 
     argv: tuple[str, ...]
@@ -108,6 +114,7 @@ class Launch:
     devices: tuple[str, ...] = ()
     port: int | None = None
     served_model: str | None = None
+    address: str = SERVER_HOST
 
 
 def base_env(home: str, cls: ComputeClass, gpus: Sequence[int], path: Sequence[str] = ()) -> dict[str, str]:
@@ -145,8 +152,11 @@ def python_mounts(env: PythonEnv, target: str) -> tuple[tuple[Mount, ...], str]:
 
 
 def notebook(tensora: PythonEnv, home: Path, private: Path, port: int, token: str, cls: ComputeClass,
-             gpus: Sequence[int], *, sandboxed: bool, as_root: bool = False) -> Launch:
-    """JupyterLab from Tensora's own environment, on 127.0.0.1:``port``, its token in ``JUPYTER_TOKEN``.
+             gpus: Sequence[int], *, sandboxed: bool, as_root: bool = False, origin: Origin = TENSORAS) -> Launch:
+    """JupyterLab from Tensora's own environment on ``port`` of ``origin`` (the replica's own host), its token
+    in ``JUPYTER_TOKEN``. It binds 127.0.0.1 in its sandbox (published on the origin's address), the origin's
+    address where not sandboxed; a named origin (``r-<hex>.localhost``) is added to Jupyter's local host names,
+    whose Host check lets loopback addresses through but no name other than ``localhost``.
 
     Sandboxed: the home at ``/home/owner`` (Jupyter's config and data dirs in it, kept across restarts),
     runtime files in the private /tmp, ``pip install`` into ``~/.local`` (the environment is read-only).
@@ -164,17 +174,21 @@ def notebook(tensora: PythonEnv, home: Path, private: Path, port: int, token: st
                  "JUPYTER_DATA_DIR": str(private / "jupyter" / "data"),
                  "JUPYTER_RUNTIME_DIR": str(private / "jupyter" / "runtime")}
     env = base_env(where, cls, gpus, [posixpath.dirname(python)]) | extra | {"JUPYTER_TOKEN": token}
-    argv = [python, "-m", "jupyterlab", "--no-browser", f"--ServerApp.ip={SERVER_HOST}",
+    bind = SERVER_HOST if sandboxed else origin.address
+    argv = [python, "-m", "jupyterlab", "--no-browser", f"--ServerApp.ip={bind}",
             f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--ServerApp.root_dir={where}"]
+    if origin.host != origin.address:
+        argv += ["--ServerApp.local_hostnames=localhost", f"--ServerApp.local_hostnames={origin.host}"]
     if as_root and not sandboxed:
         argv.append("--allow-root")
-    return Launch(tuple(argv), env, where, mounts, port=port)
+    return Launch(tuple(argv), env, where, mounts, port=port, address=origin.address)
 
 
 def endpoint(runtime: runtimes.Runtime, venv: PythonEnv, model: str, name: str, port: int, kind: str,
              cls: ComputeClass, gpus: Sequence[int], private: Path, *, sandboxed: bool,
-             api_key: str | None = None) -> Launch:
-    """The runtime's model server on 127.0.0.1:``port``. Sandboxed, it sees its model read-only at ``/model``
+             api_key: str | None = None, address: str = SERVER_HOST) -> Launch:
+    """The runtime's model server on ``port`` of ``address`` (the replica's own loopback address: bound there
+    unsandboxed, published there from the sandbox's 127.0.0.1). Sandboxed, it sees its model read-only at ``/model``
     and answers to that name; its HOME (caches) is the private /tmp. ``api_key`` (the replica's, which only the
     gateway holds) goes in the runtime's ``api_key_env`` where it takes one, never on argv."""
     device = {"cpu": "cpu", "metal": "mps", "gpu": "cuda"}[kind]
@@ -184,11 +198,11 @@ def endpoint(runtime: runtimes.Runtime, venv: PythonEnv, model: str, name: str, 
         env_path, served, home = runtimes.ENV_PATH, runtimes.MODEL_PATH, "/tmp"
     else:
         mounts, env_path, served, home = (), venv.prefix, model, str(private)
-    argv = runtimes.command(runtime, env_path, served, name, port, device, SERVER_HOST)
+    argv = runtimes.command(runtime, env_path, served, name, port, device, SERVER_HOST if sandboxed else address)
     env = base_env(home, cls, gpus, [f"{env_path}/bin"]) | runtime.env
     if api_key and runtime.api_key_env:
         env[runtime.api_key_env] = api_key
-    return Launch(tuple(argv), env, home, mounts, port=port, served_model=served)
+    return Launch(tuple(argv), env, home, mounts, port=port, served_model=served, address=address)
 
 
 def with_nvidia_driver(launch: Launch, driver: NvidiaDriver) -> Launch:
@@ -278,10 +292,10 @@ def choose_cpuset(cores: Sequence[int], taken: set[int], want: float, *, overcom
 
 def sandbox_spec(launch: Launch, sandbox_id: str, uid: int, gid: int, limits_: Limits,
                  devices: Sequence[Device], allow_host_ports: Sequence[int]) -> SandboxSpec:
-    """The launch as a sandbox: the owner's uid, its port published on the host's 127.0.0.1, and the host
-    loopback ports (Tensora's API and gateway) it may reach."""
+    """The launch as a sandbox: the owner's uid, its port published on the launch's own loopback address (never
+    Tensora's 127.0.0.1), and the host loopback ports (Tensora's API and gateway) it may reach."""
     publish = ((launch.port, launch.port),) if launch.port else ()
     allowed = tuple(sorted({p for p in allow_host_ports if p and p != launch.port}))
     return SandboxSpec(id=sandbox_id, argv=launch.argv, uid=uid, gid=gid, limits=limits_, env=dict(launch.env),
                        cwd=launch.cwd, mounts=launch.mounts, devices=tuple(devices), publish=publish,
-                       allow_host_ports=allowed)
+                       allow_host_ports=allowed, publish_address=launch.address)

@@ -13,11 +13,18 @@ the process starts: a crash between the start and the record of its pid leaves a
 next driver fills in (a sandbox's from runc's state; a process's by the ``TENSORA_REPLICA`` it was started
 with, found in ``/proc``), so that replica is adopted, never started a second time on the same GPU or port.
 
-* notebook: JupyterLab on 127.0.0.1 and a free port, published on the host's 127.0.0.1, its token in its
-  environment; ready when ``/api/status`` answers. Its files are in ``DATA_DIR/workdirs/<workload id>/``
-  (owned by the owner's uid), kept across the workload's restarts and removed by ``release`` once it is
-  deleted. GPU placement shows its GPUs (device nodes and ``CUDA_VISIBLE_DEVICES``) and the host's NVIDIA driver
-  (read-only at ``/opt/nvidia``, see ``drivers.launch``); CPU placement none.
+Every replica that serves HTTP (a notebook's JupyterLab, an endpoint's model server) is served on a loopback
+address of its own (``drivers.loopback``: ``127.a.b.c`` drawn from its id, none a live replica has, recorded in
+``replica.json`` so an adopted replica keeps it), never on Tensora's 127.0.0.1: browsers send a host's cookies to
+every port of it, and the tenant controls its server. Its URL, this driver's probes and the gateway's route use
+that address; a host with no other loopback address (macOS) gets ``r-<hex>.localhost`` names on 127.0.0.1.
+
+* notebook: JupyterLab on 127.0.0.1 and a free port in its sandbox, published on its own address (bound there
+  directly when not sandboxed), its token in its environment; ready when ``/api/status`` answers. Its files are
+  in ``DATA_DIR/workdirs/<workload id>/`` (owned by the owner's uid), kept across the workload's restarts and
+  removed by ``release`` once it is deleted. GPU placement shows its GPUs (device nodes and
+  ``CUDA_VISIBLE_DEVICES``) and the host's NVIDIA driver (read-only at ``/opt/nvidia``, see ``drivers.launch``);
+  CPU placement none.
 * vm: QEMU with QMP on a unix socket in the VM's dir (shared with the host); KVM when ``/dev/kvm`` opens, else
   TCG; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``, then ``quit``, then SIGKILL.
   An optional disk image, which the server resolved inside the owner's files (``files_root``, the dir
@@ -72,7 +79,7 @@ import httpx
 
 from tensora import replicakeys
 from tensora.drivers import launch as plan
-from tensora.drivers import vmdisk
+from tensora.drivers import loopback, vmdisk
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.vmdisk import ImageRefused
 from tensora.errors import ModelFileError
@@ -120,12 +127,6 @@ class _Installing(Exception):
     def __init__(self, runtime: str, progress: str) -> None:
         super().__init__(progress or f"installing runtime {runtime}")
         self.runtime = runtime
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kvm_usable() -> bool:
@@ -236,7 +237,8 @@ class LocalDriver:
         meta = {"id": spec.id, "workload_id": spec.workload_id, "kind": spec.kind.value, "cls": spec.cls,
                 "node": spec.node, "owner": spec.owner, "model": spec.model, "image": spec.image,
                 "sandbox": sandboxed, "uid": spec.uid, "state": "starting", "pid": None, "proc_start": None,
-                "port": None, "token": None, "url": None, "socket": None, "console": None, "served_model": None,
+                "port": None, "address": None, "host": None, "token": None, "url": None, "socket": None,
+                "console": None, "served_model": None,
                 "detail": "", "started_at": time.time(), "stop_requested_at": None, "ended_at": None, "gpus": [],
                 "cpuset": [], "oom_kills": 0}
         # 2. what it runs and sees; a replica that cannot start fails with the reason
@@ -361,14 +363,15 @@ class LocalDriver:
         if spec.kind is WorkloadKind.NOTEBOOK:
             if not _importable("jupyterlab"):
                 raise plan.LaunchError("JupyterLab is not installed: pip install 'tensora[notebook]'", permanent=True)
-            port, token = free_port(), secrets.token_urlsafe(24)
+            origin, port = self._origin(spec.id, meta)
+            token = secrets.token_urlsafe(24)
             home = self._home(spec.workload_id, spec.uid if sandboxed else None, spec.gid)
             if not sandboxed:
                 for name in ("config", "data", "runtime"):
                     (d / "jupyter" / name).mkdir(parents=True, exist_ok=True)
             launch = plan.notebook(self.python, home, d, port, token, cls, gpus, sandboxed=sandboxed,
-                                   as_root=os.geteuid() == 0)
-            meta.update(port=port, token=token, url=f"http://127.0.0.1:{port}/lab?token={token}")
+                                   as_root=os.geteuid() == 0, origin=origin)
+            meta.update(token=token, url=origin.url(port, f"/lab?token={token}"))
         elif spec.kind is WorkloadKind.VM:
             launch = self._vm(spec, cls, gpus, meta, sandboxed)
         else:
@@ -401,11 +404,12 @@ class LocalDriver:
             _readable_by_others(Path(spec.model), "the model's")
         venv = runtimes.venv_dir(self.runtimes, runtime.name)
         env = plan.PythonEnv(str(venv), str(runtimes.base_prefix(venv) or venv), str(venv / "bin" / "python"))
-        port = free_port()
+        origin, port = self._origin(spec.id, meta)
         launch = plan.endpoint(runtime, env, spec.model, spec.workload_id, port, kind, cls, gpus,
                                self.root / spec.id, sandboxed=sandboxed,
-                               api_key=replicakeys.derive(self.replica_secret, spec.id))
-        meta.update(port=port, url=f"http://127.0.0.1:{port}/v1", runtime=runtime.name,
+                               api_key=replicakeys.derive(self.replica_secret, spec.id), address=origin.address)
+        # the gateway's route: the address (the gateway resolves no *.localhost name), never a browser's page
+        meta.update(url=origin.connect_url(port, "/v1"), runtime=runtime.name,
                     served_model=launch.served_model, detail=f"runtime {runtime.name}")
         return launch
 
@@ -454,6 +458,18 @@ class LocalDriver:
             assert spec.uid is not None and spec.gid is not None
             _own(overlay, spec.uid, spec.gid)
         return info
+
+    def _origin(self, replica_id: str, meta: dict[str, Any]) -> tuple[loopback.Origin, int]:
+        """The replica's own loopback host (none a live replica has) and a free port there, noted in ``meta``."""
+        taken = {h for m in self._live_metas() if m["id"] != replica_id for h in (m.get("address"), m.get("host"))
+                 if h}
+        try:
+            origin = loopback.choose(replica_id, taken, loopback.bindable)
+        except loopback.NoAddress as exc:
+            raise plan.LaunchError(str(exc)) from None
+        port = loopback.free_port(origin.address, self.allow_host_ports)
+        meta.update(address=origin.address, host=origin.host, port=port)
+        return origin, port
 
     def _home(self, workload_id: str, uid: int | None, gid: int | None) -> Path:
         """A notebook's files, kept across its restarts: owned by the owner's uid when sandboxed."""
@@ -667,7 +683,8 @@ class LocalDriver:
     def _ready(self, meta: dict[str, Any]) -> bool:
         if meta["kind"] == WorkloadKind.NOTEBOOK.value:
             try:
-                r = httpx.get(f"http://127.0.0.1:{meta['port']}/api/status", timeout=PROBE_TIMEOUT_S,
+                address = meta.get("address") or loopback.TENSORA_HOST  # none: recorded before replicas had their own
+                r = httpx.get(f"http://{address}:{meta['port']}/api/status", timeout=PROBE_TIMEOUT_S,
                               headers={"Authorization": f"token {meta['token']}"})
             except httpx.HTTPError:
                 return False

@@ -16,8 +16,10 @@ What the sandbox reaches:
   ``/etc/resolv.conf`` (bound read-only) reached through that route;
 - the host's loopback: only ``allow_host_ports``, at ``127.0.0.1:<port>`` inside (the same URL as on the host);
   ``--no-map-gw`` stops pasta's default mapping of the gateway address to the host;
-- in: each ``publish`` pair makes the host's ``127.0.0.1:<host_port>`` reach ``127.0.0.1:<port>`` inside;
-  servers bind :data:`SERVER_HOST`.
+- in: each ``publish`` pair makes the host's ``<publish_address>:<host_port>`` reach ``127.0.0.1:<port>``
+  inside; servers bind :data:`SERVER_HOST`. The local driver gives each replica a loopback address of its own
+  (``drivers.loopback``), never 127.0.0.1, where Tensora's own servers are: a browser sends a host's cookies
+  to every port of it.
 What it still reaches, as any internet client would: the host's *other* addresses (a docker bridge, a second
 NIC) and link-local metadata services, since pasta connects out from the host; an egress firewall
 (nftables) is the next layer for hosts that serve private things on those addresses.
@@ -61,6 +63,7 @@ class NetworkPlan:
     publish: tuple[tuple[int, int], ...] = ()
     allow_host_ports: tuple[int, ...] = ()
     ipv6: bool = False
+    publish_address: str = "127.0.0.1"
 
     @property
     def netns(self) -> Path:
@@ -79,7 +82,7 @@ def pasta_argv(plan: NetworkPlan, pasta: str = "pasta") -> list[str]:
     if not plan.ipv6:
         argv.append("-4")
     for host_port, port in plan.publish:
-        argv += ["-t", f"127.0.0.1/{host_port}:{port}"]
+        argv += ["-t", f"{plan.publish_address}/{host_port}:{port}"]
     if not plan.publish:
         argv += ["-t", "none"]
     argv += ["-u", "none", "-U", "none", "-T", ",".join(map(str, plan.allow_host_ports)) or "none"]

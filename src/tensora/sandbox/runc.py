@@ -112,7 +112,8 @@ class Runc:
         bundle.mkdir(mode=0o700)
         try:
             (bundle / ROOTFS).mkdir(mode=0o755)
-            plan = network.NetworkPlan(bundle, spec.publish, spec.allow_host_ports, self.ipv6)
+            plan = network.NetworkPlan(bundle, spec.publish, spec.allow_host_ports, self.ipv6,
+                                        spec.publish_address)
             config = oci_config(spec, self.host, netns=str(plan.netns))
             _write_private(bundle / CONFIG, json.dumps(config, indent=1).encode())
             # 3. the network namespace, served and configured before anything runs in it

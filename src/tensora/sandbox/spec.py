@@ -18,6 +18,7 @@ limits, devices, ports) into the ``config.json`` of an OCI bundle, for a host de
 
 from __future__ import annotations
 
+import ipaddress
 import posixpath
 import re
 from collections.abc import Mapping
@@ -113,8 +114,9 @@ class SandboxSpec:
 
     ``env`` is the whole environment (the caller builds it from scratch: PATH, HOME, LANG, the runtime's own
     variables, CUDA_VISIBLE_DEVICES); nothing of Tensora's is inherited. ``publish`` pairs a host port on
-    127.0.0.1 with the sandbox port it reaches; ``allow_host_ports`` are the host's loopback ports the
-    sandbox may reach (Tensora's public API and gateway): every other host loopback service stays unreachable.
+    ``publish_address`` (a loopback address: the replica's own) with the sandbox port it reaches;
+    ``allow_host_ports`` are the host's loopback ports the sandbox may reach (Tensora's public API and gateway):
+    every other host loopback service stays unreachable.
     """
 
     id: str
@@ -129,6 +131,7 @@ class SandboxSpec:
     publish: tuple[tuple[int, int], ...] = ()
     allow_host_ports: tuple[int, ...] = ()
     hostname: str = "sandbox"
+    publish_address: str = "127.0.0.1"
 
 
 # the character devices every sandbox has (the OCI runtime's defaults): (path, major, minor)
@@ -180,6 +183,12 @@ def validate(spec: SandboxSpec) -> None:
         raise ValueError("publish: a port twice")
     if {c for _, c in spec.publish} & set(spec.allow_host_ports):
         raise ValueError("publish/allow_host_ports: a sandbox port cannot be both a server and a forward")
+    try:
+        loopback = ipaddress.IPv4Address(spec.publish_address).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"publish_address: {spec.publish_address!r} is not an IPv4 loopback address (127.0.0.0/8)")
 
 
 def _absolute(name: str, path: str) -> str:

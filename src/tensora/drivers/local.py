@@ -72,7 +72,7 @@ import httpx
 
 from tensora import replicakeys
 from tensora.drivers import launch as plan
-from tensora.drivers import vmdisk
+from tensora.drivers import logcap, vmdisk
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.vmdisk import ImageRefused
 from tensora.errors import ModelFileError
@@ -95,6 +95,8 @@ FORGET_STOPPED_S = 3600.0
 ADMIN_OWNER = "admin"
 """The owner of the admin key ``tensora serve`` creates on first start."""
 ENDED = ("stopped", "failed")
+LOG_SIZE = 16 * 2**20
+"""A replica's log, and a VM's serial console, are cut back past this (one rotated file of as much kept)."""
 REPLICA_ENV = "TENSORA_REPLICA"
 """A process replica's id in its environment: how a driver finds a process a crash left unrecorded."""
 
@@ -189,8 +191,9 @@ class LocalDriver:
                  runc: Runc | None = None, files_root: Path | None = None,
                  shared_models: Mapping[str, Path] | None = None,
                  nvidia_driver: Sequence[str | Path] = (), auto_install: bool = False,
-                 installer: runtimes.Installer = runtimes.install) -> None:
+                 installer: runtimes.Installer = runtimes.install, log_size: int = LOG_SIZE) -> None:
         data_dir = Path(data_dir)
+        self.log_size = log_size
         self.files_root = Path(files_root) if files_root is not None else data_dir / "files"
         self.shared_models = {name: Path(path) for name, path in (shared_models or {}).items()}
         self.runtimes = runtimes_dir or runtimes.runtimes_dir(data_dir)
@@ -342,8 +345,17 @@ class LocalDriver:
                     out.append(self._status(meta))
                 continue
             self._refresh(meta, now)
+            self._cap_logs(meta)
             out.append(self._status(meta))
         return out
+
+    def _cap_logs(self, meta: dict[str, Any]) -> None:
+        """A live replica's log and a VM's console cut back to ``log_size`` (``logcap``); the rotated copies
+        stay in the replica's dir, which only Tensora enters."""
+        d = self.root / meta["id"]
+        logcap.cap(d / "out.log", self.log_size, d / "out.log.1")
+        if meta["kind"] == WorkloadKind.VM.value:
+            logcap.cap(d / "vm" / "console.log", self.log_size, d / "console.log.1")
 
     # -- what a replica runs ------------------------------------------------------------
 
@@ -431,8 +443,8 @@ class LocalDriver:
             host_socket = inner_socket = _short_socket(self.root / spec.id)
         launch = plan.vm(qemu, spec.id, cls, accel, [a for a, _ in vfio], vm_dir, inner_socket, disk,
                          sandboxed=sandboxed, vfio_groups=[g for _, g in vfio])
-        meta.update(socket=host_socket, url=f"qmp+unix://{host_socket}", detail=f"accel {accel}",
-                    console=str(vm_dir / "console.log"))
+        # no url: its socket is a host path, which its owner is never shown
+        meta.update(socket=host_socket, url=None, detail=f"accel {accel}", console=str(vm_dir / "console.log"))
         return launch
 
     def _disk(self, spec: ReplicaSpec, vm_dir: Path, sandboxed: bool) -> vmdisk.ImageInfo:
@@ -445,7 +457,8 @@ class LocalDriver:
         root = plan.image_root(image.resolve(), [r.resolve() for r in roots])
         if root is None:  # a row from before owners' files, or a path the server never resolved
             raise ImageRefused(image.name, "not in your files")
-        info = vmdisk.inspect(image, root)
+        cls = self.catalog[spec.cls]
+        info = vmdisk.inspect(image, root, vmdisk.DiskCap(cls.disk, f"class {cls.name}"))
         if sandboxed:  # each file is bound alone into the sandbox: its own mode decides
             for layer in info.chain:
                 _readable_by_others(layer.path, "the disk image")

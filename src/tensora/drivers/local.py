@@ -71,8 +71,8 @@ from typing import Any
 import httpx
 
 from tensora import replicakeys
+from tensora.drivers import homes, logcap, vmdisk
 from tensora.drivers import launch as plan
-from tensora.drivers import logcap, vmdisk
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.vmdisk import ImageRefused
 from tensora.errors import ModelFileError
@@ -85,6 +85,7 @@ from tensora.sandbox.host import NvidiaDriver
 from tensora.sandbox.host import nvidia_driver as find_nvidia_driver
 from tensora.sandbox.network import NETNS_FILE
 from tensora.storage import owner_dir
+from tensora.units import format_memory
 
 log = logging.getLogger("tensora.drivers.local")
 
@@ -97,6 +98,11 @@ ADMIN_OWNER = "admin"
 ENDED = ("stopped", "failed")
 LOG_SIZE = 16 * 2**20
 """A replica's log, and a VM's serial console, are cut back past this (one rotated file of as much kept)."""
+HOME_SIZE = 10 * 2**30
+"""A notebook's home: the size of its file system (``drivers.homes``), or the bound measured where none can be
+mounted."""
+HOME_CHECK_S = 30.0
+"""How often a measured home (no file system of its own) is measured."""
 REPLICA_ENV = "TENSORA_REPLICA"
 """A process replica's id in its environment: how a driver finds a process a crash left unrecorded."""
 
@@ -191,9 +197,10 @@ class LocalDriver:
                  runc: Runc | None = None, files_root: Path | None = None,
                  shared_models: Mapping[str, Path] | None = None,
                  nvidia_driver: Sequence[str | Path] = (), auto_install: bool = False,
-                 installer: runtimes.Installer = runtimes.install, log_size: int = LOG_SIZE) -> None:
+                 installer: runtimes.Installer = runtimes.install, log_size: int = LOG_SIZE,
+                 home_size: int = HOME_SIZE) -> None:
         data_dir = Path(data_dir)
-        self.log_size = log_size
+        self.log_size, self.home_size = log_size, home_size
         self.files_root = Path(files_root) if files_root is not None else data_dir / "files"
         self.shared_models = {name: Path(path) for name, path in (shared_models or {}).items()}
         self.runtimes = runtimes_dir or runtimes.runtimes_dir(data_dir)
@@ -309,6 +316,7 @@ class LocalDriver:
     def release(self, workload_id: str) -> None:
         """Remove what a deleted workload's replicas left: a notebook's working dir (kept across its restarts
         until now), a VM's disk overlays (what its guests wrote)."""
+        homes.unmount(self._home_path(workload_id))
         shutil.rmtree(self._home_path(workload_id), ignore_errors=True)
         for meta in self._metas():
             if meta["workload_id"] == workload_id and meta["state"] in ENDED:
@@ -374,7 +382,7 @@ class LocalDriver:
             if not _importable("jupyterlab"):
                 raise plan.LaunchError("JupyterLab is not installed: pip install 'tensora[notebook]'", permanent=True)
             port, token = free_port(), secrets.token_urlsafe(24)
-            home = self._home(spec.workload_id, spec.uid if sandboxed else None, spec.gid)
+            home, meta["home_mounted"] = self._home(spec.workload_id, spec.uid if sandboxed else None, spec.gid)
             if not sandboxed:
                 for name in ("config", "data", "runtime"):
                     (d / "jupyter" / name).mkdir(parents=True, exist_ok=True)
@@ -468,16 +476,47 @@ class LocalDriver:
             _own(overlay, spec.uid, spec.gid)
         return info
 
-    def _home(self, workload_id: str, uid: int | None, gid: int | None) -> Path:
-        """A notebook's files, kept across its restarts: owned by the owner's uid when sandboxed."""
+    def _home(self, workload_id: str, uid: int | None, gid: int | None) -> tuple[Path, bool]:
+        """A notebook's files, kept across its restarts: owned by the owner's uid when sandboxed, on a file
+        system of ``home_size`` of its own (``drivers.homes``); whether it is (else its size is measured)."""
         home = self._home_path(workload_id)
         _private_dir(self.work)
         home.mkdir(mode=0o700, exist_ok=True)
+        try:
+            homes.mount(home, self.home_size, os.geteuid() if uid is None else uid,
+                        os.getegid() if gid is None else gid)
+            mounted = True
+        except homes.NoBound as exc:
+            log.warning("notebook home %s has no file system of its own (%s): its size is measured instead",
+                        workload_id, exc)
+            mounted = False
+        except OSError as exc:  # an older, unbounded home that does not fit its bound
+            raise plan.LaunchError(f"{self._bound().full()} (what it held before does not fit: {exc.strerror})",
+                                   permanent=True) from None
         if uid is not None and gid is not None and home.stat().st_uid != uid:
             for where, dirs, files in os.walk(home):  # made by an earlier, unsandboxed run, or another uid
                 for name in (where, *(os.path.join(where, n) for n in dirs + files)):
                     os.lchown(name, uid, gid)
-        return home
+        return home, mounted
+
+    def _bound(self, mounted: bool = True) -> homes.HomeBound:
+        return homes.HomeBound(self.home_size, mounted)
+
+    def _home_full(self, meta: dict[str, Any], now: float) -> str | None:
+        """A notebook's home at its bound: why (the replica's reason), else None. A mounted home is full when
+        its file system has no room left; a measured one is measured every ``HOME_CHECK_S``."""
+        if meta["kind"] != WorkloadKind.NOTEBOOK.value:
+            return None
+        home = self._home_path(meta["workload_id"])
+        if meta.get("home_mounted"):
+            room = homes.room(home)
+            return self._bound().full() if room is not None and room < homes.FULL_BELOW else None
+        if now - meta.get("home_measured_at", 0.0) < HOME_CHECK_S:
+            return None
+        meta["home_measured_at"] = now
+        used = homes.usage(home)
+        return f"{self._bound(False).full()} ({format_memory(used)} written): stopped" if used > self.home_size \
+            else None
 
     def _home_path(self, workload_id: str) -> Path:
         if not re.fullmatch(r"[A-Za-z0-9_]+", workload_id):  # an id, never a path
@@ -590,9 +629,10 @@ class LocalDriver:
             return
         ended = self._ended(meta)
         if ended is not None:
-            stopped = meta["stop_requested_at"] is not None
-            meta.update(state="stopped" if stopped else "failed", detail="stopped" if stopped else ended,
-                        ended_at=now)
+            stopped = meta["stop_requested_at"] is not None and not meta.get("bound")
+            full = None if stopped else meta.get("bound") or self._home_full(meta, now)
+            meta.update(state="stopped" if stopped else "failed",
+                        detail="stopped" if stopped else f"{full}; {ended}" if full else ended, ended_at=now)
             self._write(meta)
             return
         if meta["stop_requested_at"] is not None:
@@ -605,6 +645,12 @@ class LocalDriver:
             return
         if meta.get("sandbox"):
             self._note_oom(meta)
+        if not meta.get("home_mounted") and (full := self._home_full(meta, now)):  # measured past its bound
+            meta.update(bound=full, detail=full)
+            self._write(meta)
+            self.stop(meta["id"])
+            meta.update(self._read(meta["id"]) or {})
+            return
         if meta["state"] == "starting" and self._ready(meta):
             meta["state"] = "running"
             self._write(meta)

@@ -16,7 +16,8 @@ with, found in ``/proc``), so that replica is adopted, never started a second ti
 * notebook: JupyterLab on 127.0.0.1 and a free port, published on the host's 127.0.0.1, its token in its
   environment; ready when ``/api/status`` answers. Its files are in ``DATA_DIR/workdirs/<workload id>/``
   (owned by the owner's uid), kept across the workload's restarts and removed by ``release`` once it is
-  deleted. GPU placement shows its GPUs (device nodes and ``CUDA_VISIBLE_DEVICES``) and the host's NVIDIA driver
+  deleted: a file system of its own of ``home_size`` (``drivers.homes``; measured, and the notebook stopped past
+  it, where none can be mounted). GPU placement shows its GPUs (device nodes and ``CUDA_VISIBLE_DEVICES``) and the host's NVIDIA driver
   (read-only at ``/opt/nvidia``, see ``drivers.launch``); CPU placement none.
 * vm: QEMU with QMP on a unix socket in the VM's dir (shared with the host); KVM when ``/dev/kvm`` opens, else
   TCG; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``, then ``quit``, then SIGKILL.
@@ -24,7 +25,8 @@ with, found in ``/proc``), so that replica is adopted, never started a second ti
   ``storage.owner_dir`` names for the replica's owner) or inside a shared root (``shared_models``): before
   anything opens it, ``vmdisk.inspect`` checks its whole backing chain against the one of those roots that
   holds the image (an owner's image cannot use a shared image as its backing file, nor the reverse), and a
-  refusal fails the replica with its message, which names no host path. The guest writes only to an overlay,
+  refusal fails the replica with its message, which names no host path (a virtual size over the class's
+  ``disk`` is refused too). The guest writes only to an overlay,
   ``replicas/<id>/vm/disk.qcow2`` (the owner's uid, 0600): kept when the same replica starts again, a new one
   for a new replica, removed by ``release`` once the workload is deleted. The owner's image stays intact.
 * endpoint: a model server from the runtime registry (``runtimes``) on a free port, its model read-only at
@@ -35,6 +37,9 @@ with, found in ``/proc``), so that replica is adopted, never started a second ti
   ``auto_install`` (``runtimes.auto_install``, on for ``tensora up``) it waits, starting, while the portable
   runtime installs in the background (``runtimes.Background``, the install's step its reason), and starts
   once it is installed (a failed install fails it, with the installer's last lines).
+
+Each live replica's ``out.log`` and a VM's console are cut back to ``log_size`` on observe (``drivers.logcap``).
+What a replica's owner is shown (its ``url``) names no host path: a VM has none.
 
 Stop is graceful first (SIGTERM, or QMP), then SIGKILL of every process after a deadline; ``observe`` does the
 escalation, so nothing here blocks the controller. A replica that ends is reported stopped (asked) or failed,

@@ -17,7 +17,8 @@ with, found in ``/proc``), so that replica is adopted, never started a second ti
   environment; ready when ``/api/status`` answers. Its files are in ``DATA_DIR/workdirs/<workload id>/``
   (owned by the owner's uid), kept across the workload's restarts and removed by ``release`` once it is
   deleted: a file system of its own of ``home_size`` (``drivers.homes``; measured, and the notebook stopped past
-  it, where none can be mounted). GPU placement shows its GPUs (device nodes and ``CUDA_VISIBLE_DEVICES``) and the host's NVIDIA driver
+  it, where none can be mounted). GPU placement shows its GPUs (device nodes and ``CUDA_VISIBLE_DEVICES``)
+  and the host's NVIDIA driver
   (read-only at ``/opt/nvidia``, see ``drivers.launch``); CPU placement none.
 * vm: QEMU with QMP on a unix socket in the VM's dir (shared with the host); KVM when ``/dev/kvm`` opens, else
   TCG; ready when QMP ``query-status`` says running. Stop = ``system_powerdown``, then ``quit``, then SIGKILL.

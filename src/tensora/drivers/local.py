@@ -517,7 +517,7 @@ class LocalDriver:
         if meta.get("home_mounted"):
             room = homes.room(home)
             return self._bound().full() if room is not None and room < homes.FULL_BELOW else None
-        if now - meta.get("home_measured_at", 0.0) < HOME_CHECK_S:
+        if now - meta.get("home_measured_at", meta["started_at"]) < HOME_CHECK_S:  # first: a check after start
             return None
         meta["home_measured_at"] = now
         used = homes.usage(home)

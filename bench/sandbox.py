@@ -86,6 +86,7 @@ def one_start(data: Path, isolation: Isolation, tag: str) -> dict[str, Any]:
             time.sleep(0.1)
         for sandbox_id in d.runc.list():
             d.runc.delete(sandbox_id)
+        d.release(f"wl_bench_{tag}")  # its home: a file system of its own, unmounted with the workload
 
 
 def main() -> int:

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from tensora.store.db import Database
-from tests.support.services import PgCluster, pg_cluster
+from tests.support.services import PgCluster, pg_cluster, unmount_under
+
+
+@pytest.fixture(autouse=True)
+def _no_mount_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Whatever a test left mounted under the session's temp dirs (a notebook's home is a loop-mounted file
+    system of its own, kept until its workload is released, which few tests do) is unmounted after it."""
+    yield
+    unmount_under(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="session")

@@ -52,6 +52,7 @@ from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
 from tensora.tracing import setup as setup_tracing
+from tensora.units import parse_memory
 
 if TYPE_CHECKING:
     from tensora.api.server import HttpLimits
@@ -120,7 +121,8 @@ def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
                        vfio=settings.node.vfio, isolation=mode, allow_host_ports=[p for p in allow if p],
                        files_root=settings.data_dir / "files", shared_models=settings.shared_models,
                        nvidia_driver=settings.node.nvidia_driver,
-                       auto_install=bool(settings.runtimes.auto_install))
+                       auto_install=bool(settings.runtimes.auto_install),
+                       home_size=parse_memory(settings.home_size), log_size=parse_memory(settings.log_size))
 
 
 def installed_runtimes(driver: Driver, auto_install: bool) -> str:

@@ -62,10 +62,11 @@ class NotFound(StorageError):
 class OverQuota(StorageError):
     """An upload would take the owner past the storage quota (API: 413)."""
 
-    def __init__(self, quota: int, used: int) -> None:
-        self.quota, self.used = quota, used
+    def __init__(self, quota: int, used: int, in_flight: int = 0) -> None:
+        self.quota, self.used, self.in_flight = quota, used, in_flight
+        flight = f", {format_bytes(in_flight)} by your uploads in flight" if in_flight else ""
         super().__init__(f"over your storage quota of {format_bytes(quota)}: {format_bytes(used)} is used by "
-                         "your other files (delete some with tensora files rm)")
+                         f"your other files{flight} (delete some with tensora files rm)")
 
 
 class NameTaken(StorageError):

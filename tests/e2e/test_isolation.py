@@ -178,7 +178,8 @@ LAUNCH_CASES: dict[str, tuple[Callable[[], plan.Launch], Callable[[plan.Launch],
         _vm, lambda x: _mounts(x) == {"/vm": ("/data/replicas/rp_1/vm", True),
                                       "/image/0": ("/data/files/alice/disk.qcow2", False),
                                       "/image/1": ("/data/files/alice/base.raw", False)}
-        and "unix:/vm/qmp.sock,server=on,wait=off" in x.argv and "file:/vm/console.log" in x.argv),
+        and "unix:/vm/qmp.sock,server=on,wait=off" in x.argv
+        and "file,id=console,path=/vm/console.log,append=on" in x.argv),
     "vm: the overlay read-write over the chain read-only, every driver named, no -drive, no snapshot": (
         _vm, lambda x: _files(x) == {"/vm/disk.qcow2": False, "/image/0": True, "/image/1": True}
         and _drivers(x) == {"disk0": "qcow2", "disk0-base1": "qcow2", "disk0-base2": "raw"}

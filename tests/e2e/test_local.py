@@ -3,6 +3,7 @@ placed on CPU, reachable, left running across a restart of the servers and adopt
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -26,6 +27,7 @@ import pytest
 
 from tensora import apikeys, replicakeys
 from tensora.config.catalog import default_catalog
+from tensora.drivers import homes
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import LocalDriver, qmp
 from tensora.gateway.limits import MemoryLimiter
@@ -160,12 +162,80 @@ def test_a_notebooks_files_outlive_its_replica_until_the_workload_is_released(dr
         driver.release("../replicas")
 
 
+WRITE_64_MIB = """
+import errno, os
+written = 0
+try:
+    with open(os.path.expanduser("~/fill.bin"), "wb", buffering=0) as f:
+        for _ in range(64):
+            written += f.write(b"x" * 2**20)
+    print("ok", written)
+except OSError as e:
+    print(errno.errorcode[e.errno], written)
+"""
+
+
+def put_file(m: dict[str, Any], name: str, size: int) -> httpx.Response:
+    """A file of ``size`` bytes written into the notebook's home by JupyterLab itself (its contents API)."""
+    body = {"type": "file", "format": "base64", "content": base64.b64encode(os.urandom(size)).decode()}
+    return httpx.put(f"http://127.0.0.1:{m['port']}/api/contents/{name}", params={"token": m["token"]},
+                     json=body, timeout=60)
+
+
+def test_a_notebook_writing_past_its_homes_bound_gets_no_space_and_its_reason_says_so(tmp_path: Path) -> None:
+    """The attack: a notebook wrote 512 MiB into its home, counted nowhere, on the database's file system. Its
+    home is a file system of its own, of the bound's size: past it JupyterLab gets ENOSPC, the host's disk
+    holds no more than the bound, and a notebook that ends with its home full says so."""
+    driver = LocalDriver(tmp_path / "data", NODE, CATALOG, home_size=32 * 2**20)
+    try:
+        driver.start(replica("full", WorkloadKind.NOTEBOOK))
+        assert wait_for(driver, rid("full"), {ReplicaState.RUNNING, ReplicaState.FAILED}).state is (
+            ReplicaState.RUNNING)
+        m, home = meta(driver, rid("full")), driver.work / "wl_full"
+        assert os.path.ismount(home)
+        assert put_file(m, "small.bin", 4 * 2**20).status_code == 201
+        # the owner's code writes 64 MiB, in its sandbox (runc exec: its uid, its mounts, its seccomp)
+        wrote = subprocess.run([driver.runc.runtime, "--root", str(driver.runc.root), "exec", rid("full"),
+                                "/usr/bin/python3", "-c", WRITE_64_MIB], capture_output=True, text=True, timeout=60)
+        said = wrote.stdout.split()
+        assert said[0] == "ENOSPC" and int(said[1]) <= 32 * 2**20, wrote
+        assert sum(f.stat().st_size for f in home.rglob("*") if f.is_file()) <= 32 * 2**20
+        assert (driver.work / "wl_full.img").stat().st_blocks * 512 <= 33 * 2**20  # on the host's disk
+        driver.runc.kill(rid("full"), signal.SIGKILL, all_processes=True)  # it ends, its home still full
+        failed = wait_for(driver, rid("full"), {ReplicaState.FAILED, ReplicaState.STOPPED}, 30)
+        assert failed.detail.startswith("its home is full: 32Mi, the bound of a notebook's home"), failed.detail
+        driver.release("wl_full")
+        assert not home.exists() and not (driver.work / "wl_full.img").exists() and not os.path.ismount(home)
+    finally:
+        sweep(tmp_path / "data")
+
+
+def test_a_notebook_whose_home_cannot_be_mounted_is_measured_and_stopped_past_its_bound(tmp_path: Path) -> None:
+    """Where no home can be mounted (no root, no loop devices), the driver measures the home and stops the
+    notebook that passed its bound, with the reason."""
+    driver = LocalDriver(tmp_path / "data", NODE, CATALOG, home_size=4 * 2**20)
+    cannot = mock.patch("tensora.drivers.homes.mount", side_effect=homes.NoBound("mounting a home needs root"))
+    try:
+        with cannot, mock.patch("tensora.drivers.local.HOME_CHECK_S", 0.0):
+            driver.start(replica("measured", WorkloadKind.NOTEBOOK))
+            assert wait_for(driver, rid("measured"), {ReplicaState.RUNNING, ReplicaState.FAILED}).state is (
+                ReplicaState.RUNNING)
+            home = driver.work / "wl_measured"
+            assert not os.path.ismount(home)
+            assert put_file(meta(driver, rid("measured")), "big.bin", 6 * 2**20).status_code == 201
+            failed = wait_for(driver, rid("measured"), {ReplicaState.FAILED, ReplicaState.STOPPED}, 30)
+        assert failed.state is ReplicaState.FAILED
+        assert failed.detail.startswith("its home is full: 4Mi, the bound of a notebook's home (6"), failed.detail
+    finally:
+        sweep(tmp_path / "data")
+
+
 def test_a_vm_boots_its_firmware_reports_running_over_qmp_and_stops(driver: LocalDriver) -> None:
     driver.start(replica("vm1", WorkloadKind.VM))
     running = wait_for(driver, rid("vm1"), {ReplicaState.RUNNING, ReplicaState.FAILED}, 30)
     assert running.state is ReplicaState.RUNNING, running.detail
     m = meta(driver, rid("vm1"))
-    assert running.url == f"qmp+unix://{m['socket']}"
+    assert running.url is None  # its socket is a host path: its owner is shown none
     assert m["socket"] == str(driver.root / rid("vm1") / "vm" / "qmp.sock")  # made inside, reached from here
     assert qmp(m["socket"], {"execute": "query-status"})[0]["status"] == "running"
     assert running.detail in ("accel kvm", "accel tcg")
@@ -501,6 +571,7 @@ def test_gpu_placements_get_their_own_gpus_and_no_more(tmp_path: Path) -> None:
         assert meta(d, rid("g4"))["gpus"] == meta(d, rid("g1"))["gpus"]
     finally:
         sweep(tmp_path / "data")
+        sweep(tmp_path / "none")  # its notebook's home was mounted before its start failed
 
 
 def _has_avx512() -> bool:

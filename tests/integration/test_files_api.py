@@ -7,12 +7,16 @@ uploads at once), and the CLI uploading a model directory, then listing it."""
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import re
+import select
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,7 @@ from tensora.models.validator import read_model
 from tensora.placement.quotas import OwnerSettings, Quotas
 from tensora.sdk import Client, UnprocessableError
 from tensora.storage import NOT_FOUND, NotFound, Storage, owner_dir
+from tensora.store import repo
 from tests.integration.test_api import tiny_model
 from tests.support import services
 from tests.support.stack import Stack, stack
@@ -226,6 +231,103 @@ def test_two_uploads_at_once_cannot_both_take_the_last_room(files: Files) -> Non
     with files.as_(files.stack.alice) as alice:
         assert alice.get("/v1/files").json()["used"] == 5 * MiB
     assert len(files.on_disk("alice")) == 1
+
+
+def in_flight(files: Files, owner: str) -> int:
+    """Bytes the owner's uploads in flight have on disk now (their temp files)."""
+    top = owner_dir(files.storage.root, owner)
+    return sum(p.stat().st_size for p in top.glob(".upload-*")) if top.exists() else 0
+
+
+class HeldUpload:
+    """An upload over a raw socket, as a client that reads an early answer would send it: its headers (with
+    a Content-Length, or chunked), then its body in 64 KiB pieces, looking for the server's answer before
+    each; it stops half way until told to go on."""
+
+    def __init__(self, files: Files, name: str, size: int, *, declared: bool) -> None:
+        host, port = files.url.removeprefix("http://").split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        self.size, self.declared, self.sent = size, declared, 0
+        self.answer: tuple[int, str] | None = None
+        framing = f"Content-Length: {size}" if declared else "Transfer-Encoding: chunked"
+        auth = files.stack.headers(files.stack.alice)
+        head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
+        self.sock.sendall(f"PUT /v1/files/{name} HTTP/1.1\r\nHost: {host}\r\n{head}{framing}\r\n"
+                          "Connection: close\r\n\r\n".encode())
+
+    def send(self, upto: int) -> None:
+        """Body bytes up to ``upto`` (all sent: the chunked terminator too), unless the server answered."""
+        while self.answer is None and self.sent < upto:
+            if select.select([self.sock], [], [], 0)[0]:
+                self.read()
+                return
+            piece = blob(min(64 * 1024, upto - self.sent), seed=self.sent)
+            try:
+                self.sock.sendall(piece if self.declared else b"%x\r\n%s\r\n" % (len(piece), piece))
+            except OSError:  # closed after its answer: read it
+                self.read()
+                return
+            self.sent += len(piece)
+        if self.answer is None and self.sent == self.size and not self.declared:
+            self.sock.sendall(b"0\r\n\r\n")
+
+    def read(self) -> tuple[int, str]:
+        if self.answer is None:
+            response = http.client.HTTPResponse(self.sock)
+            try:
+                response.begin()
+                self.answer = (response.status, response.read().decode())
+            except OSError as exc:
+                self.answer = (0, f"no answer: {exc!r}")
+            self.sock.close()
+        return self.answer
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("declared", [True, False], ids=["with Content-Length", "chunked"])
+def test_uploads_in_flight_count_against_the_quota(files: Files, declared: bool) -> None:
+    """The attack: five uploads at once, each within the quota, each stopped half way with its connection
+    open; all five were let in, and together they put several times the quota on disk. Each upload holds
+    its bytes of the quota while in flight (its Content-Length at once; chunked, as they arrive), in the
+    store: what no longer fits is refused with the quota's 413 (a declared length before its body is read),
+    and the disk never holds more than the quota."""
+    size, first = 5 * MiB, 4 * MiB
+    uploads = [HeldUpload(files, f"u{i}.bin", size, declared=declared) for i in range(5)]
+    threads = [threading.Thread(target=u.send, args=(first,)) for u in uploads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    # what the server took in is written as it comes: the peak on disk while all five are stopped
+    peak, last, still = 0, -1, 0
+    for _ in range(200):
+        now = in_flight(files, "alice")
+        peak = max(peak, now)
+        still = still + 1 if now == last else 0
+        if still >= 10 or peak > 8 * MiB:
+            break
+        last = now
+        time.sleep(0.05)
+    threads = [threading.Thread(target=u.send, args=(size,)) for u in uploads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    answers = [u.read() for u in uploads]
+    assert peak <= 8 * MiB, f"{peak / MiB:.1f} MiB on disk under an 8 MiB quota: {answers}"
+    stored = [a for a in answers if a[0] == 201]
+    refused = [a for a in answers if a[0] != 201]
+    # two of 5 MiB never fit in 8 MiB; chunked ones that all grow at once may all meet the wall
+    assert len(stored) == 1 if declared else len(stored) <= 1, answers
+    assert all(code in (413, 0) for code, _ in refused), answers
+    assert all("over your storage quota of 8 MiB" in text for code, text in refused if code == 413), answers
+    if declared:  # refused before its body: every one of them read its answer
+        assert [code for code, _ in refused] == [413] * 4, answers
+    with files.as_(files.stack.alice) as alice:
+        assert alice.get("/v1/files").json()["used"] == len(stored) * size
+    assert len(files.on_disk("alice")) == len(stored)
+    with files.stack.services.db.read() as conn:  # every reservation went with its upload
+        assert repo.reserved(conn, "alice", 0.0) == 0
 
 
 def test_an_uploaded_model_resolves_and_is_sized_by_the_validator(files: Files) -> None:

@@ -277,7 +277,7 @@ def sid(name: str) -> str:
     return f"{name}-{RUN}"
 
 PROBE = r"""
-import ctypes, errno, json, os, platform, subprocess
+import ctypes, errno, json, os, platform, socket, subprocess
 out = {}
 out["uid"], out["gid"], out["groups"] = os.getuid(), os.getgid(), os.getgroups()
 out["environ"] = dict(kv.split("=", 1) for kv in open("/proc/self/environ").read().split("\0") if kv)
@@ -320,6 +320,9 @@ if pid == 0:
 out["clone_newuser"] = errno.errorcode.get(ctypes.get_errno(), "ok") if pid < 0 else "ok"
 if pid > 0:
     os.waitpid(pid, 0)
+def vsock():
+    socket.socket(40, socket.SOCK_STREAM).close()  # AF_VSOCK: a guest's path to its host
+out["vsock"] = attempt(vsock)
 out["routes"] = [l.split()[:2] for l in open("/proc/net/route").read().splitlines()[1:]]
 json.dump(out, open(os.environ["HOME"] + "/probe.json", "w"))
 """
@@ -396,6 +399,15 @@ def test_sandbox_identity_and_privileges(probed: tuple[dict[str, Any], dict[str,
     assert (status["NoNewPrivs"], status["Seccomp"]) == ("1", "2")
     assert report["unshare_user"] != 0
     assert report["clone_newuser"] == "EPERM"
+
+
+@pytest.mark.slow
+@real
+def test_sandbox_cannot_open_a_vsock(probed: tuple[dict[str, Any], dict[str, str], Runc]) -> None:
+    """AF_VSOCK reaches the hypervisor's host side (and, nested, its other guests): refused as Docker's default
+    profile refuses it."""
+    report, _, _ = probed
+    assert report["vsock"] in ("EPERM", "EAFNOSUPPORT")
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from hypothesis import given
 from hypothesis import strategies as st
-from sqlalchemy import inspect, text
+from sqlalchemy import func, inspect, select, text
 
 from tensora.errors import Conflict
 from tensora.store import repo
@@ -53,6 +53,41 @@ def test_lease(db: Database, case: tuple[list[tuple[str, float]], tuple[str, flo
     assert got is want
     with db.read() as conn:
         assert repo.lease_holder(conn, "controller/local", now) == (holder if want else before[-1][0])
+
+
+RESERVATION_CASES = {
+    "live reservations count, every one of the owner's": (399.0, None, 3 + 5),
+    "one upload's own left out (besides)": (399.0, "u1", 5),
+    "expired (a crashed worker's) count for nothing": (400.0, None, 0),
+    "another owner's never count": (399.0, None, 8),
+}
+
+
+@pytest.mark.parametrize("case", RESERVATION_CASES.values(), ids=RESERVATION_CASES.keys())
+def test_upload_reservations(db: Database, case: tuple[float, str | None, int]) -> None:
+    at, besides, want = case
+    with db.write() as conn:
+        repo.reserve(conn, "u1", "alice", 3, 100.0, 300.0)
+        repo.reserve(conn, "u2", "alice", 5, 100.0, 300.0)
+        repo.reserve(conn, "u3", "bob", 7, 100.0, 300.0)
+    with db.read() as conn:
+        assert repo.reserved(conn, "alice", at, besides=besides) == want
+
+
+def test_a_reservation_is_changed_renewed_released_and_expired_ones_deleted(db: Database) -> None:
+    with db.write() as conn:
+        repo.reserve(conn, "u1", "alice", 3, 100.0, 300.0)
+        repo.reserve(conn, "u1", "alice", 4, 350.0, 300.0)  # grown and renewed: counts past its first expiry
+        repo.reserve(conn, "old", "alice", 9, 0.0, 300.0)  # a crashed worker's, expired at 300
+    with db.read() as conn:
+        assert repo.reserved(conn, "alice", 600.0) == 4
+    with db.write() as conn:
+        repo.reserve(conn, "u2", "alice", 1, 610.0, 300.0)  # the owner's expired ones go on the way
+        assert conn.execute(select(func.count()).select_from(repo.UR)).scalar_one() == 2
+        repo.unreserve(conn, "u1")
+        repo.unreserve(conn, "u1")  # again: nothing there, done
+    with db.read() as conn:
+        assert repo.reserved(conn, "alice", 611.0) == 1
 
 
 def test_lease_is_per_region_and_released_on_request(db: Database) -> None:

@@ -74,11 +74,12 @@ class Box:
         path.chmod(0o644)
         return path
 
-    def qcow2(self, name: str, backing: Path | None = None, fmt: str = "raw", where: Path | None = None) -> Path:
+    def qcow2(self, name: str, backing: Path | None = None, fmt: str = "raw", where: Path | None = None,
+              size: str = str(MIB)) -> Path:
         """A qcow2 in alice's files (or ``where``); ``backing`` written as given (``-u``: nothing opens it)."""
         path = (where or self.files()) / name
         back = ["-b", str(backing), "-F", fmt, "-u"] if backing is not None else []
-        qemu_img("create", "-q", "-f", "qcow2", *back, str(path), str(MIB))
+        qemu_img("create", "-q", "-f", "qcow2", *back, str(path), size)
         path.chmod(0o644)
         return path
 
@@ -346,6 +347,9 @@ REFUSED: dict[str, tuple[Callable[[Box], Path], str]] = {
     "the admin key as the image -> refused": (lambda b: b.admin_key, "admin-key: not in your files"),
     "an image gone since it was named -> refused": (
         lambda b: b.files() / "gone.raw", "gone.raw: not found in your files"),
+    "a 1 PiB virtual disk (the overlay could grow without end) -> refused, naming the cap": (
+        lambda b: b.qcow2("huge.qcow2", size="1P"),
+        "huge.qcow2: its virtual size 1024Ti is over the 50Gi disk cap of class cpu-1c-4g"),
     "an image the owner's uid cannot read -> refused": (
         lambda b: unreadable(b.raw("private.raw")), "the disk image private.raw is not readable by the sandbox"),
 }
@@ -369,6 +373,50 @@ def test_an_image_leaving_the_owners_files_fails_the_replica_before_qemu_starts(
     assert qemu_processes(rid("evil")) == [] and box.driver.runc.list() == []
     assert not box.overlay("evil").exists()
     assert nobody_reads(box.admin_key)
+
+
+def appends(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` holds ``path`` open for appending (O_APPEND: its next write lands at the end of
+    the file as it is then, so a log the driver truncates starts again from nothing)."""
+    want = path.stat()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            st = fd.stat()  # the file itself, whatever its path inside the sandbox
+            if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+                flags = int(dict(line.split(":", 1) for line in Path(f"/proc/{pid}/fdinfo/{fd.name}")
+                                 .read_text().splitlines())["flags"].strip(), 8)
+                return bool(flags & os.O_APPEND)
+    raise AssertionError(f"process {pid} does not hold {path} open")
+
+
+@pytest.mark.timeout(120)
+def test_a_vms_console_and_log_stay_bounded_and_its_access_shows_no_host_path(box: Box) -> None:
+    """The console grew ~80 KB/s from a guest, and a replica's log as fast as its process writes: each is cut
+    back to its cap (16 MiB, one rotated file beside it) when the driver observes. What the owner is shown of
+    the VM names no host path."""
+    status = box.start("logs", None)
+    m = running(box, "logs")
+    console, out = box.driver.root / rid("logs") / "vm" / "console.log", box.driver.root / rid("logs") / "out.log"
+    qemu = next(p for p in qemu_processes(rid("logs")) if Path(f"/proc/{p}").stat().st_uid == UID)
+    assert appends(qemu, console)
+    # 1. 64 MiB in each, as a chatty guest and process would write them
+    for log in (console, out):
+        with log.open("ab") as f:
+            for _ in range(64):
+                f.write(b"x" * (MIB - 1) + b"\n")
+    seen = wait_for(box.driver, rid("logs"), {ReplicaState.RUNNING})
+    # 2. each back under its cap, what was last written kept in one rotated file
+    for log in (console, out):
+        rotated = sorted(p for p in log.parent.parent.rglob(f"{log.name}*") if p != log)
+        assert log.stat().st_size <= 16 * MIB, log
+        assert sum(p.stat().st_size for p in rotated) <= 16 * MIB, rotated
+    # 3. QEMU writes on, from the start of the file it still holds
+    qmp(m["socket"], {"execute": "human-monitor-command", "arguments": {"command-line": "info status"}})
+    assert appends(qemu, console)
+    # 4. what its owner is shown: no host path
+    for shown in (status, seen):
+        assert str(box.tmp) not in repr(shown) and "/tmp/" not in repr(shown), shown
+    stop(box, "logs")
 
 
 IMAGE_ROOTS = {

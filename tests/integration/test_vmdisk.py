@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from tensora.drivers.vmdisk import (
+    DiskCap,
     DiskFormat,
     HeaderError,
     ImageInfo,
@@ -259,6 +260,33 @@ def test_inspect(case: Case, files: Files, tmp_path: Path) -> None:
         assert info.virtual_size == MIB
     assert time.monotonic() - started < 10  # nothing waited on the FIFO
     assert nobody_reads(files.admin_key)
+
+
+CAPS = {
+    "a 1 PiB qcow2 under a 50 GiB cap -> refused, naming the cap and the owner's name": (
+        lambda f: f.qcow2("vm/huge.qcow2", size=2**50), 50 * 2**30,
+        "vm/huge.qcow2: its virtual size 1024Ti is over the 50Gi disk cap of class cpu-1c-4g"),
+    "a qcow2 of exactly the cap -> accepted": (lambda f: f.qcow2("exact.qcow2", size=4 * MIB), 4 * MIB, None),
+    "a raw image one byte over the cap -> refused": (
+        lambda f: f.raw("big.raw", size=MIB + 1, fill=b"\x01"), MIB, "big.raw: its virtual size 1.0Mi is over"),
+    "a small qcow2 over a larger raw base: the guest sees the top's size -> accepted": (
+        lambda f: f.qcow2("top.qcow2", f.raw("base.raw", size=8 * MIB), size=MIB), 2 * MIB, None),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", CAPS.values(), ids=CAPS.keys())
+def test_inspect_caps_the_virtual_size(case: tuple[Callable[[Files], Path], int, str | None], files: Files,
+                                       tmp_path: Path) -> None:
+    build, size, refused = case
+    image = build(files)
+    cap = DiskCap(size, "class cpu-1c-4g")
+    if refused is None:
+        assert inspect(image, files.root, cap).virtual_size <= size
+        return
+    with pytest.raises(ImageRefused) as info:
+        inspect(image, files.root, cap)
+    assert str(info.value).startswith(refused) and str(tmp_path) not in str(info.value)
 
 
 @pytest.mark.timeout(30)

@@ -187,4 +187,14 @@ def sweep(data: Path) -> None:
     if runner.root.exists():
         for sandbox_id in runner.list():
             runner.delete(sandbox_id)
+    unmount_under(data)  # notebooks' homes: file systems of their own, loop-mounted
+
+
+def unmount_under(root: Path) -> None:
+    """Unmount (lazily) every mount below ``root``, deepest first; their loop devices go with them."""
+    prefix = str(root.resolve()) + "/"
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1].encode().decode("unicode_escape") for line in f]
+    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
 

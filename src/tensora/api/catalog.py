@@ -28,6 +28,7 @@ def catalog(svc: Svc, _: Reader) -> dict[str, Any]:
         gpu = ({"model": cls.gpu_model, "count": cls.gpu_count, "memory": format_memory(cls.gpu_memory)}
                if cls.gpu_model else None)
         data.append({"name": cls.name, "kind": cls.kind.value, "cpu": cls.cpu, "memory": format_memory(cls.memory),
+                     "disk": format_memory(cls.disk),
                      "gpu": gpu, "capacity": {svc.region: {"free": free.get(cls.name, 0),
                                                            "total": total.get(cls.name, 0)}}})
     return {"region": svc.region, "data": data, "isolation": svc.isolation,

@@ -4,16 +4,23 @@
 An upload is written to a temp file in the owner's directory as it arrives (never whole in
 memory), its sha256 computed on the way, then published by an atomic rename inside the store
 transaction that records it. Its only size limit is the owner's remaining quota (the Guard
-exempts these PUTs from the JSON body limit): a declared Content-Length over it is refused
-before any byte is read, a streamed body as soon as it passes it, and a concurrent upload
-that took the room in between at commit, where the owner's file writes take turns. Whatever
-refuses it, the temp file is removed. Every key sees only its own owner's files: another
-owner's path is simply not there.
+exempts these PUTs from the JSON body limit).
+
+Uploads in flight count against the quota: each holds a reservation in the store
+(``upload_reservations``, so every API worker sees it), its declared Content-Length at once, or
+for a chunked body what it received so far (held ahead a step at a time). Room is the quota less
+the owner's files and the other uploads' reservations, checked where the owner's file writes take
+turns, so the files stored plus the bytes in flight never pass the quota: a declared length over
+the room is refused before any byte is read, a chunked body as soon as it passes it, each with the
+quota's 413. A reservation goes with its upload (published or refused) and expires when a crashed
+worker leaves it (renewed while bytes arrive). Whatever refuses it, the temp file is removed. Every
+key sees only its own owner's files: another owner's path is simply not there.
 """
 
 from __future__ import annotations
 
 import errno
+import secrets
 import time
 from typing import Annotated, Any
 
@@ -60,6 +67,12 @@ WRITE_BATCH = 1 << 20
 """Bytes gathered from the request before one write to disk (in a worker thread, with the hashing)."""
 STALE_UPLOAD_S = 3600.0
 """A temp file untouched this long is a crashed upload's, removed when its owner next uploads."""
+RESERVATION_TTL_S = 300.0
+"""An upload's reservation lasts this long unless renewed: a crashed worker's stops counting after it."""
+RENEW_S = 60.0
+"""An upload in flight renews its reservation this often while its bytes arrive."""
+RESERVE_STEP = WRITE_BATCH
+"""A chunked upload holds this much ahead of what it received (one store write per step)."""
 
 _BODY = {"requestBody": {"required": False, "description": "the file's bytes, streamed (none: an empty file)",
                          "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
@@ -94,19 +107,25 @@ def _out(f: repo.FileRow) -> dict[str, Any]:
 async def put_file(path: str, request: Request, svc: Svc, p: Writer) -> JSONResponse:
     name = _name(path)
     storage = _storage(svc)
-    # 1. room: the quota less the owner's other files (a file replaced frees its own size)
-    room, used, quota = await run_in_threadpool(_room, svc, storage, p.owner, name)
+    # 1. room, held: its declared length at once (refused before a byte is read), or a first step
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > room:
-        raise _over(quota, used)
-    # 2. stream the body to a temp file, hashing as it goes
-    await run_in_threadpool(storage.sweep, p.owner, STALE_UPLOAD_S, time.time())
-    upload = await run_in_threadpool(storage.begin, p.owner)
+    declared = int(length) if length is not None and length.isdigit() else None
+    ticket = secrets.token_hex(16)
+    held = await run_in_threadpool(_reserve, svc, p.owner, name, ticket, declared or 0,
+                                   RESERVE_STEP if declared is None else declared)
+    renewed = time.monotonic()
+    upload = None
     try:
+        # 2. stream the body to a temp file, hashing as it goes, holding what it takes
+        await run_in_threadpool(storage.sweep, p.owner, STALE_UPLOAD_S, time.time())
+        upload = await run_in_threadpool(storage.begin, p.owner)
         pending = bytearray()
         async for chunk in request.stream():
-            if upload.size + len(pending) + len(chunk) > room:
-                raise _over(quota, used)
+            need = upload.size + len(pending) + len(chunk)
+            if need > held or time.monotonic() - renewed > RENEW_S:
+                held = await run_in_threadpool(_reserve, svc, p.owner, name, ticket, need,
+                                               max(held, need + RESERVE_STEP))
+                renewed = time.monotonic()
             pending += chunk
             if len(pending) >= WRITE_BATCH:
                 await run_in_threadpool(upload.write, bytes(pending))
@@ -115,14 +134,16 @@ async def put_file(path: str, request: Request, svc: Svc, p: Writer) -> JSONResp
             await run_in_threadpool(upload.write, bytes(pending))
         await run_in_threadpool(upload.finish)
         # 3. record it and rename it into place, in one transaction
-        row, replaced = await run_in_threadpool(_commit, svc, storage, p.owner, name, upload)
+        row, replaced = await run_in_threadpool(_commit, svc, storage, p.owner, name, upload, ticket)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             metrics.unavailable("disk_full")
             raise ApiError(503, "the server's disk is full; retry later", retry_after=60) from None
         raise
     finally:
-        upload.abort()  # after a publish there is nothing left to remove
+        if upload is not None:
+            upload.abort()  # after a publish there is nothing left to remove
+        await run_in_threadpool(_unreserve, svc, ticket)  # gone with the row already, once published
     return JSONResponse(_out(row), status_code=200 if replaced else 201)
 
 
@@ -131,20 +152,38 @@ def _quota(conn: Any, svc: Services, owner: str) -> int:
     return owner_settings(conn, svc, owner).quotas.storage_bytes
 
 
-def _room(svc: Services, storage: Storage, owner: str, name: str) -> tuple[int, int, int]:
-    """(bytes this upload may take, bytes the owner's other files take, its quota)."""
-    with svc.db.read() as conn:
+def _reserve(svc: Services, owner: str, name: str, ticket: str, need: int, want: int) -> int:
+    """Hold ``want`` bytes of the owner's quota for upload ``ticket`` (less where less is free, never less
+    than ``need``, else the quota's 413): the quota less the owner's other files (a file replaced frees its
+    own size) and the other uploads in flight. Returns the bytes held."""
+    now = svc.clock.now()
+    with svc.db.write() as conn:
+        repo.lock_owner_files(conn, owner)  # the check and the hold are one step for every worker
         old = repo.get_file(conn, owner, name)
         used = repo.storage_used(conn, owner) - (old.size if old else 0)
+        others = repo.reserved(conn, owner, now, besides=ticket)
         quota = _quota(conn, svc, owner)
-    return max(0, quota - used), used, quota
+        room = quota - used - others
+        if need > room:  # refused: what it held goes at once, in this step, so a rival can go on
+            repo.unreserve(conn, ticket)
+        else:
+            repo.reserve(conn, ticket, owner, min(want, room), now, RESERVATION_TTL_S)
+    if need > room:
+        raise _over(quota, used, others)
+    return min(want, room)
 
 
-def _over(quota: int, used: int) -> ApiError:
-    return ApiError(413, str(OverQuota(quota, used)))
+def _unreserve(svc: Services, ticket: str) -> None:
+    with svc.db.write() as conn:
+        repo.unreserve(conn, ticket)
 
 
-def _commit(svc: Services, storage: Storage, owner: str, name: str, upload: Upload) -> tuple[repo.FileRow, bool]:
+def _over(quota: int, used: int, in_flight: int = 0) -> ApiError:
+    return ApiError(413, str(OverQuota(quota, used, in_flight)))
+
+
+def _commit(svc: Services, storage: Storage, owner: str, name: str, upload: Upload,
+            ticket: str) -> tuple[repo.FileRow, bool]:
     with svc.db.write() as conn:
         repo.lock_owner_files(conn, owner)
         blocker = repo.blocking_file(conn, owner, name, parents_of(name))
@@ -154,11 +193,13 @@ def _commit(svc: Services, storage: Storage, owner: str, name: str, upload: Uplo
                            f"{blocker!r} is a file, so {name!r} cannot be inside it", field="path")
         old = repo.get_file(conn, owner, name)
         used = repo.storage_used(conn, owner) - (old.size if old else 0)
+        others = repo.reserved(conn, owner, svc.clock.now(), besides=ticket)
         quota = _quota(conn, svc, owner)  # as of now: an admin may have lowered it during the upload
-        if used + upload.size > quota:
-            raise _over(quota, used)
+        if used + others + upload.size > quota:
+            raise _over(quota, used, others)
         row = repo.FileRow(owner, name, upload.size, upload.sha256, svc.clock.now())
         replaced = repo.put_file(conn, row)
+        repo.unreserve(conn, ticket)  # its bytes now count as a file, in the same step
         try:
             upload.publish(storage.path_of(owner, name))  # last: a failure here rolls the row back
         except NameTaken as exc:

@@ -219,6 +219,7 @@ class ClassOut(BaseModel):
     kind: Literal["gpu", "cpu"]
     cpu: float
     memory: str
+    disk: str = Field(description="the largest virtual size of a VM's disk image on this class")
     gpu: dict[str, Any] | None
     capacity: dict[str, dict[str, int]] = Field(description="per region: free and total instances that fit")
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from tensora.config import yamlsource
 from tensora.errors import CatalogError
 from tensora.names import NAME_PATTERN
-from tensora.placement.catalog import CPU_WORD, Catalog, ComputeClass, Kind
+from tensora.placement.catalog import CPU_WORD, DEFAULT_DISK, Catalog, ComputeClass, Kind
 from tensora.units import parse_memory
 
 _NAME = re.compile(NAME_PATTERN)
@@ -44,6 +44,7 @@ class _ClassSpec(BaseModel):
     kind: Literal["gpu", "cpu"]
     cpu: float = Field(gt=0, le=4096)
     memory: Memory = Field(gt=0)
+    disk: Memory = Field(default=DEFAULT_DISK, gt=0, description="the largest virtual size of a VM's disk image")
     gpu: _GpuSpec | None = None
 
     @model_validator(mode="after")
@@ -60,9 +61,9 @@ class _ClassSpec(BaseModel):
 
     def build(self) -> ComputeClass:
         if self.gpu is None:
-            return ComputeClass(self.name, Kind.CPU, self.cpu, self.memory)
+            return ComputeClass(self.name, Kind.CPU, self.cpu, self.memory, disk=self.disk)
         return ComputeClass(
-            self.name, Kind.GPU, self.cpu, self.memory, self.gpu.model, self.gpu.count, self.gpu.memory
+            self.name, Kind.GPU, self.cpu, self.memory, self.gpu.model, self.gpu.count, self.gpu.memory, self.disk
         )
 
 

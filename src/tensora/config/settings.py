@@ -98,7 +98,11 @@ class ServeSettings(BaseModel):
                                       description="kubernetes driver: the StorageClass of notebooks' home claims, "
                                       "one whose volumes attach on any node (default: the cluster's default)")
     home_size: str = Field(default="10Gi", pattern=r"^[1-9][0-9]*(Mi|Gi|Ti)$",
-                           description="kubernetes driver: the size of each notebook's home claim")
+                           description="the size of each notebook's home: its claim on Kubernetes, its own "
+                           "loop-mounted file system on the local driver (ENOSPC inside past it)")
+    log_size: str = Field(default="16Mi", pattern=r"^[1-9][0-9]*(Ki|Mi|Gi)$",
+                          description="local driver: each replica's log and each VM's serial console are cut back "
+                          "past this, one rotated file of as much kept beside it")
     files_claim: str | None = Field(default=None, pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
                                     description="kubernetes driver: the claim, in the replicas' namespace, of the "
                                     "share the API's pods mount at DATA_DIR/files (owners' files); endpoints "

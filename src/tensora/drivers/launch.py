@@ -224,7 +224,8 @@ def with_nvidia_driver(launch: Launch, driver: NvidiaDriver) -> Launch:
 
 def vm(qemu: str, name: str, cls: ComputeClass, accel: str, passthrough: Sequence[str], vm_dir: Path,
        socket: str, disk: ImageInfo | None, *, sandboxed: bool, vfio_groups: Sequence[str] = ()) -> Launch:
-    """QEMU with QMP on ``socket`` and the serial console in the VM dir; ``disk`` (checked by
+    """QEMU with QMP on ``socket`` and the serial console in the VM dir (appended to, so the driver can cut it
+    back in place, ``drivers.logcap``); ``disk`` (checked by
     ``vmdisk.inspect``) under its overlay ``vm_dir/disk.qcow2`` (made by ``vmdisk.overlay``), attached as
     ``-blockdev`` nodes that name every format and backing node. Sandboxed: the VM dir at ``/vm`` (the owner's,
     so QEMU creates the socket there and the host reaches it through the mount), each image of the chain alone
@@ -236,7 +237,8 @@ def vm(qemu: str, name: str, cls: ComputeClass, accel: str, passthrough: Sequenc
     memory_mib = max(64, (cls.memory - max(cls.memory // 8, 256 << 20)) // 2**20)
     argv = [qemu, "-name", f"tensora-{name}", "-machine", "q35", "-accel", accel,
             "-m", str(memory_mib), "-smp", str(max(1, int(cls.cpu))), "-nodefaults", "-no-user-config",
-            "-display", "none", "-serial", f"file:{where}/console.log",
+            "-display", "none", "-chardev", f"file,id=console,path={where.replace(',', ',,')}/console.log,append=on",
+            "-serial", "chardev:console",
             "-qmp", f"unix:{socket},server=on,wait=off"]
     for address in passthrough:
         argv += ["-device", f"vfio-pci,host={address}"]

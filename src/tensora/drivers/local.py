@@ -22,7 +22,8 @@ that address; a host with no other loopback address (macOS) gets ``r-<hex>.local
 * notebook: JupyterLab on 127.0.0.1 and a free port in its sandbox, published on its own address (bound there
   directly when not sandboxed), its token in its environment; ready when ``/api/status`` answers. Its files are
   in ``DATA_DIR/workdirs/<workload id>/`` (owned by the owner's uid), kept across the workload's restarts and
-  removed by ``release`` once it is deleted. GPU placement shows its GPUs (device nodes and
+  removed by ``release`` once it is deleted: a file system of its own of ``home_size`` (``drivers.homes``;
+  measured, and the notebook stopped past it, where none can be mounted). GPU placement shows its GPUs (device nodes and
   ``CUDA_VISIBLE_DEVICES``) and the host's NVIDIA driver (read-only at ``/opt/nvidia``, see ``drivers.launch``);
   CPU placement none.
 * vm: QEMU with QMP on a unix socket in the VM's dir (shared with the host); KVM when ``/dev/kvm`` opens, else
@@ -31,7 +32,8 @@ that address; a host with no other loopback address (macOS) gets ``r-<hex>.local
   ``storage.owner_dir`` names for the replica's owner) or inside a shared root (``shared_models``): before
   anything opens it, ``vmdisk.inspect`` checks its whole backing chain against the one of those roots that
   holds the image (an owner's image cannot use a shared image as its backing file, nor the reverse), and a
-  refusal fails the replica with its message, which names no host path. The guest writes only to an overlay,
+  refusal fails the replica with its message, which names no host path (a virtual size over the class's
+  ``disk`` is refused too). The guest writes only to an overlay,
   ``replicas/<id>/vm/disk.qcow2`` (the owner's uid, 0600): kept when the same replica starts again, a new one
   for a new replica, removed by ``release`` once the workload is deleted. The owner's image stays intact.
 * endpoint: a model server from the runtime registry (``runtimes``) on a free port, its model read-only at
@@ -42,6 +44,9 @@ that address; a host with no other loopback address (macOS) gets ``r-<hex>.local
   ``auto_install`` (``runtimes.auto_install``, on for ``tensora up``) it waits, starting, while the portable
   runtime installs in the background (``runtimes.Background``, the install's step its reason), and starts
   once it is installed (a failed install fails it, with the installer's last lines).
+
+Each live replica's ``out.log`` and a VM's console are cut back to ``log_size`` on observe (``drivers.logcap``).
+What a replica's owner is shown (its ``url``) names no host path: a VM has none.
 
 Stop is graceful first (SIGTERM, or QMP), then SIGKILL of every process after a deadline; ``observe`` does the
 escalation, so nothing here blocks the controller. A replica that ends is reported stopped (asked) or failed,
@@ -78,8 +83,8 @@ from typing import Any
 import httpx
 
 from tensora import replicakeys
+from tensora.drivers import homes, logcap, loopback, vmdisk
 from tensora.drivers import launch as plan
-from tensora.drivers import loopback, vmdisk
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.vmdisk import ImageRefused
 from tensora.errors import ModelFileError
@@ -92,6 +97,7 @@ from tensora.sandbox.host import NvidiaDriver
 from tensora.sandbox.host import nvidia_driver as find_nvidia_driver
 from tensora.sandbox.network import NETNS_FILE
 from tensora.storage import owner_dir
+from tensora.units import format_memory
 
 log = logging.getLogger("tensora.drivers.local")
 
@@ -102,6 +108,13 @@ FORGET_STOPPED_S = 3600.0
 ADMIN_OWNER = "admin"
 """The owner of the admin key ``tensora serve`` creates on first start."""
 ENDED = ("stopped", "failed")
+LOG_SIZE = 16 * 2**20
+"""A replica's log, and a VM's serial console, are cut back past this (one rotated file of as much kept)."""
+HOME_SIZE = 10 * 2**30
+"""A notebook's home: the size of its file system (``drivers.homes``), or the bound measured where none can be
+mounted."""
+HOME_CHECK_S = 30.0
+"""How often a measured home (no file system of its own) is measured."""
 REPLICA_ENV = "TENSORA_REPLICA"
 """A process replica's id in its environment: how a driver finds a process a crash left unrecorded."""
 
@@ -190,8 +203,10 @@ class LocalDriver:
                  runc: Runc | None = None, files_root: Path | None = None,
                  shared_models: Mapping[str, Path] | None = None,
                  nvidia_driver: Sequence[str | Path] = (), auto_install: bool = False,
-                 installer: runtimes.Installer = runtimes.install) -> None:
+                 installer: runtimes.Installer = runtimes.install, log_size: int = LOG_SIZE,
+                 home_size: int = HOME_SIZE) -> None:
         data_dir = Path(data_dir)
+        self.log_size, self.home_size = log_size, home_size
         self.files_root = Path(files_root) if files_root is not None else data_dir / "files"
         self.shared_models = {name: Path(path) for name, path in (shared_models or {}).items()}
         self.runtimes = runtimes_dir or runtimes.runtimes_dir(data_dir)
@@ -308,6 +323,7 @@ class LocalDriver:
     def release(self, workload_id: str) -> None:
         """Remove what a deleted workload's replicas left: a notebook's working dir (kept across its restarts
         until now), a VM's disk overlays (what its guests wrote)."""
+        homes.unmount(self._home_path(workload_id))
         shutil.rmtree(self._home_path(workload_id), ignore_errors=True)
         for meta in self._metas():
             if meta["workload_id"] == workload_id and meta["state"] in ENDED:
@@ -344,8 +360,17 @@ class LocalDriver:
                     out.append(self._status(meta))
                 continue
             self._refresh(meta, now)
+            self._cap_logs(meta)
             out.append(self._status(meta))
         return out
+
+    def _cap_logs(self, meta: dict[str, Any]) -> None:
+        """A live replica's log and a VM's console cut back to ``log_size`` (``logcap``); the rotated copies
+        stay in the replica's dir, which only Tensora enters."""
+        d = self.root / meta["id"]
+        logcap.cap(d / "out.log", self.log_size, d / "out.log.1")
+        if meta["kind"] == WorkloadKind.VM.value:
+            logcap.cap(d / "vm" / "console.log", self.log_size, d / "console.log.1")
 
     # -- what a replica runs ------------------------------------------------------------
 
@@ -365,7 +390,7 @@ class LocalDriver:
                 raise plan.LaunchError("JupyterLab is not installed: pip install 'tensora[notebook]'", permanent=True)
             origin, port = self._origin(spec.id, meta)
             token = secrets.token_urlsafe(24)
-            home = self._home(spec.workload_id, spec.uid if sandboxed else None, spec.gid)
+            home, meta["home_mounted"] = self._home(spec.workload_id, spec.uid if sandboxed else None, spec.gid)
             if not sandboxed:
                 for name in ("config", "data", "runtime"):
                     (d / "jupyter" / name).mkdir(parents=True, exist_ok=True)
@@ -435,8 +460,8 @@ class LocalDriver:
             host_socket = inner_socket = _short_socket(self.root / spec.id)
         launch = plan.vm(qemu, spec.id, cls, accel, [a for a, _ in vfio], vm_dir, inner_socket, disk,
                          sandboxed=sandboxed, vfio_groups=[g for _, g in vfio])
-        meta.update(socket=host_socket, url=f"qmp+unix://{host_socket}", detail=f"accel {accel}",
-                    console=str(vm_dir / "console.log"))
+        # no url: its socket is a host path, which its owner is never shown
+        meta.update(socket=host_socket, url=None, detail=f"accel {accel}", console=str(vm_dir / "console.log"))
         return launch
 
     def _disk(self, spec: ReplicaSpec, vm_dir: Path, sandboxed: bool) -> vmdisk.ImageInfo:
@@ -449,7 +474,8 @@ class LocalDriver:
         root = plan.image_root(image.resolve(), [r.resolve() for r in roots])
         if root is None:  # a row from before owners' files, or a path the server never resolved
             raise ImageRefused(image.name, "not in your files")
-        info = vmdisk.inspect(image, root)
+        cls = self.catalog[spec.cls]
+        info = vmdisk.inspect(image, root, vmdisk.DiskCap(cls.disk, f"class {cls.name}"))
         if sandboxed:  # each file is bound alone into the sandbox: its own mode decides
             for layer in info.chain:
                 _readable_by_others(layer.path, "the disk image")
@@ -471,16 +497,47 @@ class LocalDriver:
         meta.update(address=origin.address, host=origin.host, port=port)
         return origin, port
 
-    def _home(self, workload_id: str, uid: int | None, gid: int | None) -> Path:
-        """A notebook's files, kept across its restarts: owned by the owner's uid when sandboxed."""
+    def _home(self, workload_id: str, uid: int | None, gid: int | None) -> tuple[Path, bool]:
+        """A notebook's files, kept across its restarts: owned by the owner's uid when sandboxed, on a file
+        system of ``home_size`` of its own (``drivers.homes``); whether it is (else its size is measured)."""
         home = self._home_path(workload_id)
         _private_dir(self.work)
         home.mkdir(mode=0o700, exist_ok=True)
+        try:
+            homes.mount(home, self.home_size, os.geteuid() if uid is None else uid,
+                        os.getegid() if gid is None else gid)
+            mounted = True
+        except homes.NoBound as exc:
+            log.warning("notebook home %s has no file system of its own (%s): its size is measured instead",
+                        workload_id, exc)
+            mounted = False
+        except OSError as exc:  # an older, unbounded home that does not fit its bound
+            raise plan.LaunchError(f"{self._bound().full()} (what it held before does not fit: {exc.strerror})",
+                                   permanent=True) from None
         if uid is not None and gid is not None and home.stat().st_uid != uid:
             for where, dirs, files in os.walk(home):  # made by an earlier, unsandboxed run, or another uid
                 for name in (where, *(os.path.join(where, n) for n in dirs + files)):
                     os.lchown(name, uid, gid)
-        return home
+        return home, mounted
+
+    def _bound(self, mounted: bool = True) -> homes.HomeBound:
+        return homes.HomeBound(self.home_size, mounted)
+
+    def _home_full(self, meta: dict[str, Any], now: float) -> str | None:
+        """A notebook's home at its bound: why (the replica's reason), else None. A mounted home is full when
+        its file system has no room left; a measured one is measured every ``HOME_CHECK_S``."""
+        if meta["kind"] != WorkloadKind.NOTEBOOK.value:
+            return None
+        home = self._home_path(meta["workload_id"])
+        if meta.get("home_mounted"):
+            room = homes.room(home)
+            return self._bound().full() if room is not None and room < homes.FULL_BELOW else None
+        if now - meta.get("home_measured_at", meta["started_at"]) < HOME_CHECK_S:  # first: a check after start
+            return None
+        meta["home_measured_at"] = now
+        used = homes.usage(home)
+        return f"{self._bound(False).full()} ({format_memory(used)} written): stopped" if used > self.home_size \
+            else None
 
     def _home_path(self, workload_id: str) -> Path:
         if not re.fullmatch(r"[A-Za-z0-9_]+", workload_id):  # an id, never a path
@@ -593,9 +650,10 @@ class LocalDriver:
             return
         ended = self._ended(meta)
         if ended is not None:
-            stopped = meta["stop_requested_at"] is not None
-            meta.update(state="stopped" if stopped else "failed", detail="stopped" if stopped else ended,
-                        ended_at=now)
+            stopped = meta["stop_requested_at"] is not None and not meta.get("bound")
+            full = None if stopped else meta.get("bound") or self._home_full(meta, now)
+            meta.update(state="stopped" if stopped else "failed",
+                        detail="stopped" if stopped else f"{full}; {ended}" if full else ended, ended_at=now)
             self._write(meta)
             return
         if meta["stop_requested_at"] is not None:
@@ -608,6 +666,12 @@ class LocalDriver:
             return
         if meta.get("sandbox"):
             self._note_oom(meta)
+        if not meta.get("home_mounted") and (full := self._home_full(meta, now)):  # measured past its bound
+            meta.update(bound=full, detail=full)
+            self._write(meta)
+            self.stop(meta["id"])
+            meta.update(self._read(meta["id"]) or {})
+            return
         if meta["state"] == "starting" and self._ready(meta):
             meta["state"] = "running"
             self._write(meta)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from tensora.errors import TensoraError
+from tensora.units import format_memory
 
 QCOW2_MAGIC = b"QFI\xfb"
 HEAD_BYTES = 2 * 2**20
@@ -249,15 +250,29 @@ def backing_target(parent: Path, name: bytes) -> Path | None:
     return (parent.parent / text).resolve()
 
 
-def inspect(image: Path, allowed_root: Path) -> ImageInfo:
+def inspect(image: Path, allowed_root: Path, cap: DiskCap | None = None) -> ImageInfo:
     """Check ``image`` and its whole backing chain; raise :class:`ImageRefused` unless every link is a raw
-    or qcow2 file inside ``allowed_root`` (the owner's files) with no external data file and no encryption.
+    or qcow2 file inside ``allowed_root`` (the owner's files) with no external data file and no encryption,
+    and the disk the guest sees (the image's virtual size) is within ``cap``: its overlay grows up to that.
 
     Nothing outside ``allowed_root`` is opened: headers are read here, link by link, and qemu-img is run only
     on links already checked, each with the format chosen here."""
     root = allowed_root.resolve()
     links = _walk(image.resolve(), root, image.name)
-    return ImageInfo(chain=tuple(_qemu_img_check(link, root) for link in links))
+    info = ImageInfo(chain=tuple(_qemu_img_check(link, root) for link in links))
+    if cap is not None and info.virtual_size > cap.size:
+        raise ImageRefused(info.chain[0].name, f"its virtual size {format_memory(info.virtual_size)} is over the "
+                                               f"{format_memory(cap.size)} disk cap of {cap.of}")
+    return info
+
+
+@dataclass(frozen=True, slots=True)
+class DiskCap:
+    """The largest virtual size a VM's disk may have (``size``, bytes), and whose bound it is (``of``: ``class
+    cpu-1c-4g``), for the reason a refusal gives."""
+
+    size: int
+    of: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,8 @@ from enum import StrEnum
 from tensora.errors import CatalogError
 from tensora.units import format_memory
 
+DEFAULT_DISK = 50 * 2**30
+"""A class's disk cap where its catalog entry names none: the largest virtual size of a VM's disk image."""
 CPU_WORD = "cpu"
 """In a fallback list, ``cpu`` stands for a concrete CPU class chosen to fit the workload."""
 
@@ -25,7 +27,8 @@ class Kind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ComputeClass:
-    """One compute class. ``gpu_model`` and ``gpu_count`` are set only for GPU classes."""
+    """One compute class. ``gpu_model`` and ``gpu_count`` are set only for GPU classes. ``disk``: the largest
+    virtual size of a VM's disk on it (its overlay grows up to that)."""
 
     name: str
     kind: Kind
@@ -34,6 +37,7 @@ class ComputeClass:
     gpu_model: str | None = None
     gpu_count: int = 0
     gpu_memory: int = 0
+    disk: int = DEFAULT_DISK
 
     @property
     def is_cpu(self) -> bool:

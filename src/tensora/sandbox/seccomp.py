@@ -17,6 +17,9 @@ Decided differently from Docker, and why:
 - ``personality``: allowed with any flags. Its unsafe flags (``ADDR_NO_RANDOMIZE``, ``READ_IMPLIES_EXEC``)
   weaken only the caller's own process, and a masked-argument rule would also refuse the common
   ``personality(0xffffffff)`` query.
+- ``socket(AF_VSOCK, ...)``: ``EPERM``, as in Docker. A vsock reaches the hypervisor's host side (and what
+  listens there for its guests), which no workload of a sandbox needs; every other family is left to the
+  network namespace.
 - ``clone3``: ``ENOSYS`` rather than ``EPERM``, as in Docker: its flags live in memory a filter cannot read,
   and ENOSYS makes glibc fall back to ``clone``, whose flags the filter does check.
 """
@@ -67,6 +70,9 @@ CLONE_NAMESPACE_FLAGS = {
 }
 """``clone`` fails with EPERM when its flags (argument 0 on x86_64 and aarch64) carry any of these."""
 
+AF_VSOCK = 40
+"""``socket`` fails with EPERM for this address family (argument 0)."""
+
 
 def seccomp_profile(arch: str) -> dict[str, Any]:
     """The ``linux.seccomp`` section of the OCI config for a host of machine type ``arch``."""
@@ -82,4 +88,6 @@ def seccomp_profile(arch: str) -> dict[str, Any]:
          "args": [{"index": 0, "value": bit, "valueTwo": bit, "op": "SCMP_CMP_MASKED_EQ"}]}
         for bit in CLONE_NAMESPACE_FLAGS.values()
     ]
+    syscalls.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM,
+                     "args": [{"index": 0, "value": AF_VSOCK, "op": "SCMP_CMP_EQ"}]})
     return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": list(ARCHITECTURES[arch]), "syscalls": syscalls}

@@ -271,6 +271,19 @@ class StoredFile(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
+class UploadReservation(Base):
+    """The bytes an upload in flight holds of its owner's storage quota (``api/files.py``): its declared
+    length, or what it received so far. Counted with the owner's files by every API worker; removed when the
+    upload ends, and void past ``expires_at`` (a worker that crashed mid-upload leaves one behind)."""
+
+    __tablename__ = "upload_reservations"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[float] = mapped_column(Float)
+
+
 class OwnerUid(Base):
     """The unprivileged uid (and gid, the same number) an owner's sandboxes run as: allocated once,
     never reused for another owner."""

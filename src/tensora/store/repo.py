@@ -49,6 +49,7 @@ from tensora.store.models import (
     Revision,
     StoredFile,
     TokenUsage,
+    UploadReservation,
     UsageSegment,
     Workload,
 )
@@ -81,6 +82,7 @@ F = cast(Table, StoredFile.__table__)
 UID = cast(Table, OwnerUid.__table__)
 RV = cast(Table, Revision.__table__)
 S = cast(Table, DashboardSession.__table__)
+UR = cast(Table, UploadReservation.__table__)
 
 # Hot-path statements are built once with bound parameters and executed with a dict of
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
@@ -704,6 +706,29 @@ def put_file(conn: Connection, row: FileRow) -> bool:
         conn.execute(insert(F).values(owner=row.owner, path=row.path, size=row.size, sha256=row.sha256,
                                       created_at=row.created_at))
     return replaced
+
+
+def reserved(conn: Connection, owner: str, now: float, *, besides: str | None = None) -> int:
+    """Bytes the owner's uploads in flight hold (reservations not yet expired), but for ``besides``'s."""
+    q = select(func.coalesce(func.sum(UR.c.size), 0)).where(UR.c.owner == owner, UR.c.expires_at > now)
+    if besides is not None:
+        q = q.where(UR.c.id != besides)
+    return int(conn.execute(q).scalar_one())
+
+
+def reserve(conn: Connection, upload_id: str, owner: str, size: int, now: float, ttl_s: float) -> None:
+    """Hold ``size`` bytes of the owner's quota for upload ``upload_id`` until ``now + ttl_s`` (set, or
+    changed). The caller checked the room under ``lock_owner_files``; the owner's expired reservations (a
+    crashed worker's) are deleted on the way."""
+    conn.execute(delete(UR).where(UR.c.owner == owner, UR.c.expires_at <= now))
+    expires_at = now + ttl_s
+    if conn.execute(update(UR).where(UR.c.id == upload_id)
+                    .values(size=size, expires_at=expires_at)).rowcount == 0:
+        conn.execute(insert(UR).values(id=upload_id, owner=owner, size=size, expires_at=expires_at))
+
+
+def unreserve(conn: Connection, upload_id: str) -> None:
+    conn.execute(delete(UR).where(UR.c.id == upload_id))
 
 
 def delete_files(conn: Connection, owner: str, paths: Sequence[str]) -> None:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
     BigInteger,
+    ColumnElement,
     Connection,
     Table,
     and_,
@@ -637,18 +638,25 @@ def get_file(conn: Connection, owner: str, path: str) -> FileRow | None:
     return _file(row) if row else None
 
 
+def _under(directory: str) -> ColumnElement[bool]:
+    """Paths under ``directory/``, compared exactly: not ``LIKE``, which SQLite matches case-insensitively
+    (``OK/%`` found ``ok/x``), nor a range, which a PostgreSQL collation may order otherwise."""
+    head = directory + "/"
+    return func.substr(F.c.path, 1, len(head)) == head
+
+
 def list_files(conn: Connection, owner: str, prefix: str | None = None) -> list[FileRow]:
     """The owner's files by path; with ``prefix``, the file named so and those under ``prefix/``."""
     q = select(F).where(F.c.owner == owner)
     if prefix is not None:
-        q = q.where(or_(F.c.path == prefix, F.c.path.startswith(prefix + "/", autoescape=True)))
+        q = q.where(or_(F.c.path == prefix, _under(prefix)))
     return sorted((_file(r) for r in conn.execute(q)), key=lambda f: f.path)
 
 
 def blocking_file(conn: Connection, owner: str, path: str, parents: Sequence[str]) -> str | None:
     """What keeps a file from being written at ``path``: a file at one of its ``parents`` (``tiny`` for
     ``tiny/config.json``), or files under ``path/`` (it is a directory). None when nothing does."""
-    under = F.c.path.startswith(path + "/", autoescape=True)
+    under = _under(path)
     where = or_(F.c.path.in_(list(parents)), under) if parents else under
     return conn.execute(select(F.c.path).where(F.c.owner == owner, where).limit(1)).scalar()
 

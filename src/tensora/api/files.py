@@ -22,7 +22,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from starlette.convertors import PathConvertor, register_url_convertor
 
-from tensora.api import metrics
+from tensora.api import metrics, rates
 from tensora.api.auth import Principal
 from tensora.api.deps import ERRORS, Svc, caller, iso
 from tensora.api.errors import ApiError
@@ -94,6 +94,7 @@ def _out(f: repo.FileRow) -> dict[str, Any]:
 async def put_file(path: str, request: Request, svc: Svc, p: Writer) -> JSONResponse:
     name = _name(path)
     storage = _storage(svc)
+    await run_in_threadpool(rates.take, svc, p.owner, rates.Action.UPLOAD)
     # 1. room: the quota less the owner's other files (a file replaced frees its own size)
     room, used, quota = await run_in_threadpool(_room, svc, storage, p.owner, name)
     length = request.headers.get("content-length")

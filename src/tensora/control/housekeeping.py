@@ -1,10 +1,10 @@
 """Housekeeping: what a leader does every so many cycles, in the cycle's fenced write transaction.
 
-Forgets idempotency records past their expiry and, after the retention, the events of deleted workloads
-(the driver then forgets its ended replicas, after the transaction), and gives back the storage of deleted workloads
-whose replicas are all gone (a notebook's home outlives its replicas, so a restart keeps its
-files). A release is recorded once the driver did it, in the next cycle's transaction: a crash in
-between only gives back again, and the driver's ``release`` is idempotent.
+Forgets idempotency records past their expiry, owners' calls past the rates' window and, after the
+retention, the events of deleted workloads (the driver then forgets its ended replicas, after the
+transaction), and gives back the storage of deleted workloads whose replicas are all gone (a notebook's home
+outlives its replicas, so a restart keeps its files). A release is recorded once the driver did it, in the
+next cycle's transaction: a crash in between only gives back again, and the driver's ``release`` is idempotent.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import Connection
 
+from tensora.placement.quotas import RATE_WINDOW_S
 from tensora.store import repo
 
 EXPIRE_IDEMPOTENCY_EVERY = 30
@@ -43,6 +44,7 @@ def housekeep(conn: Connection, cycle: int, now: float, region: str, released: S
     """Sweep and record ``released`` (given back since the last cycle); the workloads to give back now."""
     if due(cycle, EXPIRE_IDEMPOTENCY_EVERY):
         repo.expire_idempotency(conn, now)
+        repo.prune_calls(conn, now - RATE_WINDOW_S)
     if due(cycle, prune_every):
         repo.prune_events(conn, now - retention_s)
     repo.mark_released(conn, released, now)

@@ -1,8 +1,10 @@
 """What each owner may hold and how fast it may call: quotas and limits, set by admins only.
 
 ``Quotas`` bound what an owner holds: API keys, workloads (not deleted), GPUs and vCPUs of its running
-replicas, bytes of its files. ``Limits`` bound its inference traffic at the gateway, per owner across all
-its keys (a key may carry a lower limit of its own, never a higher one). The server config has the
+replicas, bytes of its files. ``Limits`` bound how fast it calls: its inference traffic at the gateway, per
+owner across all its keys (a key may carry a lower limit of its own, never a higher one), and its costly calls
+of the control API (workload creates and restarts, deletes, file uploads), counted in the store over the last
+minute so that the count holds across API processes and restarts. The server config has the
 defaults (``quotas:`` and ``limits:``); ``PUT /v1/owners/{owner}`` overrides some fields for one owner and
 the rest keep the defaults. A stored override is a partial dict (``owners.quotas`` / ``owners.limits``),
 so a change of a default reaches every owner who did not override that field.
@@ -29,11 +31,20 @@ class Quotas(BaseModel):
     storage_bytes: int = Field(default=20 * GIB, ge=0, le=2**62, description="bytes of the owner's files")
 
 
+RATE_WINDOW_S = 60.0
+"""The window the control API's per-owner rates count in (``Limits.*_per_minute``)."""
+
+
 class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     requests_per_minute: int = Field(default=600, ge=1, le=10_000_000)
     tokens_per_minute: int = Field(default=1_000_000, ge=1, le=10_000_000_000)
+    creates_per_minute: int = Field(default=120, ge=1, le=1_000_000, description="workload creates and restarts "
+                                    "(a restart starts the workload anew, as a create does)")
+    deletes_per_minute: int = Field(default=120, ge=1, le=1_000_000, description="workload deletes")
+    uploads_per_minute: int = Field(default=300, ge=1, le=1_000_000, description="file uploads (a model "
+                                    "directory is one per file: 300 takes the largest sharded models at once)")
 
 
 class OwnerSettings(BaseModel):

@@ -44,6 +44,7 @@ from tensora.store.models import (
     Lease,
     Node,
     Owner,
+    OwnerCall,
     OwnerUid,
     Replica,
     Revision,
@@ -79,6 +80,7 @@ O = cast(Table, Owner.__table__)  # noqa: E741
 F = cast(Table, StoredFile.__table__)
 UID = cast(Table, OwnerUid.__table__)
 RV = cast(Table, Revision.__table__)
+OC = cast(Table, OwnerCall.__table__)
 
 # Hot-path statements are built once with bound parameters and executed with a dict of
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
@@ -570,6 +572,31 @@ def drop_idempotency(conn: Connection, pk: dict[str, Any]) -> None:
 
 def expire_idempotency(conn: Connection, now: float) -> int:
     return int(conn.execute(delete(I).where(I.c.expires_at <= now)).rowcount)
+
+
+# -- owners' recent calls (their per-minute rates) ---------------------------------------
+
+def take_call(conn: Connection, owner: str, action: str, now: float, limit: int, window_s: float) -> float | None:
+    """Record one ``action`` call of ``owner`` at ``now`` if it made fewer than ``limit`` in the ``window_s``
+    before; None when recorded, else the seconds until its oldest call leaves the window (nothing recorded).
+    Under the owner's lock (PostgreSQL; SQLite's writes take turns), so calls at once from several API
+    processes cannot all take the last one. Prunes the owner's calls of ``action`` that left the window."""
+    if conn.dialect.name == "postgresql":
+        key = int.from_bytes(hashlib.sha256(b"tensora-rate:" + owner.encode()).digest()[:8], "big", signed=True)
+        conn.execute(select(func.pg_advisory_xact_lock(key)))
+    since = now - window_s
+    mine = and_(OC.c.owner == owner, OC.c.action == action)
+    conn.execute(delete(OC).where(mine, OC.c.at <= since))
+    count, oldest = conn.execute(select(func.count(), func.min(OC.c.at)).where(mine, OC.c.at > since)).one()
+    if int(count) >= limit:
+        return max(0.0, float(oldest) - since)
+    conn.execute(insert(OC).values(owner=owner, action=action, at=now))
+    return None
+
+
+def prune_calls(conn: Connection, before: float) -> int:
+    """Forget every owner's calls at or before ``before`` (those of owners who stopped calling)."""
+    return int(conn.execute(delete(OC).where(OC.c.at <= before)).rowcount)
 
 
 # -- leases ---------------------------------------------------------------------------

@@ -115,7 +115,8 @@ class UsageSegment(Base):
     __tablename__ = "usage_segments"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    workload_id: Mapped[str] = mapped_column(ForeignKey("workloads.id"), index=True)
+    workload_id: Mapped[str] = mapped_column(String(32), index=True)
+    """No foreign key: usage outlives its workload's row, which housekeeping purges after the retention."""
     replica_id: Mapped[str] = mapped_column(String(32), unique=True)
     owner: Mapped[str] = mapped_column(String(128), index=True)
     region: Mapped[str] = mapped_column(String(63))

@@ -245,6 +245,22 @@ def prune_events(conn: Connection, deleted_before: float) -> int:
     return conn.execute(delete(E).where(E.c.workload_id.in_(gone))).rowcount or 0
 
 
+def purge_workloads(conn: Connection, deleted_before: float, limit: int = 5000) -> int:
+    """Delete the workloads deleted at or before ``deleted_before`` (the retention) whose storage was given back
+    and that hold no replica, with their replicas' rows and events: the number deleted. Their usage stays
+    (``usage_segments`` carries the owner, kind and class itself). At most ``limit``, oldest deleted first, so
+    that one housekeeping round stays short however many piled up."""
+    busy = select(R.c.id).where(R.c.workload_id == W.c.id, R.c.state.in_(ACTIVE_REPLICA)).exists()
+    ids = list(conn.execute(select(W.c.id).where(W.c.deleted_at.is_not(None), W.c.deleted_at <= deleted_before,
+                                                 W.c.released_at.is_not(None), ~busy)
+                                     .order_by(W.c.deleted_at).limit(limit)).scalars())
+    for part in _chunks(ids):
+        conn.execute(delete(E).where(E.c.workload_id.in_(part)))
+        conn.execute(delete(R).where(R.c.workload_id.in_(part)))
+        conn.execute(delete(W).where(W.c.id.in_(part)))
+    return len(ids)
+
+
 def list_events(conn: Connection, workload_id: str, limit: int = 1000) -> list[EventRow]:
     q = select(E).where(E.c.workload_id == workload_id).order_by(E.c.id).limit(limit)
     return [EventRow.of(r) for r in conn.execute(q).mappings()]
@@ -276,10 +292,16 @@ def active_replicas(conn: Connection, region: str) -> list[ReplicaRow]:
 
 
 def unreleased(conn: Connection, region: str, limit: int = 50) -> list[str]:
-    """The region's deleted workloads whose storage is not given back yet and that hold no replica."""
+    """The region's deleted workloads whose storage is not given back yet and that hold no replica: at most
+    ``limit``, taken round-robin across owners (each owner's oldest deleted first), so that one owner's churn
+    cannot hold back another's release behind it."""
     busy = select(R.c.id).where(R.c.workload_id == W.c.id, R.c.state.in_(ACTIVE_REPLICA)).exists()
-    q = (select(W.c.id).where(W.c.region == region, W.c.deleted_at.is_not(None), W.c.released_at.is_(None), ~busy)
-         .order_by(W.c.id).limit(limit))
+    turn = func.row_number().over(partition_by=W.c.owner, order_by=(W.c.deleted_at, W.c.id)).label("turn")
+    pending = (select(W.c.id, W.c.deleted_at, turn)
+               .where(W.c.region == region, W.c.deleted_at.is_not(None), W.c.released_at.is_(None), ~busy)
+               .subquery())
+    q = (select(pending.c.id).where(pending.c.turn <= limit)
+         .order_by(pending.c.turn, pending.c.deleted_at, pending.c.id).limit(limit))
     return list(conn.execute(q).scalars())
 
 

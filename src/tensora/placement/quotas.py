@@ -13,11 +13,15 @@ so a change of a default reaches every owner who did not override that field.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tensora.units import GIB
+
+if TYPE_CHECKING:  # names only: the gateway and the SDK import this module, never capacity or the catalog
+    from tensora.placement.capacity import Node
+    from tensora.placement.catalog import Catalog
 
 
 class Quotas(BaseModel):
@@ -81,3 +85,27 @@ def overridden(quotas: Mapping[str, Any] | None, limits: Mapping[str, Any] | Non
     """The overridden fields as dotted names (``quotas.keys``), in the models' field order."""
     return ([f"quotas.{n}" for n in Quotas.model_fields if n in (quotas or {})]
             + [f"limits.{n}" for n in Limits.model_fields if n in (limits or {})])
+
+
+def for_node(quotas: Quotas, node: Node, catalog: Catalog) -> Quotas:
+    """``running_cpu`` and ``running_gpus`` defaulted from the one node of ``tensora up``, where the config did
+    not set them: half the node's vCPUs and GPUs, so that one owner cannot hold the whole machine (the fixed
+    defaults, 32 vCPU and 2 GPUs, exceed a small node), but at least the smallest class of each kind the node
+    can run, so that every owner can run something (one GPU on a one-GPU machine). A class larger than half the
+    node then needs an admin's quota for its owner. No GPUs on the node: 0."""
+    update: dict[str, Any] = {}
+    if "running_cpu" not in quotas.model_fields_set:
+        cores = node.cores if node.cores is not None else node.cpu
+        fitting = [c.cpu for c in catalog.cpu_classes if c.cpu <= min(node.cpu, cores) and c.memory <= node.memory]
+        update["running_cpu"] = max(node.cpu / 2, min(fitting, default=0.0))
+    if "running_gpus" not in quotas.model_fields_set:
+        fitting_gpus = [c.gpu_count for c in catalog.values() if c.gpu_model is not None
+                        and c.gpu_count <= node.gpus.get(c.gpu_model, 0) and c.memory <= node.memory]
+        update["running_gpus"] = max(sum(node.gpus.values()) // 2, min(fitting_gpus, default=0))
+    return quotas.model_copy(update=update) if update else quotas
+
+
+def running_phrase(quotas: Quotas) -> str:
+    """``each owner may run 4 vCPU and 0 GPUs at once``: what the banner says of the running quotas."""
+    gpus = "1 GPU" if quotas.running_gpus == 1 else f"{quotas.running_gpus} GPUs"
+    return f"each owner may run {quotas.running_cpu:g} vCPU and {gpus} at once"

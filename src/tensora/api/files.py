@@ -24,7 +24,7 @@ from starlette.convertors import PathConvertor, register_url_convertor
 
 from tensora.api import metrics, rates
 from tensora.api.auth import Principal
-from tensora.api.deps import ERRORS, Svc, caller, iso
+from tensora.api.deps import ERRORS, RATED, Svc, caller, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import owner_settings
 from tensora.api.services import Services
@@ -85,7 +85,7 @@ def _out(f: repo.FileRow) -> dict[str, Any]:
 
 
 @router.put("/v1/files/{path:file_name}", status_code=201, response_model=FileOut,
-            responses={**ERRORS, 200: {"model": FileOut, "description": "replaced a file of that name"}},
+            responses={**RATED, 200: {"model": FileOut, "description": "replaced a file of that name"}},
             openapi_extra=_BODY, summary="Upload a file to your storage",
             description=("The body is the file's bytes (any size up to your remaining storage quota; 413 past "
                          "it). ``path`` is a relative name of safe segments, e.g. ``tiny/model.safetensors``: a "

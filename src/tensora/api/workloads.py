@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from tensora.api import rates
 from tensora.api.auth import Principal
-from tensora.api.deps import ERRORS, IdemKey, Reader, Svc, Writer, iso
+from tensora.api.deps import ERRORS, RATED, IdemKey, Reader, Svc, Writer, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import check_quota
 from tensora.api.schemas import EventList, RestartBody, WorkloadList, WorkloadOut, pattern
@@ -49,7 +49,7 @@ def _own(conn: Any, p: Principal, workload_id: str) -> WorkloadRecord:
     return w
 
 
-@router.post("/v1/workloads", status_code=201, response_model=WorkloadOut, responses=ERRORS, tags=["workloads"],
+@router.post("/v1/workloads", status_code=201, response_model=WorkloadOut, responses=RATED, tags=["workloads"],
              summary="Create a notebook, VM or endpoint",
              description=("Queued for ``gpu_class``; after ``fallback_after`` the ``fallback`` list is tried in "
                           "order (opt-in: empty means wait). A CPU entry means no GPU while on CPU: endpoints "
@@ -124,7 +124,7 @@ def stop_workload(workload_id: str, svc: Svc, p: Writer, idem: IdemKey = None,
     return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
 
 
-@router.post("/v1/workloads/{workload_id}/restart", response_model=WorkloadOut, responses=ERRORS,
+@router.post("/v1/workloads/{workload_id}/restart", response_model=WorkloadOut, responses=RATED,
              tags=["workloads"],
              description=("Stop and queue again. ``placement: requested`` asks for the requested class only: "
                           "the 'restart on GPU' offered while ``restart_available`` is true."))
@@ -146,7 +146,7 @@ def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[Rest
                                {"placement": placement}, action, svc.wake)
 
 
-@router.delete("/v1/workloads/{workload_id}", status_code=204, responses=ERRORS, tags=["workloads"],
+@router.delete("/v1/workloads/{workload_id}", status_code=204, responses=RATED, tags=["workloads"],
                description="Stops the workload if it runs and removes it from listings; once its replicas have "
                            "stopped, a notebook's files (its home dir) are deleted too. Its usage stays.")
 def delete_workload(workload_id: str, svc: Svc, p: Writer) -> Response:

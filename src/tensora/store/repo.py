@@ -249,7 +249,8 @@ def purge_workloads(conn: Connection, deleted_before: float, limit: int = 5000) 
     """Delete the workloads deleted at or before ``deleted_before`` (the retention) whose storage was given back
     and that hold no replica, with their replicas' rows and events: the number deleted. Their usage stays
     (``usage_segments`` carries the owner, kind and class itself). At most ``limit``, oldest deleted first, so
-    that one housekeeping round stays short however many piled up."""
+    that one housekeeping round stays short however many piled up. No change watermark needs a tombstone for
+    these rows: their deletion and their replicas' ends were stamped and seen long before (the retention)."""
     busy = select(R.c.id).where(R.c.workload_id == W.c.id, R.c.state.in_(ACTIVE_REPLICA)).exists()
     ids = list(conn.execute(select(W.c.id).where(W.c.deleted_at.is_not(None), W.c.deleted_at <= deleted_before,
                                                  W.c.released_at.is_not(None), ~busy)

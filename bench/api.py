@@ -53,6 +53,9 @@ from tests.support.services import PgCluster, free_port, pg_cluster
 BENCH_WORKLOADS = 100_000
 """The bench owner's workloads quota (the most an admin may set): a run creates thousands."""
 
+BENCH_CREATES_PER_MINUTE = 1_000_000
+"""The bench owner's create rate (the most an admin may set), past the default 120 a minute."""
+
 BODY = {"kind": "notebook", "gpu_class": "l40s-48gb", "fallback": ["a100-80gb", "cpu"], "fallback_after": "10m"}
 
 POST_LUA = """
@@ -199,7 +202,8 @@ def bench_store(kind: str, workers: int, args: argparse.Namespace, pg: PgCluster
             created.raise_for_status()
             key = created.json()["key"]
             room = httpx.put(url + "/v1/owners/bench", headers={"Authorization": f"Bearer {admin}"},
-                             json={"quotas": {"workloads": BENCH_WORKLOADS}}, timeout=10)  # past the default 50
+                             json={"quotas": {"workloads": BENCH_WORKLOADS},  # past the default 50
+                                   "limits": {"creates_per_minute": BENCH_CREATES_PER_MINUTE}}, timeout=10)
             room.raise_for_status()
             one = httpx.post(url + "/v1/workloads", headers={"Authorization": f"Bearer {key}"},
                              json={**BODY, "name": "probe"}, timeout=10)

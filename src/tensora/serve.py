@@ -48,6 +48,7 @@ from tensora.drivers.hardware import gpu_notes, offered
 from tensora.errors import ConfigError, TensoraError
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import ReplicaState
+from tensora.placement.quotas import for_node, running_phrase
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
@@ -388,7 +389,10 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
         os.environ[GATEWAY_METRICS_ENV] = gw.metrics_listen
     if profile == "up" and settings.runtimes.auto_install is None:  # a new user's machine: nothing to pre-install
         settings = settings.model_copy(update={"runtimes": settings.runtimes.model_copy(update={"auto_install": True})})
-    services = build(settings)
+    if profile == "up" and settings.controller and settings.driver == "local":
+        settings, services = _build_up(settings)
+    else:
+        services = build(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     key_file = ensure_admin_key(services.db, settings.data_dir, services.clock.now())
     where = "PostgreSQL" if not services.db.is_sqlite else f"SQLite at {settings.db_url}"
@@ -400,7 +404,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
         print(f"metrics on http://{settings.metrics_listen}/metrics", flush=True)
     if profile == "up" and services.controller is not None:
         node = services.controller.driver.nodes()[0]
-        print(f"this machine as node {node.name}: {offered(node)}", flush=True)
+        print(f"this machine as node {node.name}: {offered(node)}; "
+              f"{running_phrase(settings.owner_defaults().quotas)}", flush=True)
         for note in gpu_notes(node, services.controller.catalog):
             print(f"  note: {note}", flush=True)
         print(describe_isolation(services.isolation or "", services.isolation_reason), flush=True)
@@ -442,6 +447,18 @@ def http_limits(settings: ServeSettings) -> HttpLimits:
                       header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
                       max_connections=settings.max_connections,
                       max_connections_per_client=settings.max_connections_per_client)
+
+
+def _build_up(settings: ServeSettings) -> tuple[ServeSettings, Services]:
+    """``tensora up``'s build: the local driver first, so that the running quotas the config leaves unset are
+    the node's (``quotas.for_node``: half of it, at least its largest class), in the settings the HTTP workers
+    are given too."""
+    clock = SystemClock()
+    catalog = load_catalog(settings.catalog)
+    driver = make_driver(settings, clock)
+    quotas = for_node(settings.quotas, driver.nodes()[0], catalog)
+    settings = settings.model_copy(update={"quotas": quotas})
+    return settings, build(settings, clock=clock, driver=driver, catalog=catalog)
 
 
 def left_running(replicas: Sequence[ReplicaStatus]) -> str:

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 START_DEADLINE_S = 60.0
 SMALL_MACHINE = "node: {name: box, cpu: 2, memory: 24Gi, gpus: {}}\ntick_s: 1\n"  # this machine's size, declared
 NODE_LINE = ("this machine as node box: 2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; "
-             "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs")
+             "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs; each owner may run 4 vCPU and 0 GPUs at once")
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -163,6 +163,11 @@ def test_the_banner_names_node_dashboard_and_gateway_and_a_clean_start_warns_of_
         total = {c["name"]: c["capacity"]["local"]["total"] for c in catalog["data"] if c["kind"] == "cpu"}
         assert total == {"cpu-1c-4g": 5, "cpu-2c-8g": 2, "cpu-4c-16g": 0, "cpu-8c-32g": 0, "cpu-16c-64g": 0,
                          "cpu-32c-128g": 0}
+        # the running quotas are the node's (half of it), not the fixed 32 vCPU and 2 GPUs: one owner cannot
+        # hold the machine; the HTTP workers answer with them too
+        owner = httpx.get(f"{up.api}/v1/owners/admin", headers={"Authorization": f"Bearer {up.key()}"},
+                          timeout=10).json()
+        assert (owner["quotas"]["running_cpu"], owner["quotas"]["running_gpus"]) == (4, 0)
         assert up.interrupt() == 0, up.output()
     assert up.stdout().splitlines()[-1] == "stopped the API and gateway; no workloads are running"
     assert "Traceback" not in up.output()

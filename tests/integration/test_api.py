@@ -88,6 +88,8 @@ def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     with services.serving(s.app) as live:
         a = Api(s, live.url, tmp)
         alice = a.as_(s.alice)  # alice's files: what the rejection tables name
+        # every rejection below is a create that counts against alice's rate: room for tables of any length
+        assert a.as_(s.admin).put("/v1/owners/alice", json={"limits": {"creates_per_minute": 100_000}}).is_success
         own_model(a, alice)
         assert alice.put("/v1/files/notes.safetensors", content=b"these are notes, not tensors\n").status_code == 201
         assert alice.put("/v1/files/empty/readme.txt", content=b"no tensors here").status_code == 201

@@ -328,6 +328,29 @@ def test_a_deleted_workloads_storage_is_given_back_once_its_replicas_are_gone(db
     assert get(db, gone).released_at is not None and get(db, kept).released_at is None
 
 
+def test_storage_is_given_back_round_robin_across_owners(db: Database) -> None:
+    """One owner's churn cannot hold back another's: each round takes every owner's oldest first."""
+    clock = FakeClock(T0)
+    mallory = [submit(db, clock, "mallory", kind="notebook", name=f"m{i}", gpu_class="cpu-1c-4g") for i in range(60)]
+    bob = [submit(db, clock, "bob", kind="notebook", name=f"b{i}", gpu_class="cpu-1c-4g") for i in range(3)]
+    with db.write() as conn:
+        for wid in mallory:  # mallory's deletes come first, and there are more than a round takes
+            clock.advance(1)
+            workloads.delete(conn, get(db, wid), clock.now())
+        for wid in bob:
+            clock.advance(1)
+            workloads.delete(conn, get(db, wid), clock.now())
+    with db.read() as conn:
+        first = repo.unreleased(conn, "local", limit=8)
+        assert repo.unreleased(conn, "local", limit=50)[:6] == [mallory[0], bob[0], mallory[1], bob[1],
+                                                                 mallory[2], bob[2]]
+    assert first == [mallory[0], bob[0], mallory[1], bob[1], mallory[2], bob[2], mallory[3], mallory[4]]
+    c, _ = make(db, clock)
+    c.release_every = 1
+    released = c.run_once().released
+    assert set(bob) <= set(released) and len(released) == 50  # bob's three in the first round
+
+
 def test_only_the_lease_holder_acts_and_a_standby_takes_over_after_expiry(db: Database) -> None:
     clock = FakeClock(T0)
     sim = SimulatedDriver(fleet(), clock)

@@ -146,6 +146,21 @@ def test_a_directory_name_is_a_prefix_not_a_pattern(files: Files) -> None:
         assert [f["path"] for f in alice.get("/v1/files").json()["data"]] == ["a%bc/1", "axb/1"]
 
 
+def test_names_are_exact_not_case_insensitive(files: Files) -> None:
+    """``OK`` and ``ok`` are two names: deleting, listing or writing one never reaches the other's files."""
+    with files.as_(files.stack.alice) as alice:
+        for name in ("OK", "ok/a.bin", "ok/b.bin", "Ok/c.bin"):
+            assert alice.put(f"/v1/files/{name}", content=b"x").status_code == 201, name
+        assert alice.put("/v1/files/OK", content=b"OK again, beside the directory ok").status_code == 200
+        assert [f["path"] for f in alice.get("/v1/files", params={"prefix": "OK"}).json()["data"]] == ["OK"]
+        r = alice.delete("/v1/files/OK")
+        assert r.status_code == 200 and [f["path"] for f in r.json()["data"]] == ["OK"]
+        assert alice.delete("/v1/files/OK").status_code == 404
+        assert alice.delete("/v1/files/oK").status_code == 404
+        assert [f["path"] for f in alice.get("/v1/files").json()["data"]] == ["Ok/c.bin", "ok/a.bin", "ok/b.bin"]
+    assert files.on_disk("alice") == ["Ok", "Ok/c.bin", "ok", "ok/a.bin", "ok/b.bin"]
+
+
 def test_a_file_and_a_directory_cannot_share_a_name(files: Files) -> None:
     with files.as_(files.stack.alice) as alice:
         assert alice.put("/v1/files/tiny", content=b"a file").status_code == 201

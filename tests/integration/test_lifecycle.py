@@ -401,7 +401,50 @@ def test_events_of_deleted_workloads_go_after_the_retention(db: Database) -> Non
     clock.advance(1)
     c.run_once()
     assert events(db, gone) == [] and len(events(db, kept)) == 3  # a live workload's history stays
-    assert get(db, gone).deleted_at is not None  # the row stays (its usage refers to it)
+
+
+def test_deleted_workloads_and_their_replicas_go_after_the_retention_and_their_usage_stays(db: Database) -> None:
+    clock = FakeClock(T0)
+    sim = SimulatedDriver(fleet(), clock)
+    c = Controller(db, sim, CATALOG, clock=clock, holder="a", retention_s=3600, prune_every=1, release_every=1)
+    kept = submit(db, clock, kind="notebook", name="kept", gpu_class="cpu-2c-8g")
+    gone = submit(db, clock, kind="endpoint", name="gone", gpu_class="cpu-2c-8g", model_params="1B", replicas=2)
+    c.run_once()
+    c.run_once()
+    assert len(replicas(db, gone)) == 2
+    with db.write() as conn:
+        workloads.delete(conn, get(db, gone), clock.now())
+    deleted_at = clock.now()
+    for _ in range(4):
+        c.run_once()
+    assert get(db, gone).released_at is not None and replicas(db, gone) == []
+    clock.advance(3599)
+    c.run_once()
+    assert len(replicas(db, gone, active_only=False)) == 2  # deleted an hour ago, less a second: kept
+    clock.advance(1)
+    c.run_once()
+    with db.read() as conn:
+        assert repo.get_workload(conn, gone, include_deleted=True) is None
+        assert repo.replicas_of(conn, [gone], active_only=False) == []
+        usage = conn.execute(repo.U.select().where(repo.U.c.workload_id == gone)).all()
+    assert len(usage) == 2 and all(u.ended_at is not None and u.ended_at <= deleted_at + 60 for u in usage)
+    assert get(db, kept).deleted_at is None and len(replicas(db, kept)) == 1  # a live workload stays whole
+    c.run_once()  # and the controller goes on without the rows
+    assert get(db, kept).state == "running"
+
+
+def test_a_deleted_workload_whose_storage_is_not_given_back_is_kept(db: Database) -> None:
+    clock = FakeClock(T0)
+    wid = submit(db, clock, kind="notebook", name="nb", gpu_class="cpu-2c-8g")
+    with db.write() as conn:
+        workloads.delete(conn, get(db, wid), clock.now())
+        assert repo.purge_workloads(conn, clock.now() + 3600) == 0  # its home not given back yet: kept
+    assert get(db, wid).deleted_at is not None
+    with db.write() as conn:
+        repo.mark_released(conn, [wid], clock.now())
+        assert repo.purge_workloads(conn, clock.now() - 1) == 0  # deleted after the cutoff: kept
+        assert repo.purge_workloads(conn, clock.now()) == 1
+        assert repo.get_workload(conn, wid, include_deleted=True) is None
 
 
 def test_the_local_driver_forgets_ended_replicas_after_the_retention(db: Database, tmp_path: Path) -> None:

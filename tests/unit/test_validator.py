@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from tensora.errors import ModelFileError
+from tensora.models import isolated
 from tensora.models.validator import MAX_HEADER_BYTES, check_cpu, read_context, read_model
 
 
@@ -119,3 +120,38 @@ def test_a_config_json_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None
     model.mkdir()
     (model / "config.json").symlink_to(secret)
     assert read_context(model) is None
+
+
+# -- the bounded parse (tensora.models.isolated) -------------------------------------------
+
+def _many_tensors(path: Path, n: int) -> Path:
+    header = {f"t{i}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]} for i in range(n)}
+    return _raw(path, json.dumps(header).encode(), b"\0" * n)
+
+
+def test_a_child_reads_what_the_thread_reads(tmp_path: Path) -> None:
+    f = _many_tensors(tmp_path / "m.safetensors", 500)
+    assert isolated.header_bytes(f, isolated.INLINE_HEADER_BYTES) == f.stat().st_size - 8 - 500
+    assert isolated.read_model(f, inline_bytes=0) == read_model(f)
+
+
+def test_a_header_past_the_childs_memory_is_refused_naming_the_budget(tmp_path: Path) -> None:
+    f = _many_tensors(tmp_path / "m.safetensors", 200_000)  # ~13 MiB of JSON: some 200 MiB of objects
+    with pytest.raises(ModelFileError, match=r"need more than 64 MiB of memory|within 64 MiB of memory") as e:
+        isolated.read_model(f, inline_bytes=0, memory_bytes=64 << 20)
+    assert e.value.path == str(f)
+
+
+def test_a_child_past_its_time_is_killed_and_refused(tmp_path: Path) -> None:
+    f = _many_tensors(tmp_path / "m.safetensors", 10)
+    with pytest.raises(ModelFileError, match=r"took longer than 0\.001 s"):
+        isolated.read_model(f, inline_bytes=0, timeout_s=0.001)  # a Python process takes longer just to start
+
+
+def test_a_large_index_goes_to_the_child_and_a_huge_one_is_refused(tmp_path: Path) -> None:
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {f"t{i}": "x.safetensors" for i in range(2)},
+                                 "pad": "x" * (MAX_HEADER_BYTES + 1)}))
+    assert isolated.header_bytes(tmp_path, 1 << 20) > 1 << 20
+    with pytest.raises(ModelFileError, match="index exceeds the 16 MiB cap"):
+        read_model(tmp_path)

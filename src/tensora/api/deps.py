@@ -22,6 +22,10 @@ from tensora.api.services import Services
 ERRORS: dict[int | str, dict[str, Any]] = {
     s: {"model": ErrorOut} for s in (401, 403, 404, 409, 413, 422, 503)
 }
+RATED: dict[int | str, dict[str, Any]] = {
+    **ERRORS, 429: {"model": ErrorOut, "description": "past the owner's rate of such calls (limits.*_per_minute); "
+                                                      "Retry-After says when to try again"}}
+"""The answers of a route that counts against an owner's control-API rate (``tensora.api.rates``)."""
 IdemKey = Annotated[str | None, Header(alias="Idempotency-Key", description=(
     "makes the POST safe to retry: the same key and body replay the first response (24 h)"),
     # documented only: ``idempotency`` checks the key itself, with its own message

@@ -29,8 +29,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from starlette.convertors import PathConvertor, register_url_convertor
 
-from tensora.api import metrics
-from tensora.api.deps import ERRORS, Svc, caller, iso
+from tensora.api import metrics, rates
+from tensora.api.deps import ERRORS, RATED, Svc, caller, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import owner_settings
 from tensora.api.principal import Principal
@@ -98,7 +98,7 @@ def _out(f: repo.FileRow) -> dict[str, Any]:
 
 
 @router.put("/v1/files/{path:file_name}", status_code=201, response_model=FileOut,
-            responses={**ERRORS, 200: {"model": FileOut, "description": "replaced a file of that name"}},
+            responses={**RATED, 200: {"model": FileOut, "description": "replaced a file of that name"}},
             openapi_extra=_BODY, summary="Upload a file to your storage",
             description=("The body is the file's bytes (any size up to your remaining storage quota; 413 past "
                          "it). ``path`` is a relative name of safe segments, e.g. ``tiny/model.safetensors``: a "
@@ -107,6 +107,7 @@ def _out(f: repo.FileRow) -> dict[str, Any]:
 async def put_file(path: str, request: Request, svc: Svc, p: Writer) -> JSONResponse:
     name = _name(path)
     storage = _storage(svc)
+    await run_in_threadpool(rates.take, svc, p.owner, rates.Action.UPLOAD)
     # 1. room, held: its declared length at once (refused before a byte is read), or a first step
     length = request.headers.get("content-length")
     declared = int(length) if length is not None and length.isdigit() else None

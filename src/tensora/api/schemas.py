@@ -171,7 +171,8 @@ class OwnerUpdate(BaseModel):
         default=None, description="keys, workloads, running_gpus, running_cpu, storage_bytes: any subset")
     limits: LimitsPatch | None = Field(  # type: ignore[valid-type]
         default=None, description="requests_per_minute, tokens_per_minute (the gateway's, across all the owner's "
-                                  "keys): any subset")
+                                  "keys), creates_per_minute, deletes_per_minute, uploads_per_minute (the control "
+                                  "API's): any subset")
 
 
 class InUse(BaseModel):
@@ -185,7 +186,8 @@ class OwnerOut(BaseModel):
     trusted: bool = Field(description="false (the default for every owner): its pods run under Kata on Kubernetes")
     updated_at: str | None = Field(description="when the operator last set it; null: never (the defaults)")
     quotas: Quotas = Field(description="what it may hold: its overrides over the server's defaults")
-    limits: Limits = Field(description="its gateway limits across all its keys: overrides over the defaults")
+    limits: Limits = Field(description="its gateway limits (across all its keys) and control API rates: "
+                                       "overrides over the defaults")
     overridden: list[str] = Field(description="the fields an admin set for this owner, e.g. quotas.keys; the "
                                               "rest follow the server's defaults")
     in_use: InUse = Field(description="what it holds now, counted against its quotas")

@@ -9,7 +9,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query
 from fastapi.responses import Response
 
-from tensora.api.deps import ERRORS, IdemKey, Reader, Svc, Writer, iso
+from tensora.api import rates
+from tensora.api.deps import ERRORS, RATED, IdemKey, Reader, Svc, Writer, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import check_quota
 from tensora.api.principal import Principal
@@ -36,6 +37,11 @@ def _stopper(p: Principal, w: WorkloadRecord) -> workloads.StoppedBy:
     return workloads.StoppedBy.OWNER if w.owner == p.owner else workloads.StoppedBy.ADMIN
 
 
+def _retry_of(p: Principal, path: str, idem: str | None) -> dict[str, str] | None:
+    """The idempotency record a POST with Idempotency-Key ``idem`` claims (its rate counts it once)."""
+    return None if idem is None else {"key_id": p.key_id, "method": "POST", "path": path, "key": idem}
+
+
 def _own(conn: Any, p: Principal, workload_id: str) -> WorkloadRecord:
     w = repo.get_workload(conn, workload_id, p.owner_filter())
     if w is None:
@@ -43,7 +49,7 @@ def _own(conn: Any, p: Principal, workload_id: str) -> WorkloadRecord:
     return w
 
 
-@router.post("/v1/workloads", status_code=201, response_model=WorkloadOut, responses=ERRORS, tags=["workloads"],
+@router.post("/v1/workloads", status_code=201, response_model=WorkloadOut, responses=RATED, tags=["workloads"],
              summary="Create a notebook, VM or endpoint",
              description=("Queued for ``gpu_class``; after ``fallback_after`` the ``fallback`` list is tried in "
                           "order (opt-in: empty means wait). A CPU entry means no GPU while on CPU: endpoints "
@@ -55,6 +61,7 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
         body, owner = workloads.authorize_create(body, body.model_fields_set, caller)
     except workloads.NotAllowed as exc:
         raise ApiError(403, str(exc), field=exc.field) from None
+    rates.take(svc, p.owner, rates.Action.CREATE, _retry_of(p, "/v1/workloads", idem))  # before the model is read
     checked = workloads.validate(body, svc.catalog, owner, svc.storage)
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
@@ -117,13 +124,15 @@ def stop_workload(workload_id: str, svc: Svc, p: Writer, idem: IdemKey = None,
     return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
 
 
-@router.post("/v1/workloads/{workload_id}/restart", response_model=WorkloadOut, responses=ERRORS,
+@router.post("/v1/workloads/{workload_id}/restart", response_model=WorkloadOut, responses=RATED,
              tags=["workloads"],
              description=("Stop and queue again. ``placement: requested`` asks for the requested class only: "
                           "the 'restart on GPU' offered while ``restart_available`` is true."))
 def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[RestartBody | None, Body()] = None,
                      idem: IdemKey = None) -> Response:
     placement = (body or RestartBody()).placement
+    rates.take(svc, p.owner, rates.Action.CREATE,  # a restart starts the workload anew
+               _retry_of(p, f"/v1/workloads/{workload_id}/restart", idem))
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
         w = _own(conn, p, workload_id)
@@ -137,10 +146,11 @@ def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[Rest
                                {"placement": placement}, action, svc.wake)
 
 
-@router.delete("/v1/workloads/{workload_id}", status_code=204, responses=ERRORS, tags=["workloads"],
+@router.delete("/v1/workloads/{workload_id}", status_code=204, responses=RATED, tags=["workloads"],
                description="Stops the workload if it runs and removes it from listings; once its replicas have "
                            "stopped, a notebook's files (its home dir) are deleted too. Its usage stays.")
 def delete_workload(workload_id: str, svc: Svc, p: Writer) -> Response:
+    rates.take(svc, p.owner, rates.Action.DELETE)
     with svc.db.write() as conn:
         w = _own(conn, p, workload_id)
         workloads.delete(conn, w, svc.clock.now(), _stopper(p, w))

@@ -109,7 +109,8 @@ def owners_set(ctx: typer.Context, owner: Annotated[str, typer.Argument(help="th
                    "storage_bytes (e.g. 50Gi); NAME=default: back to the server's default")] = None,
                limit: Annotated[list[str] | None, typer.Option(
                    "--limit", help="NAME=VALUE, repeatable: requests_per_minute, tokens_per_minute (the gateway's, "
-                   "across all the owner's keys); NAME=default: back to the server's default")] = None,
+                   "across all the owner's keys), creates_per_minute, deletes_per_minute, uploads_per_minute (the "
+                   "control API's); NAME=default: back to the server's default")] = None,
                output: Output = "table") -> None:
     """Set an owner's flag, quotas and limits (admin keys); what is not named keeps its value. Trust applies to
     replicas started from now on; a lower quota refuses new creates past it and removes nothing."""

@@ -128,8 +128,9 @@ class ServeSettings(BaseModel):
     quotas: Quotas = Field(default_factory=Quotas, description="what each owner may hold unless an admin set "
                            "otherwise for it (PUT /v1/owners/{owner}): keys, workloads, running_gpus, running_cpu, "
                            "storage_bytes")
-    limits: Limits = Field(default_factory=Limits, description="each owner's gateway limits across all its keys "
-                           "unless an admin set otherwise: requests_per_minute, tokens_per_minute")
+    limits: Limits = Field(default_factory=Limits, description="how fast each owner may call "
+                           "unless an admin set otherwise: requests_per_minute, tokens_per_minute (the gateway's); "
+                           "creates_per_minute, deletes_per_minute, uploads_per_minute (the control API's)")
     shared_models: dict[str, Path] = Field(default_factory=dict, description="read-only roots every owner may name "
                                            "as shared/<name>/<path> in model and image, e.g. {pool: /srv/models}")
     sandbox_uids: str = Field(default="100000-165535", pattern=r"^[1-9][0-9]*-[1-9][0-9]*$",

@@ -1,10 +1,12 @@
 """Housekeeping: what a leader does every so many cycles, in the cycle's fenced write transaction.
 
-Forgets idempotency records past their expiry and, after the retention, the events of deleted workloads
-(the driver then forgets its ended replicas, after the transaction), and gives back the storage of deleted workloads
-whose replicas are all gone (a notebook's home outlives its replicas, so a restart keeps its
-files). A release is recorded once the driver did it, in the next cycle's transaction: a crash in
-between only gives back again, and the driver's ``release`` is idempotent.
+Forgets idempotency records past their expiry, owners' calls past the rates' window and, after the
+retention, deleted workloads (their rows, their replicas' rows and their events, once their storage was
+given back; their usage stays), while the driver forgets its ended replicas after the transaction. Gives
+back the storage of deleted workloads whose replicas are all gone (a notebook's home outlives its replicas,
+so a restart keeps its files), round-robin across owners: one owner's churn cannot delay another's. A
+release is recorded once the driver did it, in the next cycle's transaction: a crash in between only gives
+back again, and the driver's ``release`` is idempotent.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import Connection
 
+from tensora.placement.quotas import RATE_WINDOW_S
 from tensora.store import repo
 
 EXPIRE_IDEMPOTENCY_EVERY = 30
@@ -20,16 +23,16 @@ EXPIRE_IDEMPOTENCY_EVERY = 30
 takes over an expired record by itself (``repo.take_over_expired``): the sweep only bounds the table."""
 
 PRUNE_EVERY = 300
-"""Cycles between prunes of what outlived its retention (about 10 min at the default tick): the events of
-deleted workloads, the driver's dirs of ended replicas."""
+"""Cycles between prunes of what outlived its retention (about 10 min at the default tick): deleted workloads
+(at most 5,000 a round: 30,000 an hour), their events, the driver's dirs of ended replicas."""
 
 RETENTION_S = 7 * 86400.0
-"""How long the events of a deleted workload and the driver's record of an ended replica are kept
-(``retention_s`` in the settings)."""
+"""How long a deleted workload (its row, replicas and events) and the driver's record of an ended replica are
+kept (``retention_s`` in the settings)."""
 
 RELEASE_EVERY = 15
 """Cycles between looks for deleted workloads' storage to give back (a query over deleted workloads:
-rare work that need not cost every cycle)."""
+rare work that need not cost every cycle); each look takes at most 50, every owner's oldest first in turn."""
 
 
 def due(cycle: int, every: int) -> bool:
@@ -43,7 +46,9 @@ def housekeep(conn: Connection, cycle: int, now: float, region: str, released: S
     """Sweep and record ``released`` (given back since the last cycle); the workloads to give back now."""
     if due(cycle, EXPIRE_IDEMPOTENCY_EVERY):
         repo.expire_idempotency(conn, now)
+        repo.prune_calls(conn, now - RATE_WINDOW_S)
     if due(cycle, prune_every):
-        repo.prune_events(conn, now - retention_s)
+        repo.prune_events(conn, now - retention_s)  # those of workloads whose storage is not given back yet too
+        repo.purge_workloads(conn, now - retention_s)
     repo.mark_released(conn, released, now)
     return repo.unreleased(conn, region) if due(cycle, release_every) else []

@@ -14,7 +14,8 @@ from typing import Any
 
 from tensora.control.spec import WorkloadSpec, check_against
 from tensora.errors import ModelFileError, SpecError, TensoraError
-from tensora.models.validator import read_context, read_model
+from tensora.models.isolated import read_model
+from tensora.models.validator import read_context
 from tensora.placement.catalog import Catalog
 from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
 from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadKind, WorkloadState

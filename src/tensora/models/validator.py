@@ -23,8 +23,11 @@ from pathlib import Path
 from tensora.errors import ModelFileError
 from tensora.units import format_memory, format_params
 
-MAX_HEADER_BYTES = 100 * 2**20
-"""The safetensors format's own limit on header size (100 MB)."""
+MAX_HEADER_BYTES = 16 * 2**20
+"""The largest header (and shard index) read: 16 MiB. Real headers take about 100 bytes per tensor, a few
+hundred KB per shard and a few MB for the largest single-file models; 16 MiB is about 120,000 tensors. The
+format's own limit (100 MB) is far more than one request may make the API parse: 94 MiB took seconds and about
+1 GiB of memory (``tensora.models.isolated`` bounds the parse itself)."""
 
 DEFAULT_CPU_PARAM_LIMIT = 8.5e9
 """Endpoints with more parameters than this are never placed on a CPU class (8B-class models pass)."""
@@ -86,7 +89,8 @@ def read_file(path: Path | str) -> ModelSize:
                 raise ModelFileError(str(path), f"truncated: {len(prefix)} bytes, a safetensors file starts with 8")
             (length,) = struct.unpack("<Q", prefix)
             if length > MAX_HEADER_BYTES:
-                raise ModelFileError(str(path), f"header length {length} exceeds the {MAX_HEADER_BYTES} byte limit")
+                raise ModelFileError(str(path), f"header length {length} exceeds the {MAX_HEADER_BYTES >> 20} MiB "
+                                                f"cap on safetensors headers")
             if 8 + length > file_size:
                 raise ModelFileError(str(path), f"truncated: header says {length} bytes, file has {file_size - 8}")
             raw = f.read(length)
@@ -186,8 +190,12 @@ def read_model(path: Path | str) -> ModelSize:
 
 def _shards_from_index(index: Path) -> list[Path]:
     try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with index.open("rb") as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
+        if len(raw) > MAX_HEADER_BYTES:
+            raise ModelFileError(str(index), f"index exceeds the {MAX_HEADER_BYTES >> 20} MiB cap")
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ModelFileError(str(index), f"unreadable index: {exc.__class__.__name__}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -1,8 +1,10 @@
 """What each owner may hold and how fast it may call: quotas and limits, set by admins only.
 
 ``Quotas`` bound what an owner holds: API keys, workloads (not deleted), GPUs and vCPUs of its running
-replicas, bytes of its files. ``Limits`` bound its inference traffic at the gateway, per owner across all
-its keys (a key may carry a lower limit of its own, never a higher one). The server config has the
+replicas, bytes of its files. ``Limits`` bound how fast it calls: its inference traffic at the gateway, per
+owner across all its keys (a key may carry a lower limit of its own, never a higher one), and its costly calls
+of the control API (workload creates and restarts, deletes, file uploads), counted in the store over the last
+minute so that the count holds across API processes and restarts. The server config has the
 defaults (``quotas:`` and ``limits:``); ``PUT /v1/owners/{owner}`` overrides some fields for one owner and
 the rest keep the defaults. A stored override is a partial dict (``owners.quotas`` / ``owners.limits``),
 so a change of a default reaches every owner who did not override that field.
@@ -11,11 +13,15 @@ so a change of a default reaches every owner who did not override that field.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tensora.units import GIB
+
+if TYPE_CHECKING:  # names only: the gateway and the SDK import this module, never capacity or the catalog
+    from tensora.placement.capacity import Node
+    from tensora.placement.catalog import Catalog
 
 
 class Quotas(BaseModel):
@@ -29,11 +35,20 @@ class Quotas(BaseModel):
     storage_bytes: int = Field(default=20 * GIB, ge=0, le=2**62, description="bytes of the owner's files")
 
 
+RATE_WINDOW_S = 60.0
+"""The window the control API's per-owner rates count in (``Limits.*_per_minute``)."""
+
+
 class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     requests_per_minute: int = Field(default=600, ge=1, le=10_000_000)
     tokens_per_minute: int = Field(default=1_000_000, ge=1, le=10_000_000_000)
+    creates_per_minute: int = Field(default=120, ge=1, le=1_000_000, description="workload creates and restarts "
+                                    "(a restart starts the workload anew, as a create does)")
+    deletes_per_minute: int = Field(default=120, ge=1, le=1_000_000, description="workload deletes")
+    uploads_per_minute: int = Field(default=300, ge=1, le=1_000_000, description="file uploads (a model "
+                                    "directory is one per file: 300 takes the largest sharded models at once)")
 
 
 class OwnerSettings(BaseModel):
@@ -70,3 +85,27 @@ def overridden(quotas: Mapping[str, Any] | None, limits: Mapping[str, Any] | Non
     """The overridden fields as dotted names (``quotas.keys``), in the models' field order."""
     return ([f"quotas.{n}" for n in Quotas.model_fields if n in (quotas or {})]
             + [f"limits.{n}" for n in Limits.model_fields if n in (limits or {})])
+
+
+def for_node(quotas: Quotas, node: Node, catalog: Catalog) -> Quotas:
+    """``running_cpu`` and ``running_gpus`` defaulted from the one node of ``tensora up``, where the config did
+    not set them: half the node's vCPUs and GPUs, so that one owner cannot hold the whole machine (the fixed
+    defaults, 32 vCPU and 2 GPUs, exceed a small node), but at least the smallest class of each kind the node
+    can run, so that every owner can run something (one GPU on a one-GPU machine). A class larger than half the
+    node then needs an admin's quota for its owner. No GPUs on the node: 0."""
+    update: dict[str, Any] = {}
+    if "running_cpu" not in quotas.model_fields_set:
+        cores = node.cores if node.cores is not None else node.cpu
+        fitting = [c.cpu for c in catalog.cpu_classes if c.cpu <= min(node.cpu, cores) and c.memory <= node.memory]
+        update["running_cpu"] = max(node.cpu / 2, min(fitting, default=0.0))
+    if "running_gpus" not in quotas.model_fields_set:
+        fitting_gpus = [c.gpu_count for c in catalog.values() if c.gpu_model is not None
+                        and c.gpu_count <= node.gpus.get(c.gpu_model, 0) and c.memory <= node.memory]
+        update["running_gpus"] = max(sum(node.gpus.values()) // 2, min(fitting_gpus, default=0))
+    return quotas.model_copy(update=update) if update else quotas
+
+
+def running_phrase(quotas: Quotas) -> str:
+    """``each owner may run 4 vCPU and 0 GPUs at once``: what the banner says of the running quotas."""
+    gpus = "1 GPU" if quotas.running_gpus == 1 else f"{quotas.running_gpus} GPUs"
+    return f"each owner may run {quotas.running_cpu:g} vCPU and {gpus} at once"

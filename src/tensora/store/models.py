@@ -115,7 +115,8 @@ class UsageSegment(Base):
     __tablename__ = "usage_segments"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    workload_id: Mapped[str] = mapped_column(ForeignKey("workloads.id"), index=True)
+    workload_id: Mapped[str] = mapped_column(String(32), index=True)
+    """No foreign key: usage outlives its workload's row, which housekeeping purges after the retention."""
     replica_id: Mapped[str] = mapped_column(String(32), unique=True)
     owner: Mapped[str] = mapped_column(String(128), index=True)
     region: Mapped[str] = mapped_column(String(63))
@@ -293,3 +294,18 @@ class OwnerUid(Base):
     owner: Mapped[str] = mapped_column(String(128), primary_key=True)
     uid: Mapped[int] = mapped_column(Integer, unique=True)
     created_at: Mapped[float] = mapped_column(Float)
+
+
+class OwnerCall(Base):
+    """One costly control-API call an owner made (a workload create or restart, a delete, a file upload): the
+    per-owner rates (``tensora.api.rates``) count these over the last minute. Each call prunes its owner's rows
+    of that action older than the window, and housekeeping everyone's, so the table holds about one window."""
+
+    __tablename__ = "owner_calls"
+    __table_args__ = (Index("ix_owner_calls_owner_action_at", "owner", "action", "at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(16))
+    at: Mapped[float] = mapped_column(Float, index=True)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
     BigInteger,
+    ColumnElement,
     Connection,
     Table,
     and_,
@@ -44,6 +45,7 @@ from tensora.store.models import (
     Lease,
     Node,
     Owner,
+    OwnerCall,
     OwnerUid,
     Replica,
     Revision,
@@ -83,6 +85,7 @@ UID = cast(Table, OwnerUid.__table__)
 RV = cast(Table, Revision.__table__)
 S = cast(Table, DashboardSession.__table__)
 UR = cast(Table, UploadReservation.__table__)
+OC = cast(Table, OwnerCall.__table__)
 
 # Hot-path statements are built once with bound parameters and executed with a dict of
 # values: SQLAlchemy then reuses the compiled statement instead of coercing literals and
@@ -247,6 +250,23 @@ def prune_events(conn: Connection, deleted_before: float) -> int:
     return conn.execute(delete(E).where(E.c.workload_id.in_(gone))).rowcount or 0
 
 
+def purge_workloads(conn: Connection, deleted_before: float, limit: int = 5000) -> int:
+    """Delete the workloads deleted at or before ``deleted_before`` (the retention) whose storage was given back
+    and that hold no replica, with their replicas' rows and events: the number deleted. Their usage stays
+    (``usage_segments`` carries the owner, kind and class itself). At most ``limit``, oldest deleted first, so
+    that one housekeeping round stays short however many piled up. No change watermark needs a tombstone for
+    these rows: their deletion and their replicas' ends were stamped and seen long before (the retention)."""
+    busy = select(R.c.id).where(R.c.workload_id == W.c.id, R.c.state.in_(ACTIVE_REPLICA)).exists()
+    ids = list(conn.execute(select(W.c.id).where(W.c.deleted_at.is_not(None), W.c.deleted_at <= deleted_before,
+                                                 W.c.released_at.is_not(None), ~busy)
+                                     .order_by(W.c.deleted_at).limit(limit)).scalars())
+    for part in _chunks(ids):
+        conn.execute(delete(E).where(E.c.workload_id.in_(part)))
+        conn.execute(delete(R).where(R.c.workload_id.in_(part)))
+        conn.execute(delete(W).where(W.c.id.in_(part)))
+    return len(ids)
+
+
 def list_events(conn: Connection, workload_id: str, limit: int = 1000) -> list[EventRow]:
     q = select(E).where(E.c.workload_id == workload_id).order_by(E.c.id).limit(limit)
     return [EventRow.of(r) for r in conn.execute(q).mappings()]
@@ -278,10 +298,16 @@ def active_replicas(conn: Connection, region: str) -> list[ReplicaRow]:
 
 
 def unreleased(conn: Connection, region: str, limit: int = 50) -> list[str]:
-    """The region's deleted workloads whose storage is not given back yet and that hold no replica."""
+    """The region's deleted workloads whose storage is not given back yet and that hold no replica: at most
+    ``limit``, taken round-robin across owners (each owner's oldest deleted first), so that one owner's churn
+    cannot hold back another's release behind it."""
     busy = select(R.c.id).where(R.c.workload_id == W.c.id, R.c.state.in_(ACTIVE_REPLICA)).exists()
-    q = (select(W.c.id).where(W.c.region == region, W.c.deleted_at.is_not(None), W.c.released_at.is_(None), ~busy)
-         .order_by(W.c.id).limit(limit))
+    turn = func.row_number().over(partition_by=W.c.owner, order_by=(W.c.deleted_at, W.c.id)).label("turn")
+    pending = (select(W.c.id, W.c.deleted_at, turn)
+               .where(W.c.region == region, W.c.deleted_at.is_not(None), W.c.released_at.is_(None), ~busy)
+               .subquery())
+    q = (select(pending.c.id).where(pending.c.turn <= limit)
+         .order_by(pending.c.turn, pending.c.deleted_at, pending.c.id).limit(limit))
     return list(conn.execute(q).scalars())
 
 
@@ -616,6 +642,31 @@ def expire_idempotency(conn: Connection, now: float) -> int:
     return int(conn.execute(delete(I).where(I.c.expires_at <= now)).rowcount)
 
 
+# -- owners' recent calls (their per-minute rates) ---------------------------------------
+
+def take_call(conn: Connection, owner: str, action: str, now: float, limit: int, window_s: float) -> float | None:
+    """Record one ``action`` call of ``owner`` at ``now`` if it made fewer than ``limit`` in the ``window_s``
+    before; None when recorded, else the seconds until its oldest call leaves the window (nothing recorded).
+    Under the owner's lock (PostgreSQL; SQLite's writes take turns), so calls at once from several API
+    processes cannot all take the last one. Prunes the owner's calls of ``action`` that left the window."""
+    if conn.dialect.name == "postgresql":
+        key = int.from_bytes(hashlib.sha256(b"tensora-rate:" + owner.encode()).digest()[:8], "big", signed=True)
+        conn.execute(select(func.pg_advisory_xact_lock(key)))
+    since = now - window_s
+    mine = and_(OC.c.owner == owner, OC.c.action == action)
+    conn.execute(delete(OC).where(mine, OC.c.at <= since))
+    count, oldest = conn.execute(select(func.count(), func.min(OC.c.at)).where(mine, OC.c.at > since)).one()
+    if int(count) >= limit:
+        return max(0.0, float(oldest) - since)
+    conn.execute(insert(OC).values(owner=owner, action=action, at=now))
+    return None
+
+
+def prune_calls(conn: Connection, before: float) -> int:
+    """Forget every owner's calls at or before ``before`` (those of owners who stopped calling)."""
+    return int(conn.execute(delete(OC).where(OC.c.at <= before)).rowcount)
+
+
 # -- leases ---------------------------------------------------------------------------
 
 def acquire_lease(conn: Connection, name: str, holder: str, now: float, ttl_s: float) -> bool:
@@ -682,18 +733,25 @@ def get_file(conn: Connection, owner: str, path: str) -> FileRow | None:
     return _file(row) if row else None
 
 
+def _under(directory: str) -> ColumnElement[bool]:
+    """Paths under ``directory/``, compared exactly: not ``LIKE``, which SQLite matches case-insensitively
+    (``OK/%`` found ``ok/x``), nor a range, which a PostgreSQL collation may order otherwise."""
+    head = directory + "/"
+    return func.substr(F.c.path, 1, len(head)) == head
+
+
 def list_files(conn: Connection, owner: str, prefix: str | None = None) -> list[FileRow]:
     """The owner's files by path; with ``prefix``, the file named so and those under ``prefix/``."""
     q = select(F).where(F.c.owner == owner)
     if prefix is not None:
-        q = q.where(or_(F.c.path == prefix, F.c.path.startswith(prefix + "/", autoescape=True)))
+        q = q.where(or_(F.c.path == prefix, _under(prefix)))
     return sorted((_file(r) for r in conn.execute(q)), key=lambda f: f.path)
 
 
 def blocking_file(conn: Connection, owner: str, path: str, parents: Sequence[str]) -> str | None:
     """What keeps a file from being written at ``path``: a file at one of its ``parents`` (``tiny`` for
     ``tiny/config.json``), or files under ``path/`` (it is a directory). None when nothing does."""
-    under = F.c.path.startswith(path + "/", autoescape=True)
+    under = _under(path)
     where = or_(F.c.path.in_(list(parents)), under) if parents else under
     return conn.execute(select(F.c.path).where(F.c.owner == owner, where).limit(1)).scalar()
 

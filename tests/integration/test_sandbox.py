@@ -543,8 +543,10 @@ def test_network_publishes_the_server_and_reaches_only_allowed_host_ports(runner
         assert not answers("127.0.0.1")  # not on Tensora's own address
         # a notebook that tries them all
         home = home_dir(tmp_path, "probe-home")
-        ports = {"private": private, "allowed": allowed, "other replica": published}
-        probe = sandbox(sid("netprobe"), NET_PROBE, home, allow_host_ports=((allowed, allowed),))
+        # Tensora's URL inside (its port) reaches the host's sandbox listener, another port (tensora.listeners)
+        inside = free_port()
+        ports = {"private": private, "allowed": inside, "the listener's own port": allowed, "other replica": published}
+        probe = sandbox(sid("netprobe"), NET_PROBE, home, allow_host_ports=((inside, allowed),))
         runner.start(replace(probe, env={**probe.env, "PORTS": json.dumps(ports),
                                          "AT": json.dumps({address: published})}))
         wait_until(lambda: runner.state(sid("netprobe")) is SandboxState.STOPPED)
@@ -554,6 +556,7 @@ def test_network_publishes_the_server_and_reaches_only_allowed_host_ports(runner
         close_allowed()
     assert net["allowed"]["loopback"] == "tensora-api"
     assert net["private"]["loopback"] == "ConnectionRefusedError"
+    assert net["the listener's own port"]["loopback"] == "ConnectionRefusedError"  # only the forward, as mapped
     assert net["other replica"]["loopback"] == "ConnectionRefusedError"
     assert net["at its address"] == {address: "ConnectionRefusedError"}  # the sandbox's own loopback there
     # the gateway is not the host (pasta would map it to the host's loopback without --no-map-gw)

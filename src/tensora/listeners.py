@@ -38,7 +38,7 @@ def listen(port: int, setting: str, backlog: int = 2048) -> socket.socket:
         s.listen(backlog)
     except OSError as exc:
         s.close()
-        raise ConfigError(f"cannot listen on {SANDBOX_HOST}:{port} for sandboxes ({exc.strerror}): "
-                          f"choose another port with {setting}", field=setting) from None
+        raise ConfigError(f"cannot listen on {SANDBOX_HOST}:{port} for sandboxes ({exc.strerror}): choose another "
+                          "port", field=setting) from None  # said as "<setting>: cannot listen ..."
     s.set_inheritable(True)
     return s

@@ -276,9 +276,16 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     from uvicorn.supervisors import Multiprocess
 
     from tensora.api.server import Config, make_room
-    from tensora.api.server import sockets as api_sockets
     from tensora.control.wake import WakeListener, socket_path
 
+    limits = http_limits(settings)
+    make_room(limits)  # the workers inherit it
+    config = Config("tensora.serve:worker_app", limits=limits, factory=True, workers=settings.workers,
+                    host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+                    timeout_graceful_shutdown=10)
+    # the sandboxes' listener before anything starts: a port that cannot be bound is named by its setting
+    sandbox_port = settings.sandbox_listener()
+    sandboxes = [listeners.listen(sandbox_port, "sandbox_port", config.backlog)] if sandbox_port is not None else []
     metrics = _metrics_listener(settings, services, multiprocess=True)
     listener = None
     if services.controller is not None:
@@ -288,15 +295,8 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
     if services.controller is not None:
         os.environ[CONTROLLER_HOLDER_ENV] = services.controller.holder
-    limits = http_limits(settings)
-    make_room(limits)  # the workers inherit it
-    config = Config("tensora.serve:worker_app", limits=limits, factory=True, workers=settings.workers,
-                    host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                    timeout_graceful_shutdown=10)
-    sandbox_port = settings.sandbox_listener()
     try:
-        sockets = [config.bind_socket()] if sandbox_port is None else api_sockets(config, sandbox_port)
-        Multiprocess(config, sockets=sockets).run()
+        Multiprocess(config, sockets=[config.bind_socket(), *sandboxes]).run()
     finally:
         if services.controller is not None:
             services.controller.stop()

@@ -7,7 +7,7 @@ made by the sandboxes' own code (``network.start``) with the forwards the local 
 inside (the URL a replica uses), holds them with heads that never end, and sees its one connection too many
 refused; the admin's request from the host to the same port must still be served. ``tensora up`` runs the API
 under uvicorn's supervisor and the gateway in its own process; ``tensora serve --no-controller`` runs the API in
-one process.
+one process. A sandbox port that cannot be bound stops the start, named by its setting.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -147,3 +148,18 @@ def test_the_single_process_api_counts_its_sandboxes_apart(tmp_path: Path) -> No
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("mode", [["--no-controller"], []], ids=["one process", "workers beside the controller"])
+def test_serve_names_a_sandbox_port_it_cannot_listen_on(mode: list[str], tmp_path: Path) -> None:
+    with socket.socket() as other:  # listens, never answers
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        env = _env({"TENSORA_DRIVER": "local", "TENSORA_METRICS_LISTEN": "", "TENSORA_SANDBOX_PORT": str(taken)})
+        result = subprocess.run([sys.executable, "-m", "tensora.cli", "serve", "--data-dir", str(tmp_path / "data"),
+                                 "--port", str(free_port()), *mode], capture_output=True, text=True, env=env,
+                                stdin=subprocess.DEVNULL, timeout=60)
+    assert result.returncode == 2, result
+    assert result.stderr == (f"error: sandbox_port: cannot listen on 127.0.0.1:{taken} for sandboxes "
+                             "(Address already in use): choose another port\n"), result.stderr

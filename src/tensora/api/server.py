@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import logging
 import resource
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -278,20 +277,15 @@ def make_room(limits: HttpLimits) -> None:
 
 def run(app: Any, limits: HttpLimits, *, sandbox_port: int | None = None, **kw: Any) -> None:
     """Serve ``app`` in this process until SIGTERM/SIGINT (uvicorn's graceful stop); exit 3 if it never started.
-    ``sandbox_port``: also on 127.0.0.1:<sandbox_port>, the sandboxes' listener (ConfigError if it cannot be bound)."""
+    ``sandbox_port``: also on 127.0.0.1:<sandbox_port>, the sandboxes' listener (``tensora.listeners``; bound
+    first, so that a port that cannot be bound stops the start with a ConfigError naming the setting)."""
     make_room(limits)
     config = Config(app, limits=limits, **kw)
     server = uvicorn.Server(config)
     if sandbox_port is None:
         server.run()
     else:
-        server.run(sockets=sockets(config, sandbox_port))
+        sandboxes = listeners.listen(sandbox_port, "sandbox_port", config.backlog)
+        server.run(sockets=[config.bind_socket(), sandboxes])
     if not server.started:
         sys.exit(3)
-
-
-def sockets(config: Config, sandbox_port: int) -> list[socket.socket]:
-    """The sandboxes' listener, then the main one (so that a sandbox port that cannot be bound stops the start
-    with a message naming the setting before the main port is held)."""
-    sandbox = listeners.listen(sandbox_port, "sandbox_port", config.backlog)
-    return [config.bind_socket(), sandbox]

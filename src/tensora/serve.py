@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from tensora import replicakeys
+from tensora import listeners, replicakeys
 from tensora.api.auth import KeyChecker, create_key
 from tensora.api.idempotency import Idempotency
 from tensora.api.services import Services
@@ -116,14 +116,21 @@ def local_driver(settings: ServeSettings, catalog: Catalog) -> Driver:
     hw = detect(catalog)
     node = local_node(hw, settings.node, settings.region)
     mode, _ = isolation_of(settings)
-    # a sandbox reaches Tensora's API and gateway on the host's loopback (they check keys), nothing else there
-    allow = (settings.port, gateway_settings_for(settings, {"port": settings.gateway_port}).port)
     return LocalDriver(settings.data_dir, node, catalog, [g.index for g in hw.gpus if g.model],
-                       vfio=settings.node.vfio, isolation=mode, allow_host_ports=[p for p in allow if p],
+                       vfio=settings.node.vfio, isolation=mode, allow_host_ports=sandbox_forwards(settings),
                        files_root=settings.data_dir / "files", shared_models=settings.shared_models,
                        nvidia_driver=settings.node.nvidia_driver,
                        auto_install=bool(settings.runtimes.auto_install),
                        home_size=parse_memory(settings.home_size), log_size=parse_memory(settings.log_size))
+
+
+def sandbox_forwards(settings: ServeSettings) -> list[tuple[int, int]]:
+    """What a sandbox reaches on the host's loopback: Tensora's API and gateway (they check keys), nothing else.
+    Each pair is (the port at 127.0.0.1 inside, the host port it reaches): the servers' sandbox listeners, so that
+    the sandboxes' connections are counted apart from the host's clients' (``tensora.listeners``)."""
+    gw = gateway_settings_for(settings, {"port": settings.gateway_port})
+    pairs = [(settings.port, settings.sandbox_listener() or settings.port), (gw.port, gw.sandbox_port or gw.port)]
+    return [(inner, outer) for inner, outer in pairs if inner]
 
 
 def installed_runtimes(driver: Driver, auto_install: bool) -> str:
@@ -274,6 +281,14 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     from tensora.api.server import Config, make_room
     from tensora.control.wake import WakeListener, socket_path
 
+    limits = http_limits(settings)
+    make_room(limits)  # the workers inherit it
+    config = Config("tensora.serve:worker_app", limits=limits, factory=True, workers=settings.workers,
+                    host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+                    timeout_graceful_shutdown=10)
+    # the sandboxes' listener before anything starts: a port that cannot be bound is named by its setting
+    sandbox_port = settings.sandbox_listener()
+    sandboxes = [listeners.listen(sandbox_port, "sandbox_port", config.backlog)] if sandbox_port is not None else []
     metrics = _metrics_listener(settings, services, multiprocess=True)
     listener = None
     if services.controller is not None:
@@ -283,13 +298,8 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
     if services.controller is not None:
         os.environ[CONTROLLER_HOLDER_ENV] = services.controller.holder
-    limits = http_limits(settings)
-    make_room(limits)  # the workers inherit it
-    config = Config("tensora.serve:worker_app", limits=limits, factory=True, workers=settings.workers,
-                    host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                    timeout_graceful_shutdown=10)
     try:
-        Multiprocess(config, sockets=[config.bind_socket()]).run()
+        Multiprocess(config, sockets=[config.bind_socket(), *sandboxes]).run()
     finally:
         if services.controller is not None:
             services.controller.stop()
@@ -351,7 +361,10 @@ def gateway_settings_for(server: ServeSettings, flags: dict[str, Any] | None = N
                               "control_url": f"http://{_client_host(server.host)}:{server.port}",
                               **server.gateway}
     origin = dict.fromkeys(server.gateway, "gateway")
-    return layered(GatewaySettings, values, origin, env, "TENSORA_GATEWAY_", flags or {}, field_prefix="gateway.")
+    gw = layered(GatewaySettings, values, origin, env, "TENSORA_GATEWAY_", flags or {}, field_prefix="gateway.")
+    if server.driver == "local" and gw.sandbox_port is None:  # its sandboxes reach the gateway on a port apart
+        gw = gw.model_copy(update={"sandbox_port": listeners.derived(gw.port)})
+    return gw
 
 
 def _start_gateway(gw: Any) -> Any:
@@ -384,7 +397,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     from tensora.api.app import create_app
 
     gw = gateway_settings_for(settings, {"port": settings.gateway_port}) if profile == "up" else None
-    lock = claim_up(settings, gw.port) if gw is not None else None  # before anything is printed or written
+    # before anything is printed or written
+    lock = claim_up(settings, gw.port, gw.sandbox_port) if gw is not None else None
     if gw is not None and gw.metrics_listen:
         os.environ[GATEWAY_METRICS_ENV] = gw.metrics_listen
     if profile == "up" and settings.runtimes.auto_install is None:  # a new user's machine: nothing to pre-install
@@ -435,8 +449,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_clean)
     _metrics_listener(settings, services, multiprocess=False)
-    api_server.run(app, http_limits(settings), host=settings.host, port=settings.port,
-                   log_level=settings.log_level, access_log=False, timeout_graceful_shutdown=10)
+    api_server.run(app, http_limits(settings), sandbox_port=settings.sandbox_listener(), host=settings.host,
+                   port=settings.port, log_level=settings.log_level, access_log=False, timeout_graceful_shutdown=10)
 
 
 def http_limits(settings: ServeSettings) -> HttpLimits:
@@ -484,7 +498,7 @@ def _count(n: int, noun: str) -> str:
 
 # -- one tensora up per data dir, and free ports ----------------------------------------------
 
-def claim_up(settings: ServeSettings, gateway_port: int) -> IO[str]:
+def claim_up(settings: ServeSettings, gateway_port: int, gateway_sandbox_port: int | None = None) -> IO[str]:
     """Check that nothing holds this data dir or the ports, then hold the data dir's lock for as long
     as the returned file stays open (the process's life; the OS drops it however that ends).
 
@@ -500,6 +514,10 @@ def claim_up(settings: ServeSettings, gateway_port: int) -> IO[str]:
     # 2. the ports: free, or held by a Tensora (another data dir), or by another program
     for port, flag in ((settings.port, "--port"), (gateway_port, "--gateway-port")):
         _check_port(settings.host, port, flag)
+    sandboxes = ((settings.sandbox_listener(), "sandbox_port"), (gateway_sandbox_port, "gateway.sandbox_port"))
+    for sandbox_port, setting in sandboxes:
+        if sandbox_port is not None:
+            _check_port(listeners.SANDBOX_HOST, sandbox_port, setting)
     # 3. take the lock and say who holds it
     private_dir(settings.data_dir)
     f = path.open("a+")  # not inherited by children (close-on-exec): replicas never hold it

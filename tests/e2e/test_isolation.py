@@ -250,9 +250,10 @@ def test_choose_cpuset(case: tuple[tuple[list[int], set[int], float, bool], list
 
 
 def test_the_sandbox_publishes_its_port_and_reaches_only_tensoras_ports() -> None:
-    spec = plan.sandbox_spec(_notebook(), "rp_1", 100_001, 100_001, plan.limits(CPU1, [2]), [], [8700, 8701, 0])
-    assert spec.publish == ((41000, 41000),) and spec.allow_host_ports == (8700, 8701)
-    mine = plan.sandbox_spec(_notebook(origin=OWN), "rp_1", 100_001, 100_001, plan.limits(CPU1), [], [8700])
+    forwards = [(8701, 8721), (8700, 8720), (0, 8722), (41000, 41000)]  # an unset port, and the replica's own
+    spec = plan.sandbox_spec(_notebook(), "rp_1", 100_001, 100_001, plan.limits(CPU1, [2]), [], forwards)
+    assert spec.publish == ((41000, 41000),) and spec.allow_host_ports == ((8700, 8720), (8701, 8721))
+    mine = plan.sandbox_spec(_notebook(origin=OWN), "rp_1", 100_001, 100_001, plan.limits(CPU1), [], [(8700, 8720)])
     assert mine.publish_address == "127.9.8.7"  # its own address, not Tensora's
     assert (spec.uid, spec.gid, spec.limits.cpus, spec.limits.memory_bytes) == (100_001, 100_001, 1, 4 << 30)
     assert spec.limits.cpuset == "2" and spec.limits.pids == plan.PIDS

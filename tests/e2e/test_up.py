@@ -209,6 +209,23 @@ def test_a_port_held_by_another_program_is_named_with_the_flag_that_moves_it(hel
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.parametrize("held", ["sandbox_port", "gateway.sandbox_port"])
+def test_a_sandbox_port_held_by_another_program_is_named_with_the_setting_that_moves_it(held: str,
+                                                                                         tmp_path: Path) -> None:
+    with socket.socket() as other:  # listens, never answers: not Tensora
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        setting = f"sandbox_port: {taken}\n" if held == "sandbox_port" else f"gateway: {{sandbox_port: {taken}}}\n"
+        (tmp_path / "up.yaml").write_text(SMALL_MACHINE + setting)
+        result = _second(tmp_path, tmp_path / "data", free_port(), free_port())
+    assert result.returncode == 1, result
+    assert result.stdout == ""
+    assert result.stderr == (f"error: port {taken} is in use by another program (not Tensora): "
+                             f"choose another with {held}\n")
+    assert not (tmp_path / "data").exists()
+
+
 def test_a_crashed_up_leaves_no_server_on_its_ports_and_blocks_nothing(tmp_path: Path) -> None:
     data, port, gateway_port = tmp_path / "data", free_port(), free_port()
     with running_up(tmp_path, data, port, gateway_port) as first:

@@ -176,7 +176,9 @@ REFUSED = {
     "bad cpuset": spec(limits=Limits(cpus=1, memory_bytes=1 << 30, cpuset="0-3; rm")),
     "port 0": spec(publish=((0, 8080),)),
     "a host port twice": spec(publish=((18000, 8080), (18000, 8081))),
-    "a port both published and forwarded": spec(publish=((18000, 8700),), allow_host_ports=(8700,)),
+    "a port both published and forwarded": spec(publish=((18000, 8700),), allow_host_ports=((8700, 8720),)),
+    "a sandbox port forwarded twice": spec(allow_host_ports=((8700, 8720), (8700, 8721))),
+    "a forward to host port 0": spec(allow_host_ports=((8700, 0),)),
     "published on every address": spec(publish=((18000, 8080),), publish_address="0.0.0.0"),
     "published on a non-loopback address": spec(publish=((18000, 8080),), publish_address="10.0.0.1"),
     "published on a name": spec(publish=((18000, 8080),), publish_address="localhost"),
@@ -212,7 +214,11 @@ PASTA_CASES = {
         NetworkPlan(Path("/b/x"), publish=((18080, 8080),), publish_address="127.4.5.6"),
         ["-t", "127.4.5.6/18080:8080"]),
     "allowed host ports forwarded from the namespace's loopback": (
-        NetworkPlan(Path("/b/x"), allow_host_ports=(8700, 8701)), ["-T", "8700,8701"]),
+        NetworkPlan(Path("/b/x"), allow_host_ports=((8700, 8700), (8701, 8701))), ["-T", "8700,8701"]),
+    "a namespace port forwarded to another host port (the servers' sandbox listeners)": (
+        NetworkPlan(Path("/b/x"), allow_host_ports=((8700, 8720), (8701, 8721))), ["-T", "8700:8720,8701:8721"]),
+    "the same and mapped forwards together": (
+        NetworkPlan(Path("/b/x"), allow_host_ports=((8700, 8720), (9000, 9000))), ["-T", "8700:8720,9000"]),
     "the gateway is not mapped to the host": (NetworkPlan(Path("/b/x")), ["--no-map-gw"]),
     "IPv4 only unless asked": (NetworkPlan(Path("/b/x")), ["-4"]),
     "no ICMP (nothing in the sandbox may open ping sockets)": (NetworkPlan(Path("/b/x")), ["--no-icmp"]),
@@ -549,8 +555,10 @@ def test_network_publishes_the_server_and_reaches_only_allowed_host_ports(runner
         assert not answers("127.0.0.1")  # not on Tensora's own address
         # a notebook that tries them all
         home = home_dir(tmp_path, "probe-home")
-        ports = {"private": private, "allowed": allowed, "other replica": published}
-        probe = sandbox(sid("netprobe"), NET_PROBE, home, allow_host_ports=(allowed,))
+        # Tensora's URL inside (its port) reaches the host's sandbox listener, another port (tensora.listeners)
+        inside = free_port()
+        ports = {"private": private, "allowed": inside, "the listener's own port": allowed, "other replica": published}
+        probe = sandbox(sid("netprobe"), NET_PROBE, home, allow_host_ports=((inside, allowed),))
         runner.start(replace(probe, env={**probe.env, "PORTS": json.dumps(ports),
                                          "AT": json.dumps({address: published})}))
         wait_until(lambda: runner.state(sid("netprobe")) is SandboxState.STOPPED)
@@ -560,6 +568,7 @@ def test_network_publishes_the_server_and_reaches_only_allowed_host_ports(runner
         close_allowed()
     assert net["allowed"]["loopback"] == "tensora-api"
     assert net["private"]["loopback"] == "ConnectionRefusedError"
+    assert net["the listener's own port"]["loopback"] == "ConnectionRefusedError"  # only the forward, as mapped
     assert net["other replica"]["loopback"] == "ConnectionRefusedError"
     assert net["at its address"] == {address: "ConnectionRefusedError"}  # the sandbox's own loopback there
     # the gateway is not the host (pasta would map it to the host's loopback without --no-map-gw)

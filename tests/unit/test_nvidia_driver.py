@@ -141,7 +141,7 @@ def _gpu_config(driver: NvidiaDriver, **kw: Any) -> dict[str, Any]:
                            "gpu", GPU, [0], Path("/data/replicas/r"), sandboxed=True, **kw)
     launch = plan.with_nvidia_driver(launch, driver)
     devices = [Device("/dev/nvidia0", 195, 0), Device("/dev/nvidiactl", 195, 255)]
-    spec = plan.sandbox_spec(launch, "rp_1", 100_001, 100_001, plan.limits(GPU), devices, [8700])
+    spec = plan.sandbox_spec(launch, "rp_1", 100_001, 100_001, plan.limits(GPU), devices, [(8700, 8720)])
     return oci_config(spec, HOST)
 
 

@@ -12,7 +12,10 @@ httptools protocol, as the gateway's server has them (``HttpLimits``; settings i
   ``idle_timeout_s`` while the app waits for it: 408; a connection with no request for ``idle_timeout_s``
   (a new one too): closed;
 - more than ``max_connections`` open connections in this worker: 503 with Retry-After; more than
-  ``max_connections_per_client`` from one client address: 503 with Retry-After, to that client only.
+  ``max_connections_per_client`` from one client address on one listener: 503 with Retry-After, to that client
+  only. The local driver's sandboxes come in on a listener of their own (``sandbox_port``, ``tensora.listeners``),
+  from 127.0.0.1 as the host's clients do: counted by (address, listener port), they share that listener's share
+  and never take the host's.
 Bodies: the Guard (``api/limits.py``) answers 413 to a declared JSON body over ``max_body_bytes`` before it is
 read; uploads (``PUT /v1/files/...``) stream through uvicorn's flow control (reading pauses while the app has
 64 KiB unread) under the owner's storage quota.
@@ -43,6 +46,7 @@ import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from tensora import listeners
 from tensora.api.errors import error_body
 
 log = logging.getLogger("tensora.api")
@@ -66,13 +70,13 @@ class HttpLimits:
 
 class Config(uvicorn.Config):
     """uvicorn's Config serving with :class:`Protocol` under ``limits``. Each worker process gets its own copy (it
-    is pickled to it), so ``per_host`` counts that worker's connections by client address."""
+    is pickled to it), so ``per_host`` counts that worker's connections by (client address, listener port)."""
 
     def __init__(self, app: Any, *, limits: HttpLimits, **kw: Any) -> None:
         super().__init__(app, http=Protocol, ws="none", timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
                          **kw)
         self.http_limits = limits
-        self.per_host: dict[str, int] = {}
+        self.per_host: dict[tuple[str, int], int] = {}
 
 
 class _Refuse(Exception):
@@ -89,7 +93,7 @@ class Protocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self.limits: HttpLimits = config.http_limits
         self.per_host = config.per_host
-        self.host: str | None = None  # counted in ``per_host`` while this connection is open
+        self.host: tuple[str, int] | None = None  # (address, listener port), in ``per_host`` while open
         self.head = 0  # bytes read of the head being read; -1 while a body is read
         self.head_size = 0  # the head's request line and headers, as parsed
         self.timer: asyncio.TimerHandle | None = None  # the head's or the body's deadline
@@ -100,7 +104,9 @@ class Protocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         lim = self.limits
-        host = self.client[0] if self.client else ""
+        # a client is its address on the listener it came in on: sandboxes reach this server from 127.0.0.1 too,
+        # on their own listener (``tensora.listeners``)
+        host = (self.client[0] if self.client else "", (self.server[1] or 0) if self.server else 0)
         if len(self.connections) > lim.max_connections:
             self.connections.discard(self)
             self._refuse(_Refuse(503, "the server is at its connection limit; retry"), retry=True)
@@ -269,10 +275,17 @@ def make_room(limits: HttpLimits) -> None:
                             "max_connections or raise the limit", want, limits.max_connections, _FD_RESERVE)
 
 
-def run(app: Any, limits: HttpLimits, **kw: Any) -> None:
-    """Serve ``app`` in this process until SIGTERM/SIGINT (uvicorn's graceful stop); exit 3 if it never started."""
+def run(app: Any, limits: HttpLimits, *, sandbox_port: int | None = None, **kw: Any) -> None:
+    """Serve ``app`` in this process until SIGTERM/SIGINT (uvicorn's graceful stop); exit 3 if it never started.
+    ``sandbox_port``: also on 127.0.0.1:<sandbox_port>, the sandboxes' listener (``tensora.listeners``; bound
+    first, so that a port that cannot be bound stops the start with a ConfigError naming the setting)."""
     make_room(limits)
-    server = uvicorn.Server(Config(app, limits=limits, **kw))
-    server.run()
+    config = Config(app, limits=limits, **kw)
+    server = uvicorn.Server(config)
+    if sandbox_port is None:
+        server.run()
+    else:
+        sandboxes = listeners.listen(sandbox_port, "sandbox_port", config.backlog)
+        server.run(sockets=[config.bind_socket(), sandboxes])
     if not server.started:
         sys.exit(3)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from tensora import listeners
 from tensora.config import yamlsource
 from tensora.drivers.hardware import NodeOverrides
 from tensora.errors import ConfigError
@@ -53,6 +54,10 @@ class ServeSettings(BaseModel):
     catalog: Path | None = None
     host: str = "127.0.0.1"
     port: int = Field(default=8700, ge=0, le=65535)
+    sandbox_port: int | None = Field(default=None, ge=1, le=65535, description="local driver: the port on "
+                                     "127.0.0.1 where the sandboxes reach the API (their 127.0.0.1:<port> is "
+                                     "forwarded here), so that their connections are counted apart from the "
+                                     "host's clients'; default port + 20 (8720)")
     region: str = Field(default="local", pattern=NAME_PATTERN)
     max_in_flight: int = Field(default=256, ge=1)
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="a JSON request body: 413 beyond, before it "
@@ -151,6 +156,19 @@ class ServeSettings(BaseModel):
         if self.storage_quota is not None:
             quotas = quotas.model_copy(update={"storage_bytes": parse_memory(self.storage_quota)})
         return OwnerSettings(quotas=quotas, limits=self.limits)
+
+    def sandbox_listener(self) -> int | None:
+        """The port of the API's sandbox listener (``tensora.listeners``): only the local driver's sandboxes
+        reach the API through pasta; None otherwise, or when the API's port is ephemeral."""
+        if self.driver != "local":
+            return None
+        return self.sandbox_port if self.sandbox_port is not None else listeners.derived(self.port)
+
+    @model_validator(mode="after")
+    def _sandbox_port_apart(self) -> ServeSettings:
+        if self.sandbox_port is not None and self.sandbox_port == self.port:
+            raise ValueError("sandbox_port: must differ from port (the sandboxes' connections are counted apart)")
+        return self
 
     @model_validator(mode="after")
     def _one_storage_quota(self) -> ServeSettings:

@@ -293,11 +293,12 @@ def choose_cpuset(cores: Sequence[int], taken: set[int], want: float, *, overcom
 
 
 def sandbox_spec(launch: Launch, sandbox_id: str, uid: int, gid: int, limits_: Limits,
-                 devices: Sequence[Device], allow_host_ports: Sequence[int]) -> SandboxSpec:
+                 devices: Sequence[Device], allow_host_ports: Sequence[tuple[int, int]]) -> SandboxSpec:
     """The launch as a sandbox: the owner's uid, its port published on the launch's own loopback address (never
-    Tensora's 127.0.0.1), and the host loopback ports (Tensora's API and gateway) it may reach."""
+    Tensora's 127.0.0.1), and the host loopback ports (Tensora's API and gateway) it may reach, as (port inside,
+    host port) pairs."""
     publish = ((launch.port, launch.port),) if launch.port else ()
-    allowed = tuple(sorted({p for p in allow_host_ports if p and p != launch.port}))
+    allowed = tuple(sorted({(p, h) for p, h in allow_host_ports if p and h and p != launch.port}))
     return SandboxSpec(id=sandbox_id, argv=launch.argv, uid=uid, gid=gid, limits=limits_, env=dict(launch.env),
                        cwd=launch.cwd, mounts=launch.mounts, devices=tuple(devices), publish=publish,
                        allow_host_ports=allowed, publish_address=launch.address)

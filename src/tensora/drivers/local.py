@@ -191,15 +191,17 @@ def tensora_env() -> plan.PythonEnv:
 class LocalDriver:
     """Replicas on this machine, one node (this machine's, from ``hardware``).
 
-    ``allow_host_ports``: the host loopback ports a sandbox may reach (Tensora's API and gateway, which check
-    keys); every other host service stays out of reach. ``files_root`` (default ``DATA_DIR/files``) and
+    ``allow_host_ports``: what a sandbox may reach on the host's loopback, as (port at its 127.0.0.1, host port)
+    pairs (Tensora's API and gateway, which check keys, on their sandbox listeners); every other host service
+    stays out of reach. ``files_root`` (default ``DATA_DIR/files``) and
     ``shared_models`` are owners' storage and the operator's shared roots, as ``tensora.storage`` has them:
     the only places a VM's disk and its backing files may be."""
 
     def __init__(self, data_dir: Path, node: Node, catalog: Catalog, gpu_indices: Sequence[int] = (),
                  runtimes_dir: Path | None = None, vfio: Mapping[int, str] | None = None,
                  sysfs: Path = Path("/sys"), devfs: Path = Path("/dev"), *,
-                 isolation: Isolation | str = Isolation.SANDBOX, allow_host_ports: Sequence[int] = (),
+                 isolation: Isolation | str = Isolation.SANDBOX,
+                 allow_host_ports: Sequence[tuple[int, int]] = (),
                  runc: Runc | None = None, files_root: Path | None = None,
                  shared_models: Mapping[str, Path] | None = None,
                  nvidia_driver: Sequence[str | Path] = (), auto_install: bool = False,
@@ -493,7 +495,7 @@ class LocalDriver:
             origin = loopback.choose(replica_id, taken, loopback.bindable)
         except loopback.NoAddress as exc:
             raise plan.LaunchError(str(exc)) from None
-        port = loopback.free_port(origin.address, self.allow_host_ports)
+        port = loopback.free_port(origin.address, [inside for inside, _ in self.allow_host_ports])
         meta.update(address=origin.address, host=origin.host, port=port)
         return origin, port
 

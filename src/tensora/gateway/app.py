@@ -21,8 +21,9 @@ from typing import Any
 
 import httpx
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tensora import listeners
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Peer
 from tensora.gateway.idempotency import DiskStore, Idempotency, RedisStore
@@ -60,6 +61,10 @@ class GatewaySettings(BaseModel):
                                   "default DATA_DIR/admin-key")
     host: str = "127.0.0.1"
     port: int = Field(default=8701, ge=0, le=65535)
+    sandbox_port: int | None = Field(default=None, ge=1, le=65535, description="the port on 127.0.0.1 where the "
+                                     "local driver's sandboxes reach the gateway (their 127.0.0.1:<port> is "
+                                     "forwarded here), their connections counted apart from the host's clients'; "
+                                     "with the local driver the default is port + 20 (8721), else none")
     metrics_listen: str | None = Field(default="127.0.0.1:8711", description="host:port of this gateway's "
                                        "/metrics (Prometheus' text format), apart from its port; null: no metrics")
     metrics_max_labels: int = Field(default=100, ge=1, description="values of the endpoint and owner labels "
@@ -141,6 +146,12 @@ class GatewaySettings(BaseModel):
     @classmethod
     def _listen(cls, v: str | None) -> str | None:
         return check_listen(v)
+
+    @model_validator(mode="after")
+    def _sandbox_port_apart(self) -> GatewaySettings:
+        if self.sandbox_port is not None and self.sandbox_port == self.port:
+            raise ValueError("sandbox_port: must differ from port (the sandboxes' connections are counted apart)")
+        return self
 
     @field_validator("peers")
     @classmethod
@@ -355,10 +366,13 @@ def run(settings: GatewaySettings, quiet: bool = False) -> None:
     from tensora.gateway import server
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sandboxes = listeners.listen(settings.sandbox_port, "gateway.sandbox_port") \
+        if settings.sandbox_port is not None else None  # before anything starts: a clear error if taken
     gw = build(settings)
     if not quiet:
         print(f"tensora gateway on http://{settings.host}:{settings.port}/v1  (region {settings.region}, "
               f"routes from {settings.control_url})", flush=True)
         if settings.metrics_listen:
             print(f"gateway metrics on http://{settings.metrics_listen}/metrics", flush=True)
-    server.run(gw, settings.host, settings.port, limits=settings.limits(), busy_poll_s=settings.busy_poll_us / 1e6)
+    server.run(gw, settings.host, settings.port, limits=settings.limits(), busy_poll_s=settings.busy_poll_us / 1e6,
+               sandbox_sock=sandboxes)

@@ -11,8 +11,10 @@ The app stays a plain ASGI app: the tests also serve it with uvicorn.
 
 Hostile clients are bounded as Envoy bounds them (``Limits``): the request line and headers
 (431), the header count (431), the time to send them (408), idle keep-alive connections (closed),
-the body (413), connections (503 with Retry-After), connections from one client address (its share of them:
-503 with Retry-After to that client only), requests queued on one connection, and the
+the body (413), connections (503 with Retry-After), connections from one client address on one listener (its
+share of them: 503 with Retry-After to that client only; the local driver's sandboxes come in from 127.0.0.1 on a
+listener of their own, ``sandbox_sock``, so they share its share and never take the host's clients'), requests
+queued on one connection, and the
 response bytes waiting for a client that does not read (reading stops, the app's ``send`` waits).
 A refusal is answered in its turn after the requests before it, then the connection is closed
 after a short linger, so that the client reads the answer rather than a reset.
@@ -28,6 +30,7 @@ import contextlib
 import gc
 import logging
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -156,12 +159,13 @@ class _Request:
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, per_host: dict[Any, int]) -> None:
         self.server = server
+        self.per_host = per_host  # the open connections by client host of the listener this one came in on
         self.lim = server.limits
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None  # the client's address: the scope's "client", asked of the transport once
-        self.host: Any = None  # the client's host, counted in ``server.per_host`` while this connection is open
+        self.host: Any = None  # the client's host, counted in ``per_host`` while this connection is open
         self.parser = httptools.HttpRequestParser(self)
         self.req = _Request()
         self.size = 0
@@ -190,7 +194,7 @@ class _Conn(asyncio.Protocol):
             return
         self.peer = peer = transport.get_extra_info("peername")
         host = peer[0] if type(peer) is tuple else ""  # a unix socket's clients: one
-        per_host = self.server.per_host
+        per_host = self.per_host
         held = per_host.get(host, 0)
         if held >= self.lim.max_connections_per_client:
             self.done_reading = True
@@ -220,7 +224,7 @@ class _Conn(asyncio.Protocol):
 
     def _release(self) -> None:
         """Give the client's connection back to its share."""
-        per_host = self.server.per_host
+        per_host = self.per_host
         left = per_host.get(self.host, 1) - 1
         if left > 0:
             per_host[self.host] = left
@@ -504,13 +508,19 @@ class _Conn(asyncio.Protocol):
 
 
 class Server:
+    """The gateway's server on ``host:port``, and on ``sandbox_sock`` (a listening socket) when given: the local
+    driver's sandboxes' listener, whose clients have shares of their own (``sandbox_per_host``)."""
+
     def __init__(self, app: App, host: str, port: int, *, limits: Limits | None = None, grace_s: float = 10.0,
-                 own_process: bool = False, busy_poll_s: float = 0.0) -> None:
+                 own_process: bool = False, busy_poll_s: float = 0.0, sandbox_sock: socket.socket | None = None
+                 ) -> None:
         self.app, self.host, self.port = app, host, port
+        self.sandbox_sock = sandbox_sock
         self.own_process = own_process  # the process is this server's alone: its collector is tuned (``quiet_gc``)
         self.limits, self.grace_s = limits or Limits(), grace_s
         self.conns: set[_Conn] = set()
         self.per_host: dict[Any, int] = {}  # open connections by client host (``Limits.max_connections_per_client``)
+        self.sandbox_per_host: dict[Any, int] = {}  # the same on the sandboxes' listener
         self.bound: tuple[str, int] | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self.now = 0.0  # the loop's time at the last sweep: deadlines are a tick coarse, never a call per request
@@ -558,9 +568,13 @@ class Server:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 self.loop.add_signal_handler(sig, stop.set)
         inbox, life, outbox = await self._lifespan()
-        server = await self.loop.create_server(lambda: _Conn(self), self.host, self.port, backlog=2048,
-                                               reuse_address=True)
+        server = await self.loop.create_server(lambda: _Conn(self, self.per_host), self.host, self.port,
+                                               backlog=2048, reuse_address=True)
         self.bound = _bound(server)
+        sandboxes = None
+        if self.sandbox_sock is not None:
+            sandboxes = await self.loop.create_server(lambda: _Conn(self, self.sandbox_per_host),
+                                                      sock=self.sandbox_sock, backlog=2048)
         if self.own_process:
             quiet_gc()
         sweep = asyncio.create_task(self._sweep())
@@ -571,6 +585,8 @@ class Server:
             stopped = exc  # out of the handler, as compiled code needs: test_gateway_compiled_rules
         sweep.cancel()
         server.close()
+        if sandboxes is not None:
+            sandboxes.close()
         await self._shut_down(inbox, life, outbox)
         if stopped is not None:
             raise stopped

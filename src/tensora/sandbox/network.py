@@ -14,8 +14,10 @@ What the sandbox reaches:
 - out: the internet through pasta (TCP and UDP; no ICMP: an unprivileged process in a new namespace cannot
   open ping sockets anyway, and pasta's ICMP buffers cost 2 MiB), via the host's default route; DNS is the host's
   ``/etc/resolv.conf`` (bound read-only) reached through that route;
-- the host's loopback: only ``allow_host_ports``, at ``127.0.0.1:<port>`` inside (the same URL as on the host);
-  ``--no-map-gw`` stops pasta's default mapping of the gateway address to the host;
+- the host's loopback: only ``allow_host_ports``, each ``(port, host_port)`` pair making ``127.0.0.1:<port>``
+  inside reach the host's ``127.0.0.1:<host_port>`` (the same URL as on the host, served by a listener kept for
+  sandboxes: ``tensora.listeners``); ``--no-map-gw`` stops pasta's default mapping of the gateway address to the
+  host;
 - in: each ``publish`` pair makes the host's ``<publish_address>:<host_port>`` reach ``127.0.0.1:<port>``
   inside; servers bind :data:`SERVER_HOST`. The local driver gives each replica a loopback address of its own
   (``drivers.loopback``), never 127.0.0.1, where Tensora's own servers are: a browser sends a host's cookies
@@ -61,7 +63,7 @@ class NetworkPlan:
 
     bundle: Path
     publish: tuple[tuple[int, int], ...] = ()
-    allow_host_ports: tuple[int, ...] = ()
+    allow_host_ports: tuple[tuple[int, int], ...] = ()  # (port inside, host port)
     ipv6: bool = False
     publish_address: str = "127.0.0.1"
 
@@ -85,7 +87,9 @@ def pasta_argv(plan: NetworkPlan, pasta: str = "pasta") -> list[str]:
         argv += ["-t", f"{plan.publish_address}/{host_port}:{port}"]
     if not plan.publish:
         argv += ["-t", "none"]
-    argv += ["-u", "none", "-U", "none", "-T", ",".join(map(str, plan.allow_host_ports)) or "none"]
+    # -T's spec: a namespace port, then ":" and the host port it reaches when they differ
+    forwards = [str(port) if port == host_port else f"{port}:{host_port}" for port, host_port in plan.allow_host_ports]
+    argv += ["-u", "none", "-U", "none", "-T", ",".join(forwards) or "none"]
     return [*argv, "--netns", str(plan.netns)]
 
 

@@ -115,8 +115,8 @@ class SandboxSpec:
     ``env`` is the whole environment (the caller builds it from scratch: PATH, HOME, LANG, the runtime's own
     variables, CUDA_VISIBLE_DEVICES); nothing of Tensora's is inherited. ``publish`` pairs a host port on
     ``publish_address`` (a loopback address: the replica's own) with the sandbox port it reaches;
-    ``allow_host_ports`` are the host's loopback ports the sandbox may reach (Tensora's public API and gateway):
-    every other host loopback service stays unreachable.
+    ``allow_host_ports`` pairs a port of the sandbox's 127.0.0.1 with the host loopback port it reaches
+    (Tensora's API and gateway, on their sandbox listeners): every other host loopback service stays unreachable.
     """
 
     id: str
@@ -129,7 +129,7 @@ class SandboxSpec:
     mounts: tuple[Mount, ...] = ()
     devices: tuple[Device, ...] = ()
     publish: tuple[tuple[int, int], ...] = ()
-    allow_host_ports: tuple[int, ...] = ()
+    allow_host_ports: tuple[tuple[int, int], ...] = ()
     hostname: str = "sandbox"
     publish_address: str = "127.0.0.1"
 
@@ -176,12 +176,14 @@ def validate(spec: SandboxSpec) -> None:
             raise ValueError(f"devices: {d.path} must be a character device under /dev")
         if d.major < 0 or d.minor < 0:
             raise ValueError(f"devices: {d.path} has a negative number")
-    ports = [p for pair in spec.publish for p in pair] + list(spec.allow_host_ports)
+    ports = [p for pair in (*spec.publish, *spec.allow_host_ports) for p in pair]
     if any(not 0 < p < 65536 for p in ports):
         raise ValueError("publish/allow_host_ports: ports are 1-65535")
     if len({c for _, c in spec.publish}) != len(spec.publish) or len({h for h, _ in spec.publish}) != len(spec.publish):
         raise ValueError("publish: a port twice")
-    if {c for _, c in spec.publish} & set(spec.allow_host_ports):
+    if len({c for c, _ in spec.allow_host_ports}) != len(spec.allow_host_ports):
+        raise ValueError("allow_host_ports: a sandbox port twice")
+    if {c for _, c in spec.publish} & {c for c, _ in spec.allow_host_ports}:
         raise ValueError("publish/allow_host_ports: a sandbox port cannot be both a server and a forward")
     try:
         loopback = ipaddress.IPv4Address(spec.publish_address).is_loopback

@@ -10,8 +10,6 @@ keep (no inline script or style), which Chromium enforces here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,27 +18,16 @@ import pytest
 from tensora.sdk import Client
 from tensora.store import repo
 from tests.e2e.test_dashboard import browser
-from tests.support import services
-from tests.support.dashboard import CSRF, signed_in
-from tests.support.stack import Stack, stack
+from tests.support.dashboard import CSRF, live, signed_in
+from tests.support.stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 playwright_api = pytest.importorskip("playwright.sync_api")
 expect = playwright_api.expect
-__all__ = ["browser"]  # the fixture, shared
+__all__ = ["browser", "live"]  # the fixtures, shared
 
 SESSION = "__Host-tensora_session"
 HOUR = 3600.0
-
-
-@pytest.fixture
-def live(tmp_path: Path) -> Iterator[tuple[Stack, str]]:
-    s = stack(str(tmp_path / "t.db"), tmp_path, run_controller=False)
-    try:
-        with services.serving(s.app) as server:
-            yield s, server.url
-    finally:
-        s.services.db.dispose()
 
 
 def sign_in(browser: Any, url: str, key: str) -> Any:

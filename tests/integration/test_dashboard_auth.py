@@ -8,27 +8,15 @@ keys only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 from sqlalchemy import text
 
 from tensora.sdk import Client
-from tests.support import services
-from tests.support.dashboard import CSRF, SESSION, cookie, signed_in
-from tests.support.stack import Stack, stack
+from tests.support.dashboard import CSRF, SESSION, cookie, live, signed_in
+from tests.support.stack import Stack
 
-
-@pytest.fixture
-def live(tmp_path: Path) -> Iterator[tuple[Stack, str]]:
-    s = stack(str(tmp_path / "t.db"), tmp_path, run_controller=False)
-    try:
-        with services.serving(s.app) as server:
-            yield s, server.url
-    finally:
-        s.services.db.dispose()
+__all__ = ["live"]  # the fixture, shared
 
 
 FORGED = {  # what a caller can put in a request, trying to be someone without a key

@@ -9,10 +9,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import pytest
+
+from tests.support import services
+from tests.support.stack import Stack, stack
 
 SESSION, CSRF = "__Host-tensora_session", "__Host-tensora_csrf"
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[tuple[Stack, str]]:
+    """A control API with the dashboard, served over HTTP on 127.0.0.1 (no controller); its stack and URL."""
+    s = stack(str(tmp_path / "t.db"), tmp_path, run_controller=False)
+    try:
+        with services.serving(s.app) as server:
+            yield s, server.url
+    finally:
+        s.services.db.dispose()
 
 
 @contextlib.contextmanager

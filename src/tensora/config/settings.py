@@ -25,6 +25,7 @@ UP_LOCK_FILE = "up.pid"
 
 
 def default_data_dir() -> Path:
+    """The user's data folder (platformdirs: ~/.local/share/tensora on Linux)."""
     from platformdirs import user_data_dir
 
     return Path(user_data_dir("tensora", appauthor=False))

@@ -41,7 +41,7 @@ def render() -> str:
         arguments = [p for p in command.params if p.param_type_name == "argument"]
         if arguments:
             out.append(md.table(["Argument", "Required", "Help"], (
-                [md.code(p.name.upper()),
+                [md.code(" ".join(p.get_usage_pieces(ctx)) or p.name),
                  "yes" if p.required else "no", md.cell(getattr(p, "help", None) or "")] for p in arguments)))
         options = [p for p in command.params if p.param_type_name == "option" and not p.hidden]
         records = [r for r in (p.get_help_record(ctx) for p in options) if r is not None]

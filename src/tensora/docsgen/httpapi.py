@@ -40,12 +40,12 @@ def _schema(schema: dict[str, Any] | None) -> str:
 def _operation(method: str, path: str, op: dict[str, Any]) -> str:
     out = [f"### {method.upper()} {path}\n", md.paragraphs(op.get("summary") or op.get("operationId", ""))]
     if op.get("description"):
-        out.append(md.paragraphs(op["description"]))
+        out.append(md.commonmark(op["description"]))
     params = op.get("parameters", [])
     if params:
         out.append(md.table(["Parameter", "In", "Required", "Type", "Description"], (
             [md.code(p["name"]), p["in"], "yes" if p.get("required") else "no", md.cell(_schema(p.get("schema"))),
-             md.cell(p.get("description", ""))] for p in params)))
+             md.commonmark(p.get("description", ""), one_line=True)] for p in params)))
     body = op.get("requestBody")
     if body:
         kinds = [f"{md.code(mime)}: {md.cell(_schema(c.get('schema')))}" for mime, c in body.get("content", {}).items()]
@@ -53,7 +53,7 @@ def _operation(method: str, path: str, op: dict[str, Any]) -> str:
     responses = op.get("responses", {})
     if responses:
         out.append(md.table(["Status", "Description", "Body"], (
-            [code, md.cell(r.get("description", "")),
+            [code, md.commonmark(r.get("description", ""), one_line=True),
              md.cell("; ".join(_schema(c.get("schema")) for c in r.get("content", {}).values()))]
             for code, r in responses.items())))
     return "\n".join(out)
@@ -65,7 +65,7 @@ def render() -> str:
     out = ["# HTTP API reference\n", md.HEADER,
            f"{md.text(info['title'])} {md.text(info['version'])} (OpenAPI {md.text(doc['openapi'])}). A running "
            "server serves this document at `/openapi.json`, and shows it with every schema at `/docs` (Swagger UI) "
-           "and `/redoc`.\n", md.paragraphs(info.get("description"))]
+           "and `/redoc`.\n", md.commonmark(info.get("description"))]
     by_tag: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
     for path, item in doc["paths"].items():
         for method in METHODS:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable, Sequence
 
@@ -35,6 +36,16 @@ def table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def commonmark(doc: str | None, *, one_line: bool = False) -> str:
+    """Text that is Markdown already (OpenAPI's descriptions are CommonMark, as /docs renders them): dedented, or
+    on one line for a table cell (its pipes escaped)."""
+    if not doc:
+        return ""
+    if one_line:
+        return " ".join(doc.split()).replace("|", "\\|")
+    return inspect.cleandoc(doc) + "\n"
 
 
 def paragraphs(doc: str | None) -> str:

@@ -46,18 +46,27 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    data_dir: Path = Field(default_factory=default_data_dir)
-    database_url: str | None = None
-    driver: Literal["simulated", "local", "kubernetes"] = "simulated"
-    nodes: Path | None = None
-    catalog: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(default=8700, ge=0, le=65535)
-    region: str = Field(default="local", pattern=NAME_PATTERN)
-    max_in_flight: int = Field(default=256, ge=1)
-    max_body_bytes: int = Field(default=1 << 20, ge=1024)
-    tick_s: float = Field(default=2.0, gt=0)
-    lease_ttl_s: float = Field(default=15.0, gt=0)
+    data_dir: Path = Field(default_factory=default_data_dir, description="the SQLite store, admin-key, owners' "
+                           "files, and the local driver's replicas and logs")
+    database_url: str | None = Field(default=None, description="postgresql://... for PostgreSQL (psycopg 3); "
+                                     "default: SQLite at DATA_DIR/tensora.db")
+    driver: Literal["simulated", "local", "kubernetes"] = Field(
+        default="simulated", description="where replicas run: a simulated fleet (nodes), this machine (local, as "
+        "tensora up), or a Kubernetes cluster")
+    nodes: Path | None = Field(default=None, description="simulated driver: nodes.yaml of the fleet (default: a "
+                               "small L40S + A100 + CPU fleet)")
+    catalog: Path | None = Field(default=None, description="an operator catalog of classes overriding the default")
+    host: str = Field(default="127.0.0.1", description="the control API's bind address")
+    port: int = Field(default=8700, ge=0, le=65535, description="the control API's port")
+    region: str = Field(default="local", pattern=NAME_PATTERN, description="the region this server and its "
+                        "controller serve")
+    max_in_flight: int = Field(default=256, ge=1, description="requests at once: more get 503 with Retry-After "
+                               "(/healthz is exempt)")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, description="a JSON request body: 413 beyond (file "
+                                "uploads are bounded by the owner's storage quota instead)")
+    tick_s: float = Field(default=2.0, gt=0, description="the controller's cycle when nothing wakes it sooner")
+    lease_ttl_s: float = Field(default=15.0, gt=0, description="the region's controller lease: a standby takes "
+                               "over once the leader has not renewed it this long")
     drain_s: float = Field(default=5.0, ge=0, description="a replica replaced by a move back keeps serving the "
                            "requests in flight this long (gateways pick up the new route within poll_s)")
     retention_s: float = Field(default=7 * 86400.0, ge=600, description="how long the events of a deleted "
@@ -87,10 +96,11 @@ class ServeSettings(BaseModel):
                                     "share the API's pods mount at DATA_DIR/files (owners' files); endpoints "
                                     "serve their models from it as pvc://<files_claim>/<owner dir>/<name>. "
                                     "Default: none, and endpoints cannot start")
-    controller: bool = True
+    controller: bool = Field(default=True, description="run the region's controller in this process (false, "
+                             "--no-controller: the API only, another process leads)")
     workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
                          "the supervising process, woken over a unix socket")
-    log_level: str = "warning"
+    log_level: str = Field(default="warning", description="the server's log level (debug, info, warning, error)")
     gateway: dict[str, Any] = Field(default_factory=dict, description="the gateway's settings (tensora gateway "
                                     "and tensora up read them here), e.g. {port: 8701, redis_url: ...}")
     metrics_listen: str | None = Field(default="127.0.0.1:8710", description="host:port of the control API's and "
@@ -114,7 +124,8 @@ class ServeSettings(BaseModel):
     sandbox_uids: str = Field(default="100000-165535", pattern=r"^[1-9][0-9]*-[1-9][0-9]*$",
                               description="the uids (each also the gid) owners' sandboxes run as: one per owner, "
                               "allocated on first use; never 0 or Tensora's own")
-    runtimes: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    runtimes: RuntimeSettings = Field(default_factory=RuntimeSettings, description="local driver: the "
+                                      "model-server runtimes")
     isolation: Literal["sandbox", "none"] = Field(
         default="sandbox", description="local driver: 'sandbox' runs every replica in a sandbox of its own (runc: "
         "the owner's uid, read-only host, the class's limits, its own network); where this host cannot sandbox, "

@@ -32,8 +32,10 @@ class Quotas(BaseModel):
 class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    requests_per_minute: int = Field(default=600, ge=1, le=10_000_000)
-    tokens_per_minute: int = Field(default=1_000_000, ge=1, le=10_000_000_000)
+    requests_per_minute: int = Field(default=600, ge=1, le=10_000_000, description="gateway requests a minute, "
+                                     "across all the owner's keys")
+    tokens_per_minute: int = Field(default=1_000_000, ge=1, le=10_000_000_000, description="gateway tokens a "
+                                   "minute (prompt and completion), across all the owner's keys")
 
 
 class OwnerSettings(BaseModel):

@@ -4,6 +4,7 @@ broken link or anchor fails it, as the last tests show on a copy of the site).""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,10 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
     for page in ("reference/cli/index.html", "reference/http-api/index.html", "adr/0010-fallbacks/index.html",
                  "kubernetes/index.html"):
         assert (tmp_path / "site" / page).is_file(), page
+    # the site reads offline: no script, stylesheet or font from elsewhere (the theme's fonts are off)
+    outside = re.compile(r"<(?:script|link)\b[^>]*(?:src|href)=\"(?:https?:)?//", re.I)
+    for html in (tmp_path / "site").rglob("*.html"):
+        assert not outside.search(html.read_text()), html
 
 
 @pytest.mark.parametrize("link, said", [

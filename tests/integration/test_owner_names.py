@@ -1,5 +1,5 @@
 """``model`` and ``image`` name the caller's own files (or an operator's shared models), never host
-paths (DESIGN.md, "Trust boundaries"), over real HTTP on SQLite and PostgreSQL.
+paths (docs/concepts/security-model.md), over real HTTP on SQLite and PostgreSQL.
 
 An owner who is not an admin tries what an attacker would: host paths (``/etc/shadow``, the admin
 key, a valid model outside any storage), another owner's model by its host path and by its name,

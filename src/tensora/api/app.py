@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from tensora import __version__, dashboard
 from tensora.api import catalog, errors, files, gatewayroutes, health, keys, metrics, operator, owners, usage, workloads
+from tensora.api.apidocs import install as install_docs
 from tensora.api.limits import Guard
 from tensora.api.services import Services
 from tensora.dashboard.headers import PageHeaders
@@ -52,7 +53,10 @@ def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: 
             if run_controller and services.controller is not None:
                 services.controller.stop()
 
-    app = FastAPI(title="Tensora control API", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    # /docs and /redoc: apidocs' pages, whose scripts are served here rather than from a CDN
+    app = FastAPI(title="Tensora control API", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    install_docs(app)
     app.state.services = services
     errors.install(app)
     for resource in (workloads, catalog, usage, keys, owners, health):

@@ -27,6 +27,7 @@ UP_LOCK_FILE = "up.pid"
 
 
 def default_data_dir() -> Path:
+    """The user's data folder (platformdirs: ~/.local/share/tensora on Linux)."""
     from platformdirs import user_data_dir
 
     return Path(user_data_dir("tensora", appauthor=False))
@@ -47,19 +48,26 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    data_dir: Path = Field(default_factory=default_data_dir)
-    database_url: str | None = None
-    driver: Literal["simulated", "local", "kubernetes"] = "simulated"
-    nodes: Path | None = None
-    catalog: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(default=8700, ge=0, le=65535)
+    data_dir: Path = Field(default_factory=default_data_dir, description="the SQLite store, admin-key, owners' "
+                           "files, and the local driver's replicas and logs")
+    database_url: str | None = Field(default=None, description="postgresql://... for PostgreSQL (psycopg 3); "
+                                     "default: SQLite at DATA_DIR/tensora.db")
+    driver: Literal["simulated", "local", "kubernetes"] = Field(
+        default="simulated", description="where replicas run: a simulated fleet (nodes), this machine (local, as "
+        "tensora up), or a Kubernetes cluster")
+    nodes: Path | None = Field(default=None, description="simulated driver: nodes.yaml of the fleet (default: a "
+                               "small L40S + A100 + CPU fleet)")
+    catalog: Path | None = Field(default=None, description="an operator catalog of classes overriding the default")
+    host: str = Field(default="127.0.0.1", description="the control API's bind address")
+    port: int = Field(default=8700, ge=0, le=65535, description="the control API's port")
     sandbox_port: int | None = Field(default=None, ge=1, le=65535, description="local driver: the port on "
                                      "127.0.0.1 where the sandboxes reach the API (their 127.0.0.1:<port> is "
                                      "forwarded here), so that their connections are counted apart from the "
                                      "host's clients'; default port + 20 (8720)")
-    region: str = Field(default="local", pattern=NAME_PATTERN)
-    max_in_flight: int = Field(default=256, ge=1)
+    region: str = Field(default="local", pattern=NAME_PATTERN, description="the region this server and its "
+                        "controller serve")
+    max_in_flight: int = Field(default=256, ge=1, description="requests at once: more get 503 with Retry-After "
+                               "(/healthz is exempt)")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="a JSON request body: 413 beyond, before it "
                                 "is read (uploads to /v1/files stream under the owner's storage quota instead)")
     # what one client may hold of an API worker's HTTP server (tensora.api.server)
@@ -75,8 +83,9 @@ class ServeSettings(BaseModel):
                                             "address per HTTP worker (its share of max_connections): 503 with "
                                             "Retry-After to that client beyond; behind a proxy, raise it to "
                                             "max_connections")
-    tick_s: float = Field(default=2.0, gt=0)
-    lease_ttl_s: float = Field(default=15.0, gt=0)
+    tick_s: float = Field(default=2.0, gt=0, description="the controller's cycle when nothing wakes it sooner")
+    lease_ttl_s: float = Field(default=15.0, gt=0, description="the region's controller lease: a standby takes "
+                               "over once the leader has not renewed it this long")
     drain_s: float = Field(default=5.0, ge=0, description="a replica replaced by a move back keeps serving the "
                            "requests in flight this long (gateways pick up the new route within poll_s)")
     retention_s: float = Field(default=7 * 86400.0, ge=600, description="how long the events of a deleted "
@@ -113,10 +122,11 @@ class ServeSettings(BaseModel):
                                     "share the API's pods mount at DATA_DIR/files (owners' files); endpoints "
                                     "serve their models from it as pvc://<files_claim>/<owner dir>/<name>. "
                                     "Default: none, and endpoints cannot start")
-    controller: bool = True
+    controller: bool = Field(default=True, description="run the region's controller in this process (false, "
+                             "--no-controller: the API only, another process leads)")
     workers: int = Field(default=1, ge=1, le=64, description="HTTP worker processes; the controller runs in "
                          "the supervising process, woken over a unix socket")
-    log_level: str = "warning"
+    log_level: str = Field(default="warning", description="the server's log level (debug, info, warning, error)")
     gateway: dict[str, Any] = Field(default_factory=dict, description="the gateway's settings (tensora gateway "
                                     "and tensora up read them here), e.g. {port: 8701, redis_url: ...}")
     metrics_listen: str | None = Field(default="127.0.0.1:8710", description="host:port of the control API's and "
@@ -141,7 +151,8 @@ class ServeSettings(BaseModel):
     sandbox_uids: str = Field(default="100000-165535", pattern=r"^[1-9][0-9]*-[1-9][0-9]*$",
                               description="the uids (each also the gid) owners' sandboxes run as: one per owner, "
                               "allocated on first use; never 0 or Tensora's own")
-    runtimes: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    runtimes: RuntimeSettings = Field(default_factory=RuntimeSettings, description="local driver: the "
+                                      "model-server runtimes")
     session_lifetime_s: float = Field(default=12 * 3600.0, ge=60, le=30 * 86400.0, description="the dashboard: a "
                                       "signed-in browser's session ends this long after sign-in, however active")
     session_idle_s: float = Field(default=3600.0, ge=60, description="the dashboard: a session also ends this long "

@@ -65,7 +65,8 @@ class NodeOverrides(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = Field(default=None, pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+    name: str | None = Field(default=None, pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+                             description="the node's name (default: this machine's host name)")
     cpu: float | None = Field(default=None, gt=0, description="declare this many cores instead")
     cpu_overcommit: float = Field(default=4.0, ge=1, le=64, description="vCPUs offered per core: replicas share "
                                   "the cores (1 = no overcommit)")

@@ -46,7 +46,7 @@ USAGE_TIMEOUT_S = 10.0  # a usage batch's answer: past it the batch is kept for 
 
 class PeerSetting(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    region: str
+    region: str = Field(description="the peer's region")
     url: str = Field(description="the peer gateway's base URL, ending in /v1")
 
 
@@ -55,12 +55,14 @@ class GatewaySettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    data_dir: Path
-    control_url: str = "http://127.0.0.1:8700"
+    data_dir: Path = Field(description="the server's data dir: admin-key, and gateway/ for the route cache and "
+                           "the usage spool")
+    control_url: str = Field(default="http://127.0.0.1:8700", description="the control API: routes are read from "
+                             "it and usage is sent to it")
     key_file: Path | None = Field(default=None, description="an admin key to read routes and send usage with; "
                                   "default DATA_DIR/admin-key")
-    host: str = "127.0.0.1"
-    port: int = Field(default=8701, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="the gateway's bind address")
+    port: int = Field(default=8701, ge=0, le=65535, description="the gateway's port")
     sandbox_port: int | None = Field(default=None, ge=1, le=65535, description="the port on 127.0.0.1 where the "
                                      "local driver's sandboxes reach the gateway (their 127.0.0.1:<port> is "
                                      "forwarded here), their connections counted apart from the host's clients'; "
@@ -69,8 +71,8 @@ class GatewaySettings(BaseModel):
                                        "/metrics (Prometheus' text format), apart from its port; null: no metrics")
     metrics_max_labels: int = Field(default=100, ge=1, description="values of the endpoint and owner labels "
                                     "kept (the first seen); the rest are counted as 'other'")
-    region: str = "local"
-    poll_s: float = Field(default=1.0, gt=0)
+    region: str = Field(default="local", description="the region this gateway serves")
+    poll_s: float = Field(default=1.0, gt=0, description="how often the routes are read from the control API")
     startup_grace_s: float = Field(default=15.0, ge=0, description="no warning that the control API is "
                                    "unreachable until this long after start (it may be starting beside the "
                                    "gateway, as under tensora up); once it has answered, an outage warns at once")
@@ -80,30 +82,39 @@ class GatewaySettings(BaseModel):
                                  "it may go without an event before it is ended (per endpoint: spec.stream_idle_s)")
     retry_delay_s: float = Field(default=0.1, ge=0, le=10, description="before the one retry of a tier's only "
                                  "backend (jittered 0.5x-1.5x)")
-    connect_timeout_s: float = Field(default=2.0, gt=0)
-    retry_after_s: int = Field(default=5, ge=1)
-    requests_per_minute: int = Field(default=600, ge=1)
-    tokens_per_minute: int = Field(default=1_000_000, ge=1)
-    default_max_tokens: int = Field(default=256, ge=1)
-    redis_url: str | None = None
+    connect_timeout_s: float = Field(default=2.0, gt=0, description="per attempt: connecting to a backend")
+    retry_after_s: int = Field(default=5, ge=1, description="Retry-After of the gateway's own 503s when no sooner "
+                               "time is known")
+    requests_per_minute: int = Field(default=600, ge=1, description="an owner's limit when the control API's "
+                                     "route table gives none (an older control API)")
+    tokens_per_minute: int = Field(default=1_000_000, ge=1, description="an owner's limit when the control API's "
+                                   "route table gives none (an older control API)")
+    default_max_tokens: int = Field(default=256, ge=1, description="tokens reserved for a request that names no "
+                                    "max_tokens")
+    redis_url: str | None = Field(default=None, description="redis://... to share rate limits and kept answers "
+                                  "between gateways; default: this gateway's own")
     redis_timeout_s: float = Field(default=0.05, gt=0, description="each Redis call, once connected")
-    redis_connect_timeout_s: float = Field(default=0.05, gt=0)
+    redis_connect_timeout_s: float = Field(default=0.05, gt=0, description="connecting to Redis")
     redis_fail_mode: FailMode = Field(default=FailMode.LOCAL, description="Redis unreachable or timing out: "
                                       "'local' admits against this gateway's own windows at limit / replicas; "
                                       "'closed' answers 503 with Retry-After")
     redis_probe_s: float = Field(default=1.0, gt=0, description="while Redis is down, how often to try it again")
     replicas: int = Field(default=1, ge=1, description="how many gateways share this Redis (this one "
                           "included): while it is down, each admits this share of every limit")
-    breaker_consecutive: int = Field(default=5, ge=1)
-    breaker_base_s: float = Field(default=30.0, gt=0)
-    breaker_max_s: float = Field(default=300.0, gt=0)
+    breaker_consecutive: int = Field(default=5, ge=1, description="consecutive failures that open a backend's "
+                                     "breaker")
+    breaker_base_s: float = Field(default=30.0, gt=0, description="an open breaker ejects its backend this long "
+                                  "times the number of its ejections")
+    breaker_max_s: float = Field(default=300.0, gt=0, description="the longest ejection")
     probe_interval_s: float = Field(default=2.0, gt=0, description="how often a backend whose breaker is open "
                                     "is probed (GET /v1/models), less up to a quarter at random")
     probe_successes: int = Field(default=2, ge=1, description="good probes in a row that close its breaker")
     rate_limit_backoff_s: float = Field(default=1.0, gt=0, description="a backend's 429 without Retry-After: "
                                         "how long it is skipped (times 0.5 to 1.5 at random)")
-    usage_flush_s: float = Field(default=1.0, gt=0)
-    usage_spool_max_bytes: int = Field(default=256 << 20, ge=1 << 16)
+    usage_flush_s: float = Field(default=1.0, gt=0, description="how often usage is sent to the control API (a "
+                                 "failed send backs off, doubling up to a minute)")
+    usage_spool_max_bytes: int = Field(default=256 << 20, ge=1 << 16, description="usage on disk waiting for the "
+                                       "control API: records past it are dropped (and counted)")
     idempotency_keep_s: float = Field(default=24 * 3600.0, gt=0, description="how long an answer is replayed "
                                       "to the same Idempotency-Key and body")
     idempotency_max_answer_bytes: int = Field(default=1 << 20, ge=0, description="an answer over this is served "
@@ -138,7 +149,7 @@ class GatewaySettings(BaseModel):
                                          "502 beyond")
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024, description="one event of a model server's stream: "
                                     "the stream ends with an error event beyond")
-    log_level: str = "warning"
+    log_level: str = Field(default="warning", description="the gateway's log level (debug, info, warning, error)")
     tracing: TracingSettings | None = Field(default=None, description="OpenTelemetry: {otlp_endpoint: URL} "
                                             "traces each request and its attempts (the tracing extra); null: off")
 

@@ -42,8 +42,10 @@ RATE_WINDOW_S = 60.0
 class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    requests_per_minute: int = Field(default=600, ge=1, le=10_000_000)
-    tokens_per_minute: int = Field(default=1_000_000, ge=1, le=10_000_000_000)
+    requests_per_minute: int = Field(default=600, ge=1, le=10_000_000, description="gateway requests a minute, "
+                                     "across all the owner's keys")
+    tokens_per_minute: int = Field(default=1_000_000, ge=1, le=10_000_000_000, description="gateway tokens a "
+                                   "minute (prompt and completion), across all the owner's keys")
     creates_per_minute: int = Field(default=120, ge=1, le=1_000_000, description="workload creates and restarts "
                                     "(a restart starts the workload anew, as a create does)")
     deletes_per_minute: int = Field(default=120, ge=1, le=1_000_000, description="workload deletes")

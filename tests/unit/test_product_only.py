@@ -58,7 +58,8 @@ EXAMPLES: dict[str, list[str]] = {
 """Text each pattern must flag: proof that it can fail."""
 
 PRODUCT: dict[str, list[str]] = {
-    "a tracker reference": ["color: #333;", "border: 1px solid #333;", "fill='#000'", "&#39;", "the page's #anchor", "a list item #1-a"],
+    "a tracker reference": ["color: #333;", "border: 1px solid #333;", "fill='#000'", "&#39;", "the page's #anchor",
+                            "a list item #1-a"],
     "a session of work": ["the session's principal", "Who this session acts as"],
     "a helper or assistant at work": ["its network helper's pid", "the assistant message", "an assistant role"],
     "the time of a run": ["2027-01-15 08:10:00 UTC"],

@@ -10,9 +10,9 @@ of ``spec`` the cycle's snapshot reads (the blobs a cycle should not read for qu
 
 An idle region (``--idle``): the controller's CPU time per cycle with 10,000, 30,000 and 100,000 queued
 notebooks and nothing changing, two ways in the same run: *before*, every cycle from a full snapshot (the
-kept admission state dropped before each, as every cycle was before the state was kept: all live workloads
-read, all decided); *after*, the kept state told what changed since the watermark (nothing). Also shown:
-the old path's read and ``decide`` alone (``feed.from_scratch``), the least a full-snapshot cycle costs.
+kept admission state dropped before each: all live workloads read, all decided); *after*, the kept state told
+what changed since the watermark (nothing). Also shown: the full-snapshot path's read and ``decide`` alone
+(``feed.from_scratch``), the least a full-snapshot cycle costs.
 
 Run:  python bench/controller.py              (SQLite, 500 queued, 16 KiB specs, 20 cycles)
       python bench/controller.py --quick      (a smoke run, the idle figure at 2,000 queued too)
@@ -92,7 +92,7 @@ def measure(db_url: str, queued: int, spec_kib: int, cycles: int) -> dict[str, f
 
 def idle(db_url: str, queued: int, cycles: int) -> dict[str, float]:
     """Median controller CPU ms per cycle of an idle region with ``queued`` waiting: before (a full snapshot
-    each cycle), after (the watermark), and the old path's read and decide alone."""
+    each cycle), after (the watermark), and the full-snapshot path's read and decide alone."""
     db = Database(db_url)
     db.migrate()
     fill(db, queued, 0)

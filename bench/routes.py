@@ -1,18 +1,18 @@
 """Benchmark of the gateway's route document: a poll that finds no change against a full build.
 
-Every gateway polls ``GET /v1/gateway/routes`` every second. Before issue 18 each poll built the whole
-document (endpoints with their specs, replicas, every live key, owners), serialized it and hashed it, to
-answer 304 most of the time. Now a poll reads the store's marker (``repo.route_marker``) and answers from
-the document cached at that marker. Measured in process, on a store filled with ``--endpoints`` serving
+Every gateway polls ``GET /v1/gateway/routes`` every second, and most polls find nothing changed. Building the
+whole document (endpoints with their specs, replicas, every live key, owners), serializing and hashing it to
+answer 304 is the peer; a poll reads the store's marker (``repo.route_marker``) instead and answers from the
+document cached at that marker. Measured in process, on a store filled with ``--endpoints`` serving
 endpoints (2 routable replicas each, a 2 KiB spec), ``--keys`` live keys and ``--owners`` owners with
 limit overrides:
 
-* ``full build``: what every poll cost before: ``routes_table`` and the JSON of the answer;
+* ``full build``: what a poll costs without the marker: ``routes_table`` and the JSON of the answer;
 * ``unchanged poll``: what a poll costs now when nothing changed (the marker query and a comparison);
 * ``poll after a change``: a poll right after a key is created (marker, full build, serialization).
 
 Each is the median of ``--runs`` calls, each in its own read transaction, as the handler does. The ratio
-full / unchanged says how much cheaper the common poll got.
+full / unchanged says how much cheaper the common poll is.
 
 Run:  python bench/routes.py                 (SQLite and PostgreSQL, 300 endpoints, 10,000 keys)
       python bench/routes.py --quick         (SQLite, small: the smoke run in the test suite)

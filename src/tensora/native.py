@@ -1,8 +1,8 @@
 """Tensora's compiled modules, and the guard that never lets a stale build run.
 
 Admission's hot path is compiled by mypyc (it ships with mypy) when Tensora is installed on a machine with a C
-compiler (``setup.py``): the same source, typed as it is, runs about 1.4x faster as C extensions (figures: README,
-"Benchmarks"; ADR-0021). The ``.py`` files stay the source of truth and are what runs where nothing was compiled.
+compiler (``setup.py``): the same source, typed as it is, runs about 1.4x faster as C extensions (figures:
+docs/benchmarks.md; ADR-0021). The ``.py`` files stay the source of truth and are what runs where nothing was compiled.
 
 A compiled module sits next to its source (an editable install builds in place), and Python imports the extension
 before the source: after an edit, or a checkout of other code, the old build would run instead of the new code. So

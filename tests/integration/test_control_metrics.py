@@ -1,4 +1,4 @@
-"""The control API's and the controller's metrics (issue 23): the ADR's story (a fallback placement after its
+"""The control API's and the controller's metrics: ADR-0010's story (a fallback placement after its
 timer, then a move back once the requested GPU frees) run by the controller's own loop on a fake clock, and API
 requests with an Idempotency-Key replayed; then scrapes of ``/metrics`` over HTTP on its own listener, parsed with
 prometheus-client's parser: the counters moved by exactly what the story did (the counters are per process, so

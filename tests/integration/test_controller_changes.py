@@ -1,6 +1,6 @@
 """The controller's admission state, fed the store's changes (SQLite and PostgreSQL).
 
-Every cycle here is checked against the old path: a full snapshot of the store and ``decide`` from
+Every cycle here is checked against the full-snapshot path: a full snapshot of the store and ``decide`` from
 scratch, asked the same question at the same moment (after reconcile, before apply). Placements and
 moves must be the same, in the same order, and every wait and restart offer that stands in the kept
 state must be decide's. An idle cycle reads a watermark and no workload row; a restart and a lost
@@ -77,7 +77,7 @@ def checked(db: Database, clock: FakeClock, driver: SimulatedDriver | None = Non
         return got
 
     def _compared(events: list[Event], now: float) -> Cycle:
-        with db.read() as conn:  # the old path, on the store as this cycle's step sees it
+        with db.read() as conn:  # the full-snapshot path, on the store as this cycle's step sees it
             _, want = from_scratch(conn, sim.nodes(), CATALOG, c.region, c.policy, c.owner_defaults.quotas, now)
         got = real_step(events, now)
         assert _moves(got.decisions) == _moves(want)

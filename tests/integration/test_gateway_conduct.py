@@ -1,4 +1,4 @@
-"""The gateway's conduct when a backend misbehaves after the request went out (issue 19, items 4-6):
+"""The gateway's conduct when a backend misbehaves after the request went out:
 a stream that stalls after its first tokens ends cleanly and counts against the backend; a 5xx or a reset
 from a tier's only backend is tried once more there; and a request is never sent again behind the
 caller's back. Real fake-backend processes that count the requests they get, real HTTP; a fake clock

@@ -1,4 +1,4 @@
-"""The gateway's failover conduct against fake backends that fail on purpose (issue 19, items 1-3):
+"""The gateway's failover conduct against fake backends that fail on purpose:
 ejected backends probed actively and back within seconds of their recovery, a backend's 429 and its
 Retry-After respected, a request too long for the model sent to the fallback models (and other 4xx
 passed through, never retried). Fake clock where timing is the rule; one real-time return-to-primary."""

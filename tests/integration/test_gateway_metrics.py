@@ -1,4 +1,4 @@
-"""The gateway's metrics (issue 23): a scripted story against fake backends (requests served, a rate-limit
+"""The gateway's metrics: a scripted story against fake backends (requests served, a rate-limit
 rejection, a failover on 503s that opens a breaker, a request that skips it, usage the control API refuses), then
 a scrape of ``/metrics`` over HTTP on its own listener, parsed with prometheus-client's parser: every counter
 moved by exactly what the story did."""

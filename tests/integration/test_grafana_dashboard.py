@@ -1,7 +1,8 @@
-"""deploy/grafana/tensora.json and the scrape configuration (issue 23): the dashboard's queries name only metrics the
+"""deploy/grafana/tensora.json and the scrape configuration: the dashboard's queries name only metrics the
 code exports (every family of the gateway's, the control API's and the controller's collectors), are valid PromQL
-(``promtool check rules``, where Debian's prometheus package gives it), and show what the issue asks for; the
-kustomize base exposes a metrics port on every Tensora Service and pod, and the optional ServiceMonitor builds."""
+(``promtool check rules``, where Debian's prometheus package gives it), and show what an operator
+watches (fallbacks, placement times, queues, failovers, breakers, TTFT, the usage spool); the kustomize base
+exposes a metrics port on every Tensora Service and pod, and the optional ServiceMonitor builds."""
 
 from __future__ import annotations
 

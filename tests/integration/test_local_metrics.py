@@ -1,4 +1,4 @@
-"""The local driver's metrics (issue 23): replicas by kind and state from the driver's own records, processes
+"""The local driver's metrics: replicas by kind and state from the driver's own records, processes
 killed for their memory limit as the cgroup counts them, installed runtimes; scraped over HTTP and parsed."""
 
 from __future__ import annotations

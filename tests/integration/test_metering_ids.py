@@ -125,7 +125,7 @@ def test_guessing_or_reusing_another_tenants_request_id_erases_nothing(plane: Pl
         seen = ask(gw, alice).headers["x-request-id"]  # the gateway made this one
         settle(plane, {"alice": 1})
         ask(gw, bob, seen)  # bob reuses alice's id: free usage for bob if ids were the client's
-        # ... and predicts alice's next one (a counter after a per-process prefix, before the fix)
+        # ... and predicts alice's next one (as a counter after a per-process prefix would allow)
         head, _, tail = seen.rpartition("_")
         guesses = [f"{head}_{int(tail, 16) + i:x}" for i in range(1, 4)]
         for g in guesses:

@@ -1,4 +1,4 @@
-"""Tracing (OpenTelemetry, issue 23 item 3), its spans caught by the SDK's in-memory exporter: a gateway request
+"""Tracing (OpenTelemetry), its spans caught by the SDK's in-memory exporter: a gateway request
 whose replica answers 503 twice (tried again, its tier's only one) and whose CPU replica answers, sent with a
 caller's ``traceparent``: one request span (the caller's span its parent), one child per attempt with its tier,
 backend and outcome, and the ``traceparent`` each backend got naming its own attempt's span. A controller cycle's

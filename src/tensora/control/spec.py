@@ -117,7 +117,7 @@ class WorkloadSpec(BaseModel):
     def _spec_size(cls, value: dict[str, Any]) -> dict[str, Any]:
         try:
             size = len(orjson.dumps(value))
-        except orjson.JSONEncodeError:  # JSON parses integers of any size; the store keeps 64 bits (was a 500)
+        except orjson.JSONEncodeError:  # JSON parses integers of any size; the store keeps 64 bits: refused here
             raise ValueError("holds a number that is not a 64-bit integer or a float") from None
         if size > SPEC_MAX_BYTES:
             raise ValueError(f"at most {SPEC_MAX_BYTES} bytes of JSON (16 KiB); this one is {size}")

@@ -420,7 +420,8 @@ _RID_PREFIX = "req_" + secrets.token_hex(8)
 
 
 class _Counter:
-    """The request ids' counter: a native class's int (``f"{next(itertools.count()):x}"`` was ~0.3 µs a request)."""
+    """The request ids' counter: a native class's int (``f"{next(itertools.count()):x}"`` would cost ~0.3 µs a
+    request)."""
 
     def __init__(self) -> None:
         self.n = 0

@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 server for the gateway's ASGI app, on uvloop and httptools.
 
-Written here rather than run under uvicorn: uvicorn is where the gateway lost most of its time
-per request (measured with py-spy under bench/gateway.py: a regex check of every header, the
+Written here rather than run under uvicorn: under uvicorn the gateway spends most of its time
+per request there (measured with py-spy under bench/gateway.py: a regex check of every header, the
 status line and headers written apart from the body, an ASGI task and message dicts per
 request). This speaks just what the gateway needs: keep-alive (requests on one connection answered
 in order), a response written in one piece when its body is whole (content-length added), chunked

@@ -517,7 +517,7 @@ def run_cycle(
         else:
             moves.append(RestartAvailable(r, cls.name, tuple(attempts)))
     # 4. a wait says what holds now: the region's figures after this cycle's places and promotes; a requester
-    #    placed on a fallback waits no longer (until now it held its class from fallbacks and move-backs)
+    #    placed on a fallback waits no longer (up to this step it held its class from fallbacks and move-backs)
     for d in fell_back:
         key = (d.workload.region, d.workload.gpu_class)
         if d.attempts[0].outcome in _WAITED and waiting_for.get(key):

@@ -127,7 +127,8 @@ def stop(bundle: Path) -> None:
             os.kill(pid, signal.SIGTERM)
     netns = bundle / NETNS_FILE
     if netns.exists():
-        # lazy: the helper (or a half-started runc) may still hold it open; the namespace dies with the last user
+        # lazy: the network helper (or a half-started runc) may still hold it open; the namespace dies with its
+        # last user
         subprocess.run(["umount", "-l", str(netns)], capture_output=True, check=False)
         with contextlib.suppress(FileNotFoundError):
             netns.unlink()

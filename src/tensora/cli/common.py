@@ -1,6 +1,6 @@
 """What every ``tensora`` command shares: the app, output (tables and fields), and errors as exit codes.
 
-Exit codes (the README lists them too):
+Exit codes (the SDK and CLI guide lists them too):
 
     0  ok
     1  the API answered with an error (the message says which, and its request id)

@@ -142,7 +142,8 @@ class GatewaySettings(BaseModel):
     max_pipelined: int = Field(default=8, ge=1, description="requests queued behind the one in flight on a "
                                "connection: reading stops there")
     busy_poll_us: int = Field(default=0, ge=0, le=10_000, description="busy polling: after each request in and "
-                              "answer out, poll this long rather than sleep (latency for CPU; 0: off; see README)")
+                              "answer out, poll this long rather than sleep (latency for CPU; 0: off; see the "
+                              "operating guide, busy polling)")
     write_buffer_bytes: int = Field(default=64 << 10, ge=1024, description="answer bytes a client that does not "
                                     "read may leave waiting: reading it and its stream stop there")
     max_upstream_body_bytes: int = Field(default=32 << 20, ge=1024, description="a model server's whole answer: "

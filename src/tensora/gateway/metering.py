@@ -130,7 +130,7 @@ class Meter:
 
     def _settle(self) -> None:
         """Off the loop (fsync waits on the disk): each set-aside file synced, then made a batch, then the
-        directory synced; so a batch is on disk before it is one, as the README promises."""
+        directory synced; so a batch is on disk before it is one, as the metering docs promise."""
         closing = sorted(self.dir.glob("closing-*.jsonl"))
         for f in closing:
             _fsync_file(f)

@@ -46,9 +46,10 @@ from tensora.control.controller import Controller
 from tensora.drivers.base import Driver, ReplicaStatus
 from tensora.drivers.hardware import gpu_notes, offered
 from tensora.errors import ConfigError, TensoraError
+from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import ReplicaState
-from tensora.placement.quotas import for_node, running_phrase
+from tensora.placement.quotas import for_node, overlay, running_phrase
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
@@ -418,8 +419,9 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
         print(f"metrics on http://{settings.metrics_listen}/metrics", flush=True)
     if profile == "up" and services.controller is not None:
         node = services.controller.driver.nodes()[0]
+        admin_runs_the_node(services.db, node, services.clock.now())
         print(f"this machine as node {node.name}: {offered(node)}; "
-              f"{running_phrase(settings.owner_defaults().quotas)}", flush=True)
+              f"{running_phrase(settings.owner_defaults().quotas)} (the admin owner: the whole node)", flush=True)
         for note in gpu_notes(node, services.controller.catalog):
             print(f"  note: {note}", flush=True)
         print(describe_isolation(services.isolation or "", services.isolation_reason), flush=True)
@@ -473,6 +475,23 @@ def _build_up(settings: ServeSettings) -> tuple[ServeSettings, Services]:
     quotas = for_node(settings.quotas, driver.nodes()[0], catalog)
     settings = settings.model_copy(update={"quotas": quotas})
     return settings, build(settings, clock=clock, driver=driver, catalog=catalog)
+
+
+ADMIN_OWNER = "admin"
+"""The owner of the admin key ``tensora up`` makes on first start: the machine's operator."""
+
+
+def admin_runs_the_node(db: Database, node: Node, now: float) -> bool:
+    """``tensora up``: the machine's operator (owner ``admin``) may run the whole node, while every other owner
+    gets the node's share (``quotas.for_node``). Written as the admin owner's own running quotas, shown by ``GET
+    /v1/owners/admin`` and changed as any owner's are, once, where an admin has not set them; whether it wrote."""
+    whole = {"running_cpu": node.cpu, "running_gpus": sum(node.gpus.values())}
+    with db.write() as conn:
+        row = repo.owner_for_update(conn, ADMIN_OWNER, now)
+        if any(name in (row["quotas"] or {}) for name in whole):
+            return False
+        repo.write_owner(conn, ADMIN_OWNER, {"quotas": overlay(row["quotas"], whole), "updated_at": now})
+    return True
 
 
 def left_running(replicas: Sequence[ReplicaStatus]) -> str:

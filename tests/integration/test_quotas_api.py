@@ -18,8 +18,9 @@ from pydantic import ValidationError
 from sqlalchemy import text
 
 from tensora.config.settings import ServeSettings
+from tensora.placement.capacity import Node
 from tensora.placement.quotas import GIB, Limits, OwnerSettings, Quotas, effective, overlay
-from tensora.serve import worker_settings_json
+from tensora.serve import admin_runs_the_node, worker_settings_json
 from tests.integration.test_api import Api, assert_error, created
 from tests.integration.test_api import api as api  # the fixture, re-exported under its name
 
@@ -299,3 +300,21 @@ def test_after_any_puts_each_field_is_its_last_value_or_the_default(puts: list[d
         want = said[-1] if said and said[-1] is not None else getattr(DEFAULTS.quotas, name)
         assert getattr(eff, name) == want
         assert (name in (stored or {})) == bool(said and said[-1] is not None)
+
+
+# -- tensora up: the machine's operator runs the whole node --------------------------------------
+
+def test_the_admin_owner_may_run_the_whole_node_unless_an_admin_set_its_quotas(api: Api) -> None:
+    """``tensora up`` gives the admin owner the node (other owners get a share of it): once, as the admin's own
+    quotas, never over what an admin set."""
+    db, now = api.stack.services.db, api.stack.services.clock.now()
+    node = Node("box", "local", cpu=8, memory=24 * GIB, gpus={"NVIDIA L40S": 2})
+    admin = api.as_(api.stack.admin)
+    assert admin_runs_the_node(db, node, now) is True
+    got = admin.get("/v1/owners/admin").json()
+    assert (got["quotas"]["running_cpu"], got["quotas"]["running_gpus"]) == (8, 2)
+    assert "quotas.running_cpu" in got["overridden"]
+    admin.put("/v1/owners/admin", json={"quotas": {"running_cpu": 3}})
+    assert admin_runs_the_node(db, node, now) is False
+    assert admin.get("/v1/owners/admin").json()["quotas"]["running_cpu"] == 3
+    assert "quotas.running_cpu" not in admin.get("/v1/owners/alice").json()["overridden"]

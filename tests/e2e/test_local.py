@@ -425,7 +425,7 @@ def test_tensora_up_runs_real_workloads_leaves_them_running_and_adopts_them(tmp_
 
 
 def test_the_quick_start_tiny_model_endpoint_falls_back_to_cpu_and_answers(tmp_path: Path) -> None:
-    """The README's quick start: tiny model -> endpoint asking for an L40S, CPU fallback at once ->
+    """The quick start's endpoint: tiny model -> endpoint asking for an L40S, CPU fallback at once ->
     placed on CPU with the reason shown -> a chat completion from its replica."""
     _runtimes()
     model = tmp_path / "tiny"

@@ -1,6 +1,7 @@
-"""The README's quick start, run as written: its commands, in order, against one `tensora up` on a node declared
-as this machine's size (2 cores, 24 GiB), from a fresh HOME. It must end with a notebook URL that answers, an
-endpoint that chats and a VM running, side by side."""
+"""The quick start, run as written: the commands of its page in the docs, in order, against one `tensora up` on a
+node declared as this machine's size (2 cores, 24 GiB), from a fresh HOME. It must end with a notebook URL that
+answers, an endpoint that chats and a VM running, side by side. The README shows a copy of the same block: it must
+stay identical to the page's."""
 
 from __future__ import annotations
 
@@ -21,18 +22,68 @@ import pytest
 from tests.support.services import free_port, sweep
 
 pytestmark = pytest.mark.slow
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "tutorials" / "quick-start.md"
+HEADING = "## 2. Create an endpoint, a notebook and a VM"  # the page's heading over the block this test runs
+README = ROOT / "README.md"
+HEADING_LINE = re.compile(r"#{1,6}\s+\S")
+
+
+def sh_block_under(text: str, is_heading: Any) -> str | None:
+    """The first ```sh block after the first heading line for which `is_heading` is true and before the next
+    heading, or None: a missing heading or block says so rather than running whatever comes later."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if HEADING_LINE.match(ln) and is_heading(ln.strip())), None)
+    if start is None:
+        return None
+    fence = None  # the fence that is open, if any
+    block: list[str] = []
+    for ln in lines[start + 1:]:
+        if fence is None:
+            if HEADING_LINE.match(ln):
+                return None
+            if ln.startswith("```"):
+                fence = ln.strip()
+        elif ln.startswith("```"):
+            if fence == "```sh":
+                return "\n".join(block) + "\n"
+            fence = None
+        elif fence == "```sh":
+            block.append(ln)
+    return None
+
+
+def page_block() -> str:
+    block = sh_block_under(PAGE.read_text(), lambda ln: ln == HEADING)
+    assert block is not None, f"{PAGE}: no ```sh block under {HEADING!r}"
+    return block
 
 
 def quick_start_commands() -> list[str]:
-    """The shell lines of the README's quick start block, comments dropped."""
-    text = README.read_text()
-    block = text.split("### Quick start", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    """The shell lines of the quick start page's block, comments dropped."""
     lines = []
-    for raw in block.splitlines():
+    for raw in page_block().splitlines():
         if shlex.split(raw, comments=True):  # a command, not a comment line
             lines.append(re.sub(r"\s+#\s.*$", "", raw).strip())
     return lines
+
+
+@pytest.mark.parametrize("text, want", [
+    ("## Go\n\n```sh\nls\n```\n", "ls\n"),
+    ("## Go\n```text\n# not a heading\n```\n```sh\nls\n# a comment\n```\n", "ls\n# a comment\n"),
+    ("## Other\n```sh\nls\n```\n", None),
+    ("## Go\ntext\n## Next\n```sh\nls\n```\n", None),
+    ("## Go\n```sh\nls\n", None),
+], ids=["block", "after-another-fence", "no-heading", "block-under-the-next-heading", "unclosed"])
+def test_the_block_is_found_under_its_heading_only(text: str, want: str | None) -> None:
+    assert sh_block_under(text, lambda ln: ln == "## Go") == want
+
+
+def test_the_readme_shows_the_quick_start_of_the_docs_unchanged() -> None:
+    readme = sh_block_under(README.read_text(), lambda ln: "quick start" in ln.lower())
+    if readme is None:
+        pytest.skip("the README has no ```sh block under a quick start heading")
+    assert readme == page_block(), f"README.md's quick start block differs from {PAGE.relative_to(ROOT)}'s: copy it"
 
 
 def test_the_quick_start_block_is_what_this_test_runs() -> None:

@@ -74,3 +74,13 @@ def test_a_broken_link_fails_the_build(tmp_path: Path, link: str, said: str) -> 
     done = _build(tmp_path, tmp_path / "site")
     assert done.returncode != 0
     assert said in done.stderr
+
+
+def test_the_readme_is_a_landing_page() -> None:
+    """At most 200 lines, the quick start in its first 80, and every link into docs/ pointing at a page."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the rest into docs/"
+    assert any("quick start" in ln.lower() for ln in lines[:80] if ln.startswith("#")), "no quick start in 80 lines"
+    targets = re.findall(r"\]\((docs/[^)#]+)", "\n".join(lines))
+    assert targets, "the README links the docs"
+    assert [t for t in targets if not (ROOT / t).is_file()] == []

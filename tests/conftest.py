@@ -21,7 +21,15 @@ def pg() -> Iterator[PgCluster]:
         cluster.stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the PostgreSQL server (``pg``, itself or through ``db_url``) is marked ``postgresql``:
+    ``./scripts/test --fast`` runs the store's tests on SQLite only."""
+    for item in items:
+        if "pg" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.postgresql)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "tensora.db")

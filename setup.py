@@ -17,7 +17,8 @@ wheel .``) saw them missing, so their classes became ``Any``, and ``strict``'s "
 - reports errors only in the modules it compiles (``--follow-imports=silent``): Tensora's other modules are read
   for their types, not judged; the full check (``mypy``, run by the test command with every dependency) holds them;
 - in the compiled modules, lets ``Any`` where only a dependency's missing types put it (``_ANY_FROM_DEPENDENCIES``):
-  subclassing it, returning it, decorating with it. Every other rule of the project's config holds.
+  returning it, decorating with it. Every other rule of the project's config holds; subclassing a dependency's
+  class is refused (no compiled class may).
 
 ``Any`` costs mypyc nothing where it matters: a third-party object is a Python object either way (an attribute or
 call through the C API), and a value returned as ``Any`` into a declared type is checked once at the boundary.
@@ -53,13 +54,15 @@ BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "ins
 """Commands that build; the others (egg_info, dist_info, sdist) need no type check and no compile."""
 
 _ANY_FROM_DEPENDENCIES = {
-    "disallow_subclassing_any": False,
     "warn_return_any": False,
     "disallow_untyped_decorators": False,
     "disallow_any_unimported": False,
 }
 """The rules relaxed in the compiled modules for the build's check only: each is broken only by a dependency's
-types the build does not see (``GatewayCollector(Collector)``, ``return orjson.dumps(...)``)."""
+types the build does not see (``return orjson.dumps(...)``). Not ``disallow_subclassing_any``: a compiled class
+built on a dependency's class, ``Any`` here, compiles to an extension class that crashes the interpreter when
+called (seen: ``GatewayCollector(prometheus_client.Collector)``), so the check refuses it and the group stays pure,
+said by ``why_pure``."""
 
 
 def _say(text: str) -> None:

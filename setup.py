@@ -26,7 +26,7 @@ Measured: the same sources compile with or without the dependencies installed (t
 one), and ``tensora plan`` ran the same bytes. Rejected: the typed dependencies in ``[build-system].requires``
 (pydantic, SQLAlchemy, httpx, redis, prometheus-client, orjson, fastapi, uvloop... the imports the compiled modules
 reach): every install downloads and unpacks them once more for the build, pinned apart from the runtime's own
-ranges, and the target environment's packages still come first on mypy's path, so the check would still differ by
+ranges, and the target environment's packages would still be on mypy's path, so the check would still vary with
 what is installed.
 """
 

@@ -22,12 +22,15 @@ wheel .``) saw them missing, so their classes became ``Any``, and ``strict``'s "
 
 ``Any`` costs mypyc nothing where it matters: a third-party object is a Python object either way (an attribute or
 call through the C API), and a value returned as ``Any`` into a declared type is checked once at the boundary.
-Measured: the same sources compile with or without the dependencies installed (the test command's venv and a bare
-one), and ``tensora plan`` ran the same bytes. Rejected: the typed dependencies in ``[build-system].requires``
-(pydantic, SQLAlchemy, httpx, redis, prometheus-client, orjson, fastapi, uvloop... the imports the compiled modules
-reach): every install downloads and unpacks them once more for the build, pinned apart from the runtime's own
-ranges, and the target environment's packages would still be on mypy's path, so the check would still vary with
-what is installed.
+Measured (2026-12-07, 2 shared cores): ``tensora plan`` of 5,000 workloads on 500 nodes over 90 minutes, this
+build against the earlier one that saw the dependencies' types, six runs each alternated: the same bytes, min
+1.49 s vs 1.52 s, median 2.06 vs 2.05 s (from source 4.6 s); ``pip install -e '.[local]'`` into a fresh venv,
+downloads and both compiles, 4m46s-5m15s (tests/e2e/test_install_compiled.py).
+
+Rejected: the typed dependencies in ``[build-system].requires`` (pydantic, SQLAlchemy, httpx, redis,
+prometheus-client, orjson, fastapi, uvloop... the imports the compiled modules reach): every install downloads and
+unpacks them once more for the build, pinned apart from the runtime's own ranges, and the target environment's
+packages would still be on mypy's path, so the check would still vary with what is installed.
 """
 
 from __future__ import annotations

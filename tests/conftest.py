@@ -29,6 +29,17 @@ def pg() -> Iterator[PgCluster]:
         cluster.stop()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the session's PostgreSQL server is marked ``postgresql``: one that asks for ``pg``, or one
+    parametrized with ``"postgresql"`` (``db_url``, and the tests and fixtures that choose their backend so);
+    ``./scripts/test --fast`` runs the store's tests on SQLite only. A test with its own server marks itself."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        if "pg" in getattr(item, "fixturenames", ()) or any(p == "postgresql" for p in params):
+            item.add_marker(pytest.mark.postgresql)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":

@@ -68,7 +68,9 @@ the end of such a block raises again whatever exception the thread holds, which 
 request's."""
 
 MANIFEST = "_native_build.json"
-"""Written by the build next to this file: ``{"sources": {module: sha256 of its source}}``."""
+"""Written by the build next to this file: ``{"sources": {module: sha256 of its source}, "pure": {group: why}}``:
+what it compiled, and why it left each other group pure (no compiler, ``TENSORA_PURE``, mypyc's refusal, a failed
+C compile)."""
 
 PURE_ENV = "TENSORA_PURE"
 """Set (to anything but empty or ``0``) to run the pure Python modules although a build is there."""
@@ -113,16 +115,31 @@ def no_compiler() -> str | None:
     return None
 
 
+def _record() -> dict[str, object] | None:
+    """The build's manifest (:data:`MANIFEST`), ``None`` where it is missing or not a JSON object."""
+    try:
+        record = json.loads((_ROOT / "tensora" / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def why_pure(group: str = ADMISSION) -> str | None:
     """Why ``group`` runs from source (``None``: it runs compiled)."""
     modules = GROUPS[group]
+    record = _record()
     if not any(built(m) for m in modules):
-        return "not compiled (no C compiler at install, or TENSORA_PURE set then)"
+        if record is None:
+            return "not compiled (no record of a build: a source tree never installed, or an older Tensora's)"
+        said = record.get("pure")
+        why = said.get(group) if isinstance(said, dict) else None
+        if isinstance(why, str):
+            return f"not compiled at install: {why}"
+        return "not compiled (the build compiled it, but its extension files are gone)"
     if os.environ.get(PURE_ENV, "") not in ("", "0"):
         return f"{PURE_ENV} is set"
-    try:
-        sources = json.loads((_ROOT / "tensora" / MANIFEST).read_text())["sources"]
-    except (OSError, ValueError, KeyError, TypeError):
+    sources = record.get("sources") if record is not None else None
+    if not isinstance(sources, dict):
         return f"the build's manifest ({MANIFEST}) is missing or unreadable"
     for module in modules:
         if built(module) is None:

@@ -124,6 +124,7 @@ def own_pg() -> Iterator[PgCluster]:
         cluster.stop()
 
 
+@pytest.mark.postgresql
 def test_postgres_down_answers_503_quickly_and_recovers(own_pg: PgCluster, make: Callable[..., Stack]) -> None:
     s = make(own_pg.new_database())
     with serving(s.app) as live, client(live, s) as c:

@@ -55,6 +55,19 @@ def _none_built(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (root / "pkg" / f"{name}{EXT}").unlink()
 
 
+def _left_pure_by_the_build(why: str) -> Callable[[Path, pytest.MonkeyPatch], None]:
+    """A pure build: no extension of the group, and the manifest says why (as setup.py writes it)."""
+    def change(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        _none_built(root, monkeypatch)
+        (root / "tensora" / native.MANIFEST).write_text(json.dumps({"sources": {}, "pure": {"g": why}}))
+    return change
+
+
+def _none_built_nor_recorded(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _none_built(root, monkeypatch)
+    _no_manifest(root, monkeypatch)
+
+
 def _pure_asked(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.PURE_ENV, "1")
 
@@ -70,7 +83,16 @@ CASES: dict[str, tuple[Callable[[Path, pytest.MonkeyPatch], None], str | None]] 
     "no manifest": (_no_manifest, "manifest (_native_build.json) is missing or unreadable"),
     "a manifest that is not JSON": (_garbled_manifest, "manifest (_native_build.json) is missing or unreadable"),
     "one module of the group not built": (_b_not_built, "pkg.b was not compiled"),
-    "nothing of the group built": (_none_built, "not compiled"),
+    "nothing of the group built, though the build compiled it": (_none_built, "its extension files are gone"),
+    "left pure at install: no compiler": (_left_pure_by_the_build("no C compiler (cc)"),
+                                          "not compiled at install: no C compiler (cc)"),
+    "left pure at install: mypyc refused the group": (
+        _left_pure_by_the_build("mypyc refused it: src/x.py:3: error: Name 'y' is not defined"),
+        "not compiled at install: mypyc refused it: src/x.py:3: error"),
+    "left pure at install: TENSORA_PURE then": (_left_pure_by_the_build("TENSORA_PURE was set at install"),
+                                                "not compiled at install: TENSORA_PURE was set at install"),
+    "nothing built and no record of a build (a source tree)": (_none_built_nor_recorded,
+                                                               "not compiled (no record of a build"),
     "TENSORA_PURE set": (_pure_asked, "TENSORA_PURE is set"),
 }
 
@@ -129,3 +151,12 @@ def test_every_compiled_module_is_a_source_of_the_package() -> None:
     for modules in native.GROUPS.values():
         for module in modules:
             assert native.source(module).is_file(), module
+
+
+def test_a_group_left_pure_at_install_runs_from_source_silently(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _left_pure_by_the_build("no C compiler (cc)")(tree, monkeypatch)
+    finder = native._FromSource()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the install said it; every import need not
+        spec = finder.find_spec("pkg.a", None)
+    assert spec is not None and spec.origin == str(tree / "pkg" / "a.py")

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from tensora.gateway.proxy import Gateway
@@ -197,8 +196,10 @@ class GatewayMetrics:
         return requests, ttft, latency
 
 
-class GatewayCollector(Collector):
-    """The families of one gateway: its counts, and its breakers, spool and prober as they are now."""
+class GatewayCollector:
+    """The families of one gateway: its counts, and its breakers, spool and prober as they are now. A
+    prometheus-client ``Collector`` by its ``collect`` (a protocol): a compiled class subclasses no dependency's
+    class (the build sees dependencies as ``Any``, and mypyc's class built on ``Any`` crashed at run time)."""
 
     def __init__(self, gw: Gateway, m: GatewayMetrics, clock: Callable[[], float]) -> None:
         self.gw, self.m, self.clock = gw, m, clock

@@ -421,7 +421,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
         node = services.controller.driver.nodes()[0]
         admin_runs_the_node(services.db, node, services.clock.now())
         print(f"this machine as node {node.name}: {offered(node)}; "
-              f"{running_phrase(settings.owner_defaults().quotas)} (the admin owner: the whole node)", flush=True)
+              f"{running_phrase(settings.owner_defaults().quotas, bool(node.gpus))} (the admin owner: the whole "
+              "node)", flush=True)
         for note in gpu_notes(node, services.controller.catalog):
             print(f"  note: {note}", flush=True)
         print(describe_isolation(services.isolation or "", services.isolation_reason), flush=True)
@@ -485,7 +486,9 @@ def admin_runs_the_node(db: Database, node: Node, now: float) -> bool:
     """``tensora up``: the machine's operator (owner ``admin``) may run the whole node, while every other owner
     gets the node's share (``quotas.for_node``). Written as the admin owner's own running quotas, shown by ``GET
     /v1/owners/admin`` and changed as any owner's are, once, where an admin has not set them; whether it wrote."""
-    whole = {"running_cpu": node.cpu, "running_gpus": sum(node.gpus.values())}
+    whole: dict[str, float] = {"running_cpu": node.cpu}
+    if node.gpus:  # none: the GPU quota is left as it is (``quotas.for_node``)
+        whole["running_gpus"] = sum(node.gpus.values())
     with db.write() as conn:
         row = repo.owner_for_update(conn, ADMIN_OWNER, now)
         if any(name in (row["quotas"] or {}) for name in whole):

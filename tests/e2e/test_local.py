@@ -178,7 +178,7 @@ except OSError as e:
 def put_file(m: dict[str, Any], name: str, size: int) -> httpx.Response:
     """A file of ``size`` bytes written into the notebook's home by JupyterLab itself (its contents API)."""
     body = {"type": "file", "format": "base64", "content": base64.b64encode(os.urandom(size)).decode()}
-    return httpx.put(f"http://127.0.0.1:{m['port']}/api/contents/{name}", params={"token": m["token"]},
+    return httpx.put(f"http://{m['address']}:{m['port']}/api/contents/{name}", params={"token": m["token"]},
                      json=body, timeout=60)
 
 

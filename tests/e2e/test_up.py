@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow
 START_DEADLINE_S = 60.0
 SMALL_MACHINE = "node: {name: box, cpu: 2, memory: 24Gi, gpus: {}}\ntick_s: 1\n"  # this machine's size, declared
 NODE_LINE = ("this machine as node box: 2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; "
-             "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs; each owner may run 4 vCPU and 0 GPUs at once (the admin "
-             "owner: the whole node)")
+             "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs; each owner may run 4 vCPU at once (the admin owner: the "
+             "whole node)")
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -172,7 +172,7 @@ def test_the_banner_names_node_dashboard_and_gateway_and_a_clean_start_warns_of_
                             timeout=10).json()
             return got["quotas"]["running_cpu"], got["quotas"]["running_gpus"]
 
-        assert (running("alice"), running("admin")) == ((4, 0), (8, 0))
+        assert (running("alice"), running("admin")) == ((4, 2), (8, 2))  # GPUs: none to bound
         assert up.interrupt() == 0, up.output()
     assert up.stdout().splitlines()[-1] == "stopped the API and gateway; no workloads are running"
     assert "Traceback" not in up.output()

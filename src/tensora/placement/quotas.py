@@ -94,20 +94,24 @@ def for_node(quotas: Quotas, node: Node, catalog: Catalog) -> Quotas:
     not set them: half the node's vCPUs and GPUs, so that one owner cannot hold the whole machine (the fixed
     defaults, 32 vCPU and 2 GPUs, exceed a small node), but at least the smallest class of each kind the node
     can run, so that every owner can run something (one GPU on a one-GPU machine). A class larger than half the
-    node then needs an admin's quota for its owner. No GPUs on the node: 0."""
+    node then needs an admin's quota for its owner. No GPUs on the node: ``running_gpus`` as it was (a quota of
+    nothing bounds nothing, and a GPU class's reason stays that none is there, not a quota)."""
     update: dict[str, Any] = {}
     if "running_cpu" not in quotas.model_fields_set:
         cores = node.cores if node.cores is not None else node.cpu
         fitting = [c.cpu for c in catalog.cpu_classes if c.cpu <= min(node.cpu, cores) and c.memory <= node.memory]
         update["running_cpu"] = max(node.cpu / 2, min(fitting, default=0.0))
-    if "running_gpus" not in quotas.model_fields_set:
+    if "running_gpus" not in quotas.model_fields_set and node.gpus:
         fitting_gpus = [c.gpu_count for c in catalog.values() if c.gpu_model is not None
                         and c.gpu_count <= node.gpus.get(c.gpu_model, 0) and c.memory <= node.memory]
         update["running_gpus"] = max(sum(node.gpus.values()) // 2, min(fitting_gpus, default=0))
     return quotas.model_copy(update=update) if update else quotas
 
 
-def running_phrase(quotas: Quotas) -> str:
-    """``each owner may run 4 vCPU and 0 GPUs at once``: what the banner says of the running quotas."""
+def running_phrase(quotas: Quotas, node_has_gpus: bool = True) -> str:
+    """``each owner may run 16 vCPU and 1 GPU at once``: what the banner says of the running quotas (of GPUs only
+    where the node has any)."""
+    if not node_has_gpus:
+        return f"each owner may run {quotas.running_cpu:g} vCPU at once"
     gpus = "1 GPU" if quotas.running_gpus == 1 else f"{quotas.running_gpus} GPUs"
     return f"each owner may run {quotas.running_cpu:g} vCPU and {gpus} at once"

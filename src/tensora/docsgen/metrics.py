@@ -53,13 +53,12 @@ def _controller() -> str:
 
 
 def _gateway() -> str:
-    from tensora.gateway.metrics import GatewayCollector, GatewayMetrics
-    from tensora.gateway.proxy import Gateway
+    from tensora.gateway.metrics import GatewayCollector, GatewayMetrics, Watched
 
     # a gateway as the collector reads it, with a usage spool and a prober: every family it can yield
     meter = SimpleNamespace(batches=list, sent=0, failures=0, dropped=0, bad=0)
     gw = SimpleNamespace(breakers={}, meter=meter, prober=SimpleNamespace(ok=0, failed=0))
-    return _table(GatewayCollector(cast(Gateway, gw), GatewayMetrics(), lambda: 0.0))
+    return _table(GatewayCollector(cast(Watched, gw), GatewayMetrics(), lambda: 0.0))
 
 
 def _local() -> str:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from tensora.gateway.proxy import Gateway
+    from tensora.gateway.breaker import Breaker
+    from tensora.gateway.metering import Meter
 
 log = logging.getLogger("tensora.gateway")
 
@@ -48,6 +49,20 @@ class ProbeCounts(Protocol):
 
     ok: int
     failed: int
+
+
+class Watched(Protocol):
+    """What the collector reads of a gateway (``proxy.Gateway``): a protocol, so that compiled code checks no
+    class at the door and anything of this shape serves (the docs' generator hands it a stand-in)."""
+
+    @property
+    def breakers(self) -> dict[str, Breaker]: ...
+
+    @property
+    def meter(self) -> Meter | None: ...
+
+    @property
+    def prober(self) -> ProbeCounts | None: ...
 
 
 def trigger(marker: str) -> str | None:
@@ -201,7 +216,7 @@ class GatewayCollector:
     prometheus-client ``Collector`` by its ``collect`` (a protocol): a compiled class subclasses no dependency's
     class (the build sees dependencies as ``Any``, and mypyc's class built on ``Any`` crashed at run time)."""
 
-    def __init__(self, gw: Gateway, m: GatewayMetrics, clock: Callable[[], float]) -> None:
+    def __init__(self, gw: Watched, m: GatewayMetrics, clock: Callable[[], float]) -> None:
         self.gw, self.m, self.clock = gw, m, clock
 
     def collect(self) -> Iterator[Metric]:

@@ -6,6 +6,7 @@ uploads at once), and the CLI uploading a model directory, then listing it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -249,9 +250,14 @@ def test_two_uploads_at_once_cannot_both_take_the_last_room(files: Files) -> Non
 
 
 def in_flight(files: Files, owner: str) -> int:
-    """Bytes the owner's uploads in flight have on disk now (their temp files)."""
+    """Bytes the owner's uploads in flight have on disk now (their temp files; one that ends between the listing
+    and its size counts nothing)."""
     top = owner_dir(files.storage.root, owner)
-    return sum(p.stat().st_size for p in top.glob(".upload-*")) if top.exists() else 0
+    total = 0
+    for p in top.glob(".upload-*") if top.exists() else ():
+        with contextlib.suppress(FileNotFoundError):
+            total += p.stat().st_size
+    return total
 
 
 class HeldUpload:

@@ -6,21 +6,20 @@ renders."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
-from tests.e2e.test_dashboard import CHROMIUM, FLAGS, WAIT_MS
+from tests.e2e.test_dashboard import WAIT_MS, browser
 from tests.support.services import serving
 from tests.support.stack import stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 playwright_api = pytest.importorskip("playwright.sync_api")
+__all__ = ["browser"]  # the fixture, shared
 expect = playwright_api.expect
 
 
@@ -30,21 +29,6 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     s = stack(str(tmp / "tensora.db"), tmp)
     with serving(s.app) as live:
         yield live.url
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: ./scripts/test installs Debian's chromium")
-    home = tmp_path_factory.mktemp("chromium-home")
-    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / "config"),
-           "XDG_CACHE_HOME": str(home / "cache")}
-    with playwright_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, chromium_sandbox=False, args=FLAGS, env=env)
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 class Offline:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.services import free_port
+from tests.support.services import free_port, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -64,12 +63,7 @@ def serving(tmp_path: Path, *, single: bool = False, **settings: str) -> Iterato
             time.sleep(0.2)
         yield Api(url, port, (data / "admin-key").read_text().strip(), data)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def connect(api: Api, source: str = "127.0.0.1") -> socket.socket:

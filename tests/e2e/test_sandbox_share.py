@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from tensora.config.settings import ServeSettings
 from tensora.sandbox import network
 from tensora.serve import sandbox_forwards
 from tests.e2e.test_up import SMALL_MACHINE, _env, _launch
-from tests.support.services import free_port, sweep
+from tests.support.services import free_port, stop, sweep
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(t) for t in ("pasta", "nsenter")),
@@ -142,12 +141,7 @@ def test_the_single_process_api_counts_its_sandboxes_apart(tmp_path: Path) -> No
             assert extra.startswith("HTTP/1.1 503"), extra
             assert host_get(port, key) == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @pytest.mark.parametrize("mode", [["--no-controller"], []], ids=["one process", "workers beside the controller"])

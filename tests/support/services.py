@@ -12,6 +12,7 @@ import contextlib
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -198,3 +199,12 @@ def unmount_under(root: Path) -> None:
     for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
         subprocess.run(["umount", "-l", point], capture_output=True, check=False)
 
+
+def stop(proc: subprocess.Popen[Any]) -> int:
+    """SIGTERM ``proc`` and wait for it (30 s), then SIGKILL; its exit code."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

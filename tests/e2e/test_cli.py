@@ -247,11 +247,11 @@ def test_login_saves_a_private_profile_that_later_commands_use(cli: Cli) -> None
 
 def test_login_on_this_machine_finds_the_admin_key_of_tensora_up(cli: Cli) -> None:
     data, cfg = cli.tmp / "data", cli.tmp / "profiles-local.json"
-    r = cli("login", "--profile", "here", TENSORA_API_KEY="", TENSORA_DATA_DIR=str(data), TENSORA_CONFIG=str(cfg),
-            stdin="tsk_never-read\n")
+    r = cli("login", "--profile", "here", TENSORA_API_KEY="", TENSORA_DATA_DIR=str(data), TENSORA_CONFIG=str(cfg))
     assert f"with the admin key in {data / 'admin-key'}" in r.stdout and cli.admin not in r.stdout + r.stderr
+    assert "made current" in r.stdout
     assert json.loads(cfg.read_text())["profiles"]["here"]["api_key"] == cli.admin
-    # a data dir without one: the prompt (stdin here), as before
+    # a data dir without one, and nothing piped in: no key
     r = cli("login", code=2, TENSORA_API_KEY="", TENSORA_CONFIG=str(cfg), stdin="\n")
     assert "no API key given" in r.stderr
     # an API elsewhere (not a loopback address): the local key is not offered to it
@@ -264,6 +264,23 @@ def test_login_on_this_machine_finds_the_admin_key_of_tensora_up(cli: Cli) -> No
     (other / "admin-key").write_text("tsk_5KEdT7TvpN2hwH4SSDKEfcA1m0C6KhFj3IpWR9\n")
     r = cli("login", code=1, TENSORA_API_KEY="", TENSORA_DATA_DIR=str(other), TENSORA_CONFIG=str(cfg))
     assert f"the API refused the key in {other / 'admin-key'}" in r.stderr and "401" in r.stderr
+
+
+def test_login_takes_the_key_as_its_own_option_or_piped_in_over_the_admin_key(cli: Cli) -> None:
+    data, cfg = cli.tmp / "data", cli.tmp / "profiles-piped.json"
+    ada = cli.json("keys", "create", "--owner", "ada", "--name", "ada")["key"]
+    env = {"TENSORA_API_KEY": "", "TENSORA_DATA_DIR": str(data), "TENSORA_CONFIG": str(cfg)}
+    r = cli("login", "--api-key", ada, "--profile", "flag", **env)
+    assert f"(...{ada[-4:]}); profile 'flag' saved" in r.stdout and ada not in r.stdout + r.stderr
+    saved = json.loads(cfg.read_text())
+    assert saved["profiles"]["flag"]["api_key"] == ada and saved["current"] == "flag"
+    # piped in, it wins over the admin key this machine's data dir holds
+    r = cli("login", "--profile", "piped", stdin=f"{ada}\n", **env)
+    assert "admin key" not in r.stdout and json.loads(cfg.read_text())["profiles"]["piped"]["api_key"] == ada
+    # the profile just made current is what later commands use: ada's key sees only ada's workloads
+    assert cli.json("workloads", "list", TENSORA_API_KEY="", TENSORA_API_URL="", TENSORA_CONFIG=str(cfg))["data"] == []
+    r = cli("login", "--api-key", "tsk_wrong", "--profile", "bad", code=1, **env)
+    assert "refused the key" in r.stderr and "bad" not in json.loads(cfg.read_text())["profiles"]
 
 
 ERRORS = {  # args -> what the error must say: the flag typed, and the API's field

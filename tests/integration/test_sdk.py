@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from tensora import AsyncClient, Client
 from tensora.apikeys import digest
+from tensora.cli import profile
 from tensora.clock import FakeClock
 from tensora.control.spec import WorkloadSpec
 from tensora.sdk import (
@@ -460,6 +461,44 @@ def test_owners_settings_through_the_sdk(sqlite_api: Api) -> None:
             assert got.overridden == ["quotas.storage_bytes"]
 
     asyncio.run(main())
+
+
+def test_the_client_finds_its_key_as_the_cli_does_and_a_401_says_where_it_looked(
+        sqlite_api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    api, cfg = sqlite_api, tmp_path / "profiles.json"
+    for name in ("TENSORA_API_KEY", "TENSORA_API_URL", "TENSORA_GATEWAY_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TENSORA_CONFIG", str(cfg))
+    with Client(base_url=api.url) as c, pytest.raises(AuthenticationError) as nothing:
+        c.list_workloads()
+    assert "no API key" in str(nothing.value) and str(cfg) in str(nothing.value)
+    # the profile `tensora login` saved and made current: its key and its URLs
+    profile.save("work", api.url, api.stack.alice, "http://127.0.0.1:8799")
+    with Client() as c:
+        assert (c.base_url, c.gateway_url) == (api.url, "http://127.0.0.1:8799")
+        assert [w.owner for w in c.list_workloads().data] == []
+        c.create_workload("notebook", "mine", "l40s-48gb")
+        assert [w.owner for w in c.list_workloads().data] == ["alice"]
+    # another API's URL: the profile's key is not sent there, and the 401 says why
+    with Client(base_url=api.url + "/") as same:
+        assert same.api_key == api.stack.alice
+    with Client(base_url="http://127.0.0.1:1") as elsewhere:
+        assert elsewhere.api_key is None and f"is for {api.url}" in elsewhere.key_source
+    # the environment's key wins over the profile's, as in the CLI; a wrong one's 401 names it
+    monkeypatch.setenv("TENSORA_API_KEY", "tns_not-a-real-key")
+    with Client(base_url=api.url) as c, pytest.raises(AuthenticationError) as wrong:
+        c.list_workloads()
+    assert "the key came from TENSORA_API_KEY" in str(wrong.value)
+
+
+@pytest.mark.parametrize(("group_by", "want"), [("placed_class", ["placed_class"]),
+                                                ("placed_class,day", ["placed_class", "day"]),
+                                                (["owner", "kind"], ["owner", "kind"]),
+                                                (("placed_class", "day"), ["placed_class", "day"])],
+                         ids=["one name", "names with commas", "a list", "a tuple"])
+def test_usage_groups_by_a_name_or_a_list_of_names(sqlite_api: Api, group_by: Any, want: list[str]) -> None:
+    with Client(sqlite_api.stack.alice, sqlite_api.url) as c:
+        assert c.usage(group_by=group_by).group_by == want
 
 
 def test_the_openai_helper_points_at_the_gateway_with_this_key() -> None:

@@ -16,17 +16,9 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
-import platformdirs
-
 from tensora.errors import ConfigError
-
-
-def config_path() -> Path:
-    env = os.environ.get("TENSORA_CONFIG")
-    return Path(env) if env else Path(platformdirs.user_config_dir("tensora")) / "profiles.json"
 
 
 @dataclass(frozen=True)
@@ -37,24 +29,13 @@ class Target:
     profile: str
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {"current": "default", "profiles": {}}
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the profile file: {exc}", source=str(path)) from None
-    if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
-        raise ConfigError("not a profile file: expected {'current': ..., 'profiles': {...}}", source=str(path))
-    return data
-
-
 def resolve(api_url: str | None, api_key: str | None, gateway_url: str | None, profile: str | None) -> Target:
     """Flags (already merged with env by typer) over the profile over the defaults."""
     from tensora.sdk.client import DEFAULT_API_URL, DEFAULT_GATEWAY_URL  # the SDK only where a command calls it
+    from tensora.sdk.profiles import config_path, read_profiles
 
     path = config_path()
-    data = _read(path)
+    data = read_profiles(path)
     name = profile or data.get("current") or "default"
     saved = data["profiles"].get(name)
     if profile is not None and saved is None:
@@ -68,8 +49,10 @@ def resolve(api_url: str | None, api_key: str | None, gateway_url: str | None, p
 
 def save(name: str, api_url: str, api_key: str, gateway_url: str) -> Path:
     """Write (or replace) profile ``name`` and make it the current one; returns the file."""
+    from tensora.sdk.profiles import config_path, read_profiles
+
     path = config_path()
-    data = _read(path)
+    data = read_profiles(path)
     data["profiles"][name] = {"api_url": api_url, "api_key": api_key, "gateway_url": gateway_url}
     data["current"] = name
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -122,10 +122,12 @@ def catalog() -> Call[CatalogOut]:
     return Call("GET", "/v1/catalog", CatalogOut.model_validate)
 
 
-def usage(group_by: Iterable[str] = ("placed_class",), since: float | None = None, until: float | None = None,
+def usage(group_by: str | Iterable[str] = ("placed_class",), since: float | None = None, until: float | None = None,
           owner: str | None = None) -> Call[UsageOut]:
+    """``group_by``: one dimension (``"placed_class"``), several comma-separated, or a list of them."""
+    groups = group_by if isinstance(group_by, str) else ",".join(group_by)
     return Call("GET", "/v1/usage", UsageOut.model_validate,
-                params=_params(group_by=",".join(group_by), since=since, until=until, owner=owner))
+                params=_params(group_by=groups, since=since, until=until, owner=owner))
 
 
 def token_usage(since: float | None = None, until: float | None = None) -> Call[TokenUsageOut]:

@@ -1,7 +1,7 @@
 """``Client`` and ``AsyncClient``: every control API route as a typed method, with safe retries.
 
     from tensora import Client
-    with Client() as tensora:                     # TENSORA_API_URL, TENSORA_API_KEY
+    with Client() as tensora:   # TENSORA_API_URL, TENSORA_API_KEY, else the profile `tensora login` saved
         nb = tensora.create_workload("notebook", "nb", "l40s-48gb", fallback=["cpu"], fallback_after="10m")
         nb = tensora.wait_until(nb.id, timeout=900, on_change=lambda w: print(w.state, w.reason))
 
@@ -20,6 +20,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 from urllib.parse import quote
@@ -39,6 +40,7 @@ from tensora.sdk.errors import (
     WorkloadEndedError,
     for_status,
 )
+from tensora.sdk.profiles import config_path, current_profile
 from tensora.sdk.retry import RetryBudget, RetryPolicy, Stop, decide
 from tensora.storage import FileList, FileOut
 
@@ -49,15 +51,50 @@ DEFAULT_GATEWAY_URL = "http://127.0.0.1:8701"
 ATTEMPT_HEADER = "X-Tensora-Attempt"
 
 
+@dataclass(frozen=True)
+class _Settings:
+    api_key: str | None
+    api_url: str
+    gateway_url: str
+    key_source: str
+    """Where the key came from (or where none was found), said in a 401's message."""
+
+
+def _find_settings(api_key: str | None, api_url: str | None, gateway_url: str | None,
+                   env: Mapping[str, str]) -> _Settings:
+    """Each setting from the argument, else ``TENSORA_*`` in the environment, else the CLI's current profile (the
+    one ``tensora login`` saved last), else the one-machine default: the CLI's order. The profile's key is taken
+    only with its own API URL (none given, or the same one), so it is never sent to another server."""
+    url = api_url or env.get("TENSORA_API_URL")
+    gateway = gateway_url or env.get("TENSORA_GATEWAY_URL")
+    if api_key is not None:
+        key, source = api_key, "the key came from the api_key argument"
+    elif env.get("TENSORA_API_KEY"):
+        key, source = env["TENSORA_API_KEY"], "the key came from TENSORA_API_KEY"
+    else:
+        key = None
+        saved = current_profile()
+        same_api = saved is not None and (url is None or url.rstrip("/") == (saved.api_url or "").rstrip("/"))
+        if saved is not None and saved.api_key and same_api:
+            key, source = saved.api_key, f"the key came from profile {saved.name!r} in {saved.path}"
+            url, gateway = url or saved.api_url, gateway or saved.gateway_url
+        else:
+            where = (f"profile {saved.name!r} in {saved.path} is for {saved.api_url}" if saved is not None
+                     and saved.api_key else f"no profile with a key in {config_path()}")
+            source = f"no API key: none passed as api_key, TENSORA_API_KEY is unset, and {where}; run tensora login"
+    return _Settings(key, (url or DEFAULT_API_URL).rstrip("/"), (gateway or DEFAULT_GATEWAY_URL).rstrip("/"),
+                     source)
+
+
 class _Base:
     """What both clients share: settings, headers, reading answers, and the retry decision."""
 
     def __init__(self, api_key: str | None, base_url: str | None, *, timeout: float, max_retries: int,
                  policy: RetryPolicy | None, budget: RetryBudget | None, rng: random.Random | None,
                  clock: Callable[[], float], gateway_url: str | None) -> None:
-        self.api_key = api_key if api_key is not None else os.environ.get("TENSORA_API_KEY")
-        self.base_url = (base_url or os.environ.get("TENSORA_API_URL") or DEFAULT_API_URL).rstrip("/")
-        self.gateway_url = (gateway_url or os.environ.get("TENSORA_GATEWAY_URL") or DEFAULT_GATEWAY_URL).rstrip("/")
+        found = _find_settings(api_key, base_url, gateway_url, os.environ)
+        self.api_key, self.base_url, self.gateway_url = found.api_key, found.api_url, found.gateway_url
+        self.key_source = found.key_source
         self.policy = policy or RetryPolicy(max_retries=max_retries)
         self.budget = budget or RetryBudget(clock=clock)
         self.timeout = httpx.Timeout(timeout, connect=min(timeout, 5.0))
@@ -83,7 +120,10 @@ class _Base:
             self.budget.success()
             return call.parse(None)
         if response.status_code >= 400:
-            raise self._status_error(response, rid)
+            error = self._status_error(response, rid)
+            if response.status_code == 401:
+                error.message = f"{error.message} ({self.key_source})"
+            raise error
         if response.status_code == 204:
             self.budget.success()
             return call.parse(None)
@@ -255,7 +295,7 @@ class Client(_Base):
     def catalog(self) -> Catalog:
         return self.run(calls.catalog())
 
-    def usage(self, group_by: Iterable[str] = ("placed_class",), since: float | None = None,
+    def usage(self, group_by: str | Iterable[str] = ("placed_class",), since: float | None = None,
               until: float | None = None, owner: str | None = None) -> Usage:
         return self.run(calls.usage(group_by, since, until, owner))
 
@@ -482,7 +522,7 @@ class AsyncClient(_Base):
     async def catalog(self) -> Catalog:
         return await self.run(calls.catalog())
 
-    async def usage(self, group_by: Iterable[str] = ("placed_class",), since: float | None = None,
+    async def usage(self, group_by: str | Iterable[str] = ("placed_class",), since: float | None = None,
                     until: float | None = None, owner: str | None = None) -> Usage:
         return await self.run(calls.usage(group_by, since, until, owner))
 

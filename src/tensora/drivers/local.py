@@ -51,7 +51,6 @@ owner's replicas, as processes, and fails every other owner's with the reason.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 import signal
@@ -81,8 +80,6 @@ from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import Device, Runc, host_device
 from tensora.sandbox.host import NvidiaDriver
 from tensora.sandbox.host import nvidia_driver as find_nvidia_driver
-
-log = logging.getLogger("tensora.drivers.local")
 
 STOP_GRACE_S = 10.0
 """How long a replica asked to stop has before every process of it is killed."""

@@ -29,7 +29,9 @@ from tensora import apikeys, replicakeys
 from tensora.config.catalog import default_catalog
 from tensora.drivers import homes
 from tensora.drivers.base import ReplicaSpec
-from tensora.drivers.local import LocalDriver, qmp
+from tensora.drivers.local import LocalDriver
+from tensora.drivers.qmp import qmp
+from tensora.drivers.record import ReplicaRecord
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.models import runtimes
@@ -216,7 +218,7 @@ def test_a_notebook_whose_home_cannot_be_mounted_is_measured_and_stopped_past_it
     driver = LocalDriver(tmp_path / "data", NODE, CATALOG, home_size=4 * 2**20)
     cannot = mock.patch("tensora.drivers.homes.mount", side_effect=homes.NoBound("mounting a home needs root"))
     try:
-        with cannot, mock.patch("tensora.drivers.local.HOME_CHECK_S", 0.0):
+        with cannot, mock.patch("tensora.drivers.notebooks.HOME_CHECK_S", 0.0):
             driver.start(replica("measured", WorkloadKind.NOTEBOOK))
             assert wait_for(driver, rid("measured"), {ReplicaState.RUNNING, ReplicaState.FAILED}).state is (
                 ReplicaState.RUNNING)
@@ -522,8 +524,8 @@ def test_a_vm_on_a_gpu_class_gets_its_gpu_by_vfio_passthrough(
                     devfs=tmp_path / "dev")
     spec = replica("vf", WorkloadKind.VM, "l40s-48gb")
     if error is None:
-        with mock.patch("tensora.drivers.local.kvm_usable", return_value=True):
-            launch, devices = d._launch(spec, {}, sandboxed=True)
+        with mock.patch("tensora.drivers.vms.kvm_usable", return_value=True):
+            launch, devices = d._launch(spec, ReplicaRecord.claim(spec, sandboxed=True, now=0.0))
         cmd = launch.argv
         at = cmd.index("-device")
         assert cmd[at + 1] == "vfio-pci,host=0000:65:00.0" and cmd[cmd.index("-accel") + 1] == "kvm", name

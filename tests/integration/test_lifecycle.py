@@ -23,7 +23,8 @@ from tensora.control import workloads
 from tensora.control.controller import Controller
 from tensora.control.spec import parse_spec
 from tensora.drivers.base import ReplicaSpec
-from tensora.drivers.local import REPLICA_ENV, Isolation, LocalDriver
+from tensora.drivers.local import Isolation, LocalDriver
+from tensora.drivers.runners import REPLICA_ENV
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.models import runtimes
 from tensora.placement.capacity import Node
@@ -473,18 +474,19 @@ from pathlib import Path
 from tensora.config.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import Isolation, LocalDriver
+from tensora.drivers.runners import ProcessRunner
 from tensora.placement.capacity import Node
 from tensora.placement.kinds import WorkloadKind
 
 data, runtimes, model, spawned = map(Path, sys.argv[1:5])
-run_process = LocalDriver._run_process
+run_process = ProcessRunner.run
 
-def run_then_hang(self, launch, meta):  # the process runs; its pid is not recorded yet
-    run_process(self, launch, meta)
-    spawned.write_text(str(meta["pid"]))
+def run_then_hang(self, spec, launch, devices, record):  # the process runs; its pid is not recorded yet
+    run_process(self, spec, launch, devices, record)
+    spawned.write_text(str(record.pid))
     time.sleep(120)
 
-LocalDriver._run_process = run_then_hang
+ProcessRunner.run = run_then_hang
 driver = LocalDriver(data, Node("cpu-1", "local", 8, 32 << 30), default_catalog(), runtimes_dir=runtimes,
                      isolation=Isolation.NONE)
 driver.start(ReplicaSpec("rp_crash", "wl_crash", WorkloadKind.ENDPOINT, "cpu-2c-8g", "cpu-1", str(model),

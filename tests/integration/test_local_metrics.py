@@ -12,6 +12,7 @@ from tensora.config.catalog import default_catalog
 from tensora.drivers.base import ReplicaSpec, ReplicaState
 from tensora.drivers.local import Isolation, LocalDriver
 from tensora.drivers.localmetrics import LocalCollector
+from tensora.drivers.record import ReplicaRecord
 from tensora.models import runtimes
 from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
@@ -39,9 +40,9 @@ def test_replicas_by_state_oom_kills_and_runtimes_over_http(tmp_path: Path) -> N
         assert status.state is ReplicaState.FAILED
     meta = d._read("rp_m0")
     assert meta is not None
-    d.runc = Cgroup(kills=3)  # type: ignore[assignment]
-    d._note_oom({**meta, "oom_kills": 1})  # the cgroup now says 3: two more since last seen
-    d._note_oom({**meta, "oom_kills": 3})  # nothing new
+    d.sandboxes.runc = Cgroup(kills=3)  # type: ignore[assignment]
+    d._note_oom(ReplicaRecord.from_json({**meta, "oom_kills": 1}))  # the cgroup now says 3: two more since last seen
+    d._note_oom(ReplicaRecord.from_json({**meta, "oom_kills": 3}))  # nothing new
     listener = Listener("127.0.0.1:0", LocalCollector(d), process=False)
     assert listener.start()
     try:

@@ -28,7 +28,8 @@ import pytest
 from tensora.config.catalog import default_catalog
 from tensora.drivers import launch as plan
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
-from tensora.drivers.local import Isolation, LocalDriver, qmp
+from tensora.drivers.local import Isolation, LocalDriver
+from tensora.drivers.qmp import qmp
 from tensora.placement.capacity import Node
 from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.sandbox import available

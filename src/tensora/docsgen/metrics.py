@@ -66,7 +66,7 @@ def _local() -> str:
     from tensora.drivers.localmetrics import LocalCollector
 
     with tempfile.TemporaryDirectory() as empty:  # no replicas, no runtimes: every family, each runtime at 0
-        driver = SimpleNamespace(_metas=list, oom_kills=0, runtimes=Path(empty))
+        driver = SimpleNamespace(records=SimpleNamespace(all=list), oom_kills=0, runtimes=Path(empty))
         return _table(LocalCollector(cast(LocalDriver, driver)))
 
 

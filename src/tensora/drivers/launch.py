@@ -1,7 +1,7 @@
 """What a local replica runs and what it sees, as values: command, environment, mounts, devices, limits.
 
 Pure: ``notebook``, ``endpoint`` and ``vm`` take a replica's facts (its class, GPUs, port, the host paths of
-its home, model and Python environments) and return a :class:`Launch`; ``drivers.local`` runs it in a sandbox
+its home, model and Python environments) and return a :class:`Launch`; ``drivers.runners`` runs it in a sandbox
 (``sandbox_spec``) or, where the operator chose ``isolation: none``, as a plain process of Tensora's user.
 
 The environment is built from scratch, never inherited: PATH, HOME, USER, LANG, TMPDIR, CUDA_VISIBLE_DEVICES,

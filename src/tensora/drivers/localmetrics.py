@@ -19,8 +19,8 @@ class LocalCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         counts: dict[tuple[str, str], int] = {}
-        for meta in self.driver._metas():
-            k = (str(meta.get("kind", "")), str(meta.get("state", "")))
+        for record in self.driver.records.all():
+            k = (record.kind.value, record.state.value)
             counts[k] = counts.get(k, 0) + 1
         g = GaugeMetricFamily("tensora_local_replicas", "This machine's replicas by workload kind and state (stopped "
                               "and failed ones for a while after they end)", labels=["kind", "state"])

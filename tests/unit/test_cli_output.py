@@ -1,9 +1,11 @@
 """How the CLI prints, as pure functions: tables and fields that never wrap or cut an id (on an
-80-column terminal and piped), no trailing spaces; API fields said as the flags that set them;
+80-column terminal and piped), no trailing spaces; times with their zone, waits as they are typed; API fields said
+as the flags that set them;
 which API URLs are this machine's (where ``tensora login`` looks for the local admin key)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from tensora.cli.common import Col, api_error_text, emit, fields, flag_for, json
 from tensora.cli.create import CREATE_FLAGS, ENDPOINT_FLAGS
 from tensora.cli.keys import KEY_FLAGS
 from tensora.cli.profile import is_loopback
+from tensora.cli.root import fallback_text, local_time
 from tensora.cli.usage import USAGE_FLAGS
 
 ID1, ID2 = "wl_0mx8lgimfaxUqHu6V", "wl_0mx8ucmpppUIOXJf5eD"
@@ -172,3 +175,31 @@ def test_json_text_is_what_json_writes(doc: Any) -> None:
 @given(json_docs)
 def test_json_text_is_what_json_writes_of_any_document(doc: Any) -> None:
     assert json_text(doc) == json.dumps(doc, indent=2)
+
+
+CET = dt.timezone(dt.timedelta(hours=1), "CET")
+TIMES = {  # (API time, zone) -> as the CLI shows it: the zone always named
+    "UTC": (("2026-12-07T14:32:10Z", dt.UTC), "2026-12-07 14:32:10 UTC"),
+    "a named zone": (("2026-12-07T14:32:10Z", CET), "2026-12-07 15:32:10 CET"),
+    "a zone known by its offset only": (("2026-12-07T14:32:10+00:00", dt.timezone(dt.timedelta(hours=5.5))),
+                                        "2026-12-07 20:02:10 +0530"),
+    "no time": ((None, dt.UTC), "-"),
+}
+
+
+@pytest.mark.parametrize(("args", "want"), TIMES.values(), ids=TIMES.keys())
+def test_local_time_names_its_zone(args: tuple[str | None, dt.tzinfo], want: str) -> None:
+    assert local_time(*args) == want
+
+
+FALLBACKS = {  # (fallback list, seconds) -> as shown: the wait as it is typed
+    "ten minutes": ((["cpu"], 600.0), "cpu, after 10m"),
+    "at once": ((["a100-80gb", "cpu"], 0.0), "a100-80gb, cpu, after 0s"),
+    "an hour and a half": ((["cpu"], 5400.0), "cpu, after 1h30m"),
+    "none": (([], 600.0), "none (waits for its class)"),
+}
+
+
+@pytest.mark.parametrize(("args", "want"), FALLBACKS.values(), ids=FALLBACKS.keys())
+def test_fallback_text_says_the_wait_as_typed(args: tuple[list[str], float], want: str) -> None:
+    assert fallback_text(*args) == want

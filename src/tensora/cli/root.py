@@ -10,7 +10,7 @@ import datetime as dt
 import json
 import shlex
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -32,6 +32,7 @@ from tensora.cli.common import (
 )
 from tensora.errors import ConfigError
 from tensora.storage import NOT_FOUND
+from tensora.units import format_duration
 
 if TYPE_CHECKING:
     from tensora.sdk import APIError, Client, Workload
@@ -117,10 +118,23 @@ def dump(value: Any) -> None:
     sys.stdout.write(json.dumps(value, indent=2) + "\n")
 
 
-def local_time(iso: str | None) -> str:
+def local_time(iso: str | None, zone: dt.tzinfo | None = None) -> str:
+    """An API time (ISO 8601, UTC) in this machine's time zone (or ``zone``), which it names: ``2026-12-07
+    14:32:10 CET``; a zone without a name shows its offset (``+0530``)."""
     if not iso:
         return "-"
-    return dt.datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    at = dt.datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone(zone)
+    name = at.tzname() or ""
+    if not name or name.startswith(("+", "-", "UTC+", "UTC-")):
+        name = at.strftime("%z")
+    return f"{at.strftime('%Y-%m-%d %H:%M:%S')} {name}"
+
+
+def fallback_text(fallback: Sequence[str], after_s: float) -> str:
+    """The fallback list and its wait as they are typed: ``cpu, after 10m``."""
+    if not fallback:
+        return "none (waits for its class)"
+    return f"{', '.join(fallback)}, after {format_duration(after_s)}"
 
 
 def placed(w: Workload) -> Text:
@@ -133,10 +147,9 @@ def placed(w: Workload) -> Text:
 
 def show(w: Workload) -> None:
     """One workload, as a list of fields."""
-    fallback = ", ".join(w.fallback) or "none (waits for its class)"
     rows: list[tuple[str, str | Text]] = [
         ("id", w.id), ("name", f"{w.name} ({w.kind})"), ("state", w.state), ("requested", w.requested_class),
-        ("placed", placed(w)), ("fallback", f"{fallback}, after {w.fallback_after_s:g}s" if w.fallback else fallback),
+        ("placed", placed(w)), ("fallback", fallback_text(w.fallback, w.fallback_after_s)),
         ("reason", w.reason), ("region", w.region)]
     rows += [(c.type, f"{c.reason}: {c.message}") for c in w.conditions]
     if w.restart_available:

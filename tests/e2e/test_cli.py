@@ -393,6 +393,10 @@ def test_chat_tells_placed_on_cpu_apart_from_failed_over(cli: Cli) -> None:
             r = cli("chat", "talk", "-m", "hi", "--max-tokens", "4", TENSORA_GATEWAY_URL=gateway)
             assert r.stdout.strip() and "served by cpu, fallback true, region local" in r.stderr
             assert placed in r.stderr and "another backend" not in r.stderr, r.stderr
+            # by its id, as every other command takes it
+            r = cli("chat", ep["id"], "-m", "hi", "--max-tokens", "4", TENSORA_GATEWAY_URL=gateway)
+            assert r.stdout.strip() and placed in r.stderr, r.stderr
+            assert "404" in cli("chat", ep["id"] + "x", "-m", "hi", code=1).stderr  # an id nobody has
 
             # no control API to ask (or no right to): the headers alone, still no failover
             r = cli("chat", "talk", "-m", "hi", "--max-tokens", "4", TENSORA_GATEWAY_URL=gateway,

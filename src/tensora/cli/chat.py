@@ -28,7 +28,7 @@ import typer
 
 from tensora.cli.common import API_ERROR, TIMEOUT, UNREACHABLE, app, err, fail, out
 from tensora.cli.profile import Target
-from tensora.cli.root import target
+from tensora.cli.root import session, target
 
 OK = "ok"
 OUTCOMES = {  # X-Tensora-Attempts outcomes (the gateway's upstream error kinds), in words
@@ -218,6 +218,15 @@ class Placements:
         return self.known
 
 
+def _endpoint_name(ctx: typer.Context, ref: str) -> str:
+    """The name (the model the gateway routes by) of the endpoint with id ``ref``."""
+    with session(ctx) as c:
+        w = c.find_workload(ref)
+    if w.kind != "endpoint":
+        raise fail(f"ENDPOINT: {ref} is a {w.kind}, not an endpoint")
+    return w.name
+
+
 def _served(headers: Any, model: str | None) -> str:
     by = headers.get("x-tensora-served-by", "?")
     fallback = headers.get("x-tensora-fallback", "?")
@@ -249,7 +258,8 @@ def _ask(client: Any, endpoint: str, messages: list[dict[str, str]], max_tokens:
 
 @app.command("chat", rich_help_panel="Use Tensora")
 def chat_command(ctx: typer.Context,
-                 endpoint: Annotated[str, typer.Argument(help="the endpoint's name (the model in API calls)")],
+                 endpoint: Annotated[str, typer.Argument(
+                     help="the endpoint's name (the model in API calls) or id (wl_...)")],
                  message: Annotated[str | None, typer.Option("--message", "-m", help="ask this once and exit "
                                                              "(default: a conversation on stdin)")] = None,
                  system: Annotated[str | None, typer.Option(help="a system prompt")] = None,
@@ -264,6 +274,8 @@ def chat_command(ctx: typer.Context,
     t = target(ctx)
     if not t.api_key:
         raise fail("no API key: set TENSORA_API_KEY, pass --api-key, or run tensora login")
+    if endpoint.startswith("wl_"):
+        endpoint = _endpoint_name(ctx, endpoint)
     client = openai.OpenAI(base_url=f"{t.gateway_url}/v1", api_key=t.api_key, max_retries=2, timeout=120)
     placements = Placements(t, endpoint)
     history = [{"role": "system", "content": system}] if system else []

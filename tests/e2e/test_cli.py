@@ -348,11 +348,18 @@ def test_output_copies_whole_piped_and_on_an_80_column_terminal(cli: Cli) -> Non
                           (["workloads", "get", nb["id"]], [nb["id"], nb["placed_class"]]),
                           (["workloads", "events", nb["id"]], [nb["placed_class"]]),
                           (["keys", "list"], [key["id"], key["name"]]), (["catalog"], ["cpu-32c-128g"]),
-                          (["usage", "--group-by", "placed_class,kind"], [nb["placed_class"]])]:
+                          (["usage", "--group-by", "placed_class,kind"], [nb["placed_class"]]),
+                          (["runtime", "list"], ["tensora-transformers", "tensora-vllm-cpu"])]:
             piped = cli(*args, COLUMNS="80").stdout
             _whole(piped, ids)
             on_80 = cli.on_terminal(*args)
             _whole(on_80, ids)
+        # a table has its header; a wait shows as it was typed; a time names its zone
+        assert cli("runtime", "list").stdout.splitlines()[0].split() == ["name", "installed", "preferred", "for",
+                                                                          "description"]
+        assert "fallback   h100-80gb, after 1h\n" in cli("workloads", "get", long["id"]).stdout
+        first = cli("workloads", "events", nb["id"]).stdout.splitlines()[1]
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z+-][A-Za-z0-9+-]* ", first), first
         # piped: one line per row, whatever COLUMNS says
         rows = cli("workloads", "list", COLUMNS="80").stdout.splitlines()
         assert len(rows) == 1 + len(cli.json("workloads", "list")["data"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,9 @@ EX = ROOT / "examples"
 CATALOG = default_catalog()
 
 
-def tensora(*args: str) -> subprocess.CompletedProcess[str]:
+def tensora(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", "from tensora.cli import main; main()", *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=60, check=False, env={**os.environ, **env})
 
 
 def plan_json(at: str, workloads: Path = EX / "workloads.yaml") -> dict[str, dict]:
@@ -46,6 +47,18 @@ def test_plan_example_over_time() -> None:
     assert at25["dave-70b"]["placed_class"] == "l40s-48gb"  # older than erin, and its own owner
     assert at25["erin-nb"]["state"] == "queued"
     assert at25["bob-llm"]["placed_class"] == "cpu-16c-64g"  # erin still waits for the L40S: no move back
+
+
+def test_plan_prints_a_plain_row_a_workload_at_80_columns() -> None:
+    r = tensora("plan", "--nodes", str(EX / "nodes.yaml"), "--workloads", str(EX / "workloads.yaml"), "--at", "6m",
+                COLUMNS="80")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[:2] == ["Placement at 6m", lines[1]] and lines[1].split() == ["name", "kind", "requested", "placed",
+                                                                              "state", "reason"]
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert list(rows) == list(plan_json("6m")) and len(lines) == 2 + len(rows)
+    assert "cpu-16c-64g (fallback)" in rows["bob-llm"] and rows["bob-llm"].endswith("l40s-48gb unavailable for 5m")
 
 
 def test_plan_moves_an_endpoint_back_when_the_gpu_frees(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.text import Text
 
-from tensora.cli.common import Output, app, json_text, out
+from tensora.cli.common import Col, Output, app, emit, json_text, out, table
 from tensora.cli.common import check_output as _check_output
 from tensora.cli.common import fail as _fail
 from tensora.errors import ConfigError, ModelFileError, StoreUnavailable, TensoraError
@@ -51,15 +51,18 @@ def plan_command(
     if output == "json":
         sys.stdout.write(json_text({"workloads": [r.as_json() for r in rows]}) + "\n")
         return
-    table = Table(title=f"Placement at {at}", title_justify="left")
-    for column in ("name", "kind", "requested", "placed", "state", "reason"):
-        table.add_column(column, overflow="fold")
-    for r in rows:
-        placed = r.placed_class or "-"
-        if r.placed_class and r.placed_class != r.requested_class:
-            placed = f"[yellow]{placed}[/yellow] (fallback)"
-        table.add_row(r.name, r.kind, r.requested_class, placed, r.state, r.reason)
-    out.print(table)
+    out.print(f"Placement at {at}", markup=False)
+    emit(table(["name", "kind", "requested", "placed", "state", Col("reason", wrap=True)],
+               [(r.name, r.kind, r.requested_class, _placed(r.requested_class, r.placed_class), r.state, r.reason)
+                for r in rows]))
+
+
+def _placed(requested: str, placed: str | None) -> Text:
+    if placed is None:
+        return Text("-")
+    if placed != requested:
+        return Text.assemble((placed, "yellow"), " (fallback)")
+    return Text(placed)
 
 
 @app.command("model-size", rich_help_panel="Run Tensora")
@@ -255,10 +258,9 @@ def runtime_list(runtimes_dir: RuntimesDir = None, data_dir: DataDir = None, out
     if output == "json":
         sys.stdout.write(json.dumps({"runtimes_dir": str(root), "runtimes": rows}) + "\n")
         return
-    for r in rows:
-        mark = "installed" if r["installed"] else "-"
-        out.print(f"{r['name']:<22} {mark:<10} {', '.join(r['preferred_for']):<14} {r['description']}",
-                  highlight=False, soft_wrap=True)
+    emit(table(["name", "installed", "preferred for", Col("description", wrap=True)],
+               [(r["name"], "yes" if r["installed"] else "no", ", ".join(r["preferred_for"]) or "-", r["description"])
+                for r in rows]))
     out.print(f"in {root}", highlight=False, soft_wrap=True)
 
 

@@ -6,7 +6,9 @@ the control API, through the SDK), one module per command group over it (``creat
 from tensora.cli import root  # isort: skip  (the global options first)
 from tensora.cli import create, workloads, catalog, usage, keys, owners, login  # isort: skip
 from tensora.cli import chat, files, local  # isort: skip
-from tensora.cli.common import app
+from tensora.cli.common import app, reflow_help
+
+reflow_help(app)
 
 
 def main() -> None:

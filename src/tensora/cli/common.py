@@ -16,6 +16,7 @@ wrapping its free text (reasons) at spaces makes it fit the terminal's width.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import sys
@@ -41,6 +42,28 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 
 UNLIMITED = 1 << 16  # "as wide as the content": the width a table is measured (and, piped, drawn) at
+
+
+def reflow(text: str) -> str:
+    """A docstring's paragraphs each as one line, so help is wrapped at the terminal's width, not at the source's
+    line breaks (typer keeps those in its rich help: a line would end mid-sentence)."""
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(text).split("\n\n"))
+
+
+def reflow_help(typer_app: typer.Typer) -> None:
+    """:func:`reflow` the help of every command and group of ``typer_app``, once they are all registered."""
+    for command in typer_app.registered_commands:
+        doc = command.help or inspect.getdoc(command.callback)
+        if doc:
+            command.help = reflow(doc)
+    for group in typer_app.registered_groups:
+        if isinstance(group.help, str):
+            group.help = reflow(group.help)
+        if group.typer_instance is not None:
+            sub = group.typer_instance.info
+            if isinstance(sub.help, str):
+                sub.help = reflow(sub.help)
+            reflow_help(group.typer_instance)
 
 
 def fail(exc: Exception | str, code: int = USAGE) -> typer.Exit:

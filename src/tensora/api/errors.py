@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from tensora.api import metrics
+from tensora.config.wording import in_words
 from tensora.errors import ConfigError, Conflict, StoreUnavailable
 
 log = logging.getLogger("tensora.api")
@@ -77,11 +78,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
-        message = "unknown field" if first.get("type") == "extra_forbidden" else str(first.get("msg"))
+        message = in_words(first)
         field = _field(first.get("loc", ()))
         if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
             message, field = "the body is not valid JSON", None
-        message = message.removeprefix("Value error, ")
         return response(ApiError(422, message, field=field))
 
     @app.exception_handler(ConfigError)

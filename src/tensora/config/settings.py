@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from tensora import listeners
 from tensora.config import yamlsource
+from tensora.config.wording import in_words
 from tensora.drivers.hardware import NodeOverrides
 from tensora.errors import ConfigError
 from tensora.names import DOMAIN_PATTERN, NAME_PATTERN
@@ -294,5 +295,5 @@ def layered(model: type[BaseModel], values: dict[str, Any], origin: dict[str, st
         name = str(first["loc"][0]) if first["loc"] else ""
         source = origin.get(name, "<settings>")
         line = lines.line((name,)) if lines is not None and source == str(config) else None
-        raise ConfigError("unknown setting" if first["type"] == "extra_forbidden" else first["msg"],
+        raise ConfigError("unknown setting" if first["type"] == "extra_forbidden" else in_words(first),
                           source=source, line=line, field=f"{field_prefix}{field}" if field else None) from None

@@ -16,6 +16,7 @@ import yaml
 from pydantic import ValidationError
 from yaml.constructor import SafeConstructor
 
+from tensora.config.wording import in_words
 from tensora.errors import ConfigError
 
 E = TypeVar("E", bound=ConfigError)
@@ -29,6 +30,13 @@ class Lines:
     def __init__(self, lines: dict[PathKey, int] | Callable[[], dict[PathKey, int]]) -> None:
         self._lines = lines if isinstance(lines, dict) else None
         self._find = lines if callable(lines) else None
+
+    def exact(self, path: PathKey) -> int | None:
+        """The line of ``path`` itself; None when the document has no such key."""
+        if self._lines is None:
+            assert self._find is not None
+            self._lines = self._find()
+        return self._lines.get(tuple(path))
 
     def line(self, path: PathKey) -> int | None:
         """The line of ``path`` or of its nearest ancestor that has one."""
@@ -212,11 +220,11 @@ def validation_error(
     loc: PathKey = tuple(p for p in first["loc"] if isinstance(p, str | int))
     # pydantic adds the tagged-union tag or validator names to loc; keep real data keys only.
     path = (*prefix, *loc)
-    message = first["msg"]
-    if first["type"] == "extra_forbidden":
-        message = "unknown field"
-    elif first["type"] == "missing":
-        message = "field required"
+    if path and isinstance(path[-1], str) and path[-1].endswith("_s") and lines.exact(path) is None:
+        given = (*path[:-1], path[-1].removesuffix("_s"))  # a duration given as text (fallback_after: 10m)
+        if lines.exact(given) is not None:
+            path = given
+    message = in_words(first)
     context = describe(path) if describe else ""
     if context:
         message = f"{message} ({context})"

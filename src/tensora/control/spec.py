@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from tensora.config.wording import in_words
 from tensora.errors import SpecError
 from tensora.names import NAME_PATTERN
 from tensora.placement.catalog import CPU_WORD, Catalog
@@ -170,8 +171,7 @@ def parse_spec(data: object, source: str = "<request>") -> WorkloadSpec:
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
-        message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
-        raise SpecError(message, source=source, field=field) from None
+        raise SpecError(in_words(first), source=source, field=field) from None
 
 
 def check_against(spec: WorkloadSpec, catalog: Catalog) -> list[tuple[str, str]]:

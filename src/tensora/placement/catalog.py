@@ -87,3 +87,12 @@ class Catalog(Mapping[str, ComputeClass]):
         """Raise KeyError unless ``entry`` is a class name or the word ``cpu``."""
         if entry != CPU_WORD and entry not in self._classes:
             raise KeyError(entry)
+
+
+def entry_classes(entry: str, catalog: Catalog) -> tuple[ComputeClass, ...]:
+    """The classes a fallback-list entry stands for: every CPU class (smallest first) for the word ``cpu``,
+    else the class it names (none where the catalog has no such class)."""
+    if entry == CPU_WORD:
+        return catalog.cpu_classes
+    cls = catalog.get(entry)
+    return () if cls is None else (cls,)

@@ -109,11 +109,11 @@ class collector_paused:
 
     A cycle over a large queue allocates hundreds of thousands of objects that outlive it (its decisions,
     a kept state's records) and no reference cycle. The collector, triggered by allocations, walks every
-    object of the process each time its oldest generation is due: six full walks in the first cycle of
-    100,000 queued (bench/admission.py), about a third of its CPU. Reference counting frees what the cycle
-    drops either way; what it keeps is walked once, by the first collection after. The gateway does the
-    same for its start-up (``tensora.gateway.server.quiet_gc``). A class, not a ``contextmanager``: it is entered
-    once per cycle, 11,700 times in the 10k plan, and a generator's setup costs microseconds each time."""
+    object of the process each time its oldest generation is due, several times in a first cycle over a
+    large queue, for nothing. Reference counting frees what the cycle drops either way; what it keeps is walked
+    once, by the first collection after. The gateway does the same for its start-up
+    (``tensora.gateway.server.quiet_gc``). A class, not a ``contextmanager``: it is entered once per cycle, and a
+    generator's setup would cost more than a small cycle."""
 
     def __init__(self) -> None:
         self.was = False
@@ -290,7 +290,7 @@ def _on_cpu(entries: tuple[str, ...], classes: Mapping[str, ComputeClass]) -> bo
 
 def _fit(free: float, cls: ComputeClass) -> Attempt:
     """A requested class that fit, with ``free`` left after it: ``cap.free``'s figures with the one placed
-    counted back, made without a ``Free`` (one per placement, some 50,000 in a first cycle)."""
+    counted back, made without a ``Free`` (one per placement: a first cycle makes one for most of its queue)."""
     if cls.gpu_model is None:
         return Attempt(cls.name, Outcome.FIT, free + cls.cpu, cls.cpu, "vCPU")
     return Attempt(cls.name, Outcome.FIT, free + cls.gpu_count, cls.gpu_count, "GPU")

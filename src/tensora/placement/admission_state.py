@@ -61,11 +61,12 @@ from tensora.placement.admission_events import (
     Submitted,
     running_from,
 )
+from tensora.placement.attempts import preferred_over
 from tensora.placement.capacity import Placed
 from tensora.placement.cycle_proof import CycleProof
 from tensora.placement.decisions import Place, Promote, Queued, RestartAvailable, Running
 from tensora.placement.kept_records import KeptRecords, Key
-from tensora.placement.owner_quotas import OwnerQuotas
+from tensora.placement.owner_quotas import OwnerQuotas, share
 from tensora.placement.priority_lists import Prio
 from tensora.placement.recount import Recount
 
@@ -142,7 +143,7 @@ class AdmissionState(KeptRecords):
         for id in self.timer_queue.due(now):
             w = self.queue.get(id)
             if w is not None:
-                self._dirty(w.region, id)
+                self._mark_dirty(w.region, id)
                 if id in self.backing and w.not_before <= now:
                     self.backing.discard(id)
                     self._take_turn(w)
@@ -150,7 +151,7 @@ class AdmissionState(KeptRecords):
         #    again, in every region it waits or moves in
         for owner in self.touched:
             for _, id in self.owner_keys.get(owner, ()):
-                self._dirty(self.queue[id].region, id)
+                self._mark_dirty(self.queue[id].region, id)
             for region in self.owner_regions.get(owner, ()):
                 self.dirty.add(region)
         #    an owner's turn changed: its workloads whose turn did move in their lists (their decisions stand
@@ -236,19 +237,86 @@ class AdmissionState(KeptRecords):
                 on_fallback = d.cls != d.workload.gpu_class  # (d.fallback, without a property's call)
                 if on_fallback:
                     dirty.add(d.workload.region)
-                self._placed(d, on_fallback, gone, shares)
+                self._assume_placed(d, on_fallback, gone, shares)
             elif type(d) is Promote:  # the same running count
                 dirty.add(d.workload.region)
-                self._start(replace(d.workload, moving=True), turns=False)
-                self._book(Placed(d.node, d.to_class, d.workload.id), 1)
+                self._record_running(replace(d.workload, moving=True), turns=False)
+                self._book_replica(Placed(d.node, d.to_class, d.workload.id), 1)
             else:
                 stand.append(d)
         for owner, keys in gone.items():
             self._untake_turns(owner, keys)
-            self._turns(owner, below=max(keys))
+            self._move_turns(owner, below=max(keys))
         self.standing_decisions.keep_all(stand)
         self.dirty = dirty
 
+    def _assume_placed(self, d: Place, on_fallback: bool, gone: dict[str, list[Key]],
+                       shares: dict[str, tuple[float, float] | None]) -> None:
+        """Assume ``d`` (``on_fallback``: ``d.fallback``): what ``_record_running(running_from(d), turns=False)``
+        then ``_book_replica`` of its replica do, for a workload queued (so not running), less its regions made
+        dirty (``_settle`` keeps its own) and its key taken out of its owner's turns, added to ``gone``
+        (``_untake_turns`` once per owner, after). ``shares``: each class's ``share`` (None: not in the
+        catalog), this settling's, as ``_count_use`` finds it (a first cycle places most of its queue)."""
+        w = d.workload
+        id, region, owner = w.id, w.region, w.owner
+        del self.queue[id]
+        del self.by_region[region][id]
+        if id in self.lists.prio or id in self.lists.eligible:  # (a region decided whole lists none: a first cycle's)
+            self.lists.remove(w)
+        standing = self.standing_decisions.by_region.get(region)
+        if standing is not None and id in standing:
+            self.standing_decisions.withdraw(region, id)
+        if id in self.backing:
+            self.backing.discard(id)
+        else:
+            keys = gone.get(owner)
+            if keys is None:
+                keys = gone[owner] = []
+            keys.append((w.queued_since, id))
+        r = running_from(d)
+        self.running[id] = r
+        self.owner_running[owner] += 1
+        if on_fallback:  # a mover now: in its region still
+            self.movers.setdefault(region, {})[id] = r
+            for entry in preferred_over(r):
+                self.prefers.setdefault((region, entry), set()).add(id)
+        else:
+            self._count_in_region(owner, region, -1)
+        cls = d.cls
+        if cls in shares:
+            got = shares[cls]
+        else:
+            known = self.catalog.get(cls)
+            got = shares[cls] = share(known) if known is not None else None
+        if got is not None:  # _count_use(r, 1)
+            use = self.use.get(owner)
+            if use is None:
+                use = self.use[owner] = [0.0, 0.0]
+            use[0] += got[0]
+            use[1] += got[1]
+            if (self.default_quota is not None or self.quota_by_owner) and self.quota_of(owner) is not None:
+                self.touched.add(owner)
+        replica = Placed(d.node, cls, id)
+        replicas = self.replicas.get(id)
+        if replicas is None:
+            self.replicas[id] = [replica]
+        else:
+            replicas.append(replica)
+        on_node = self.on_node.get(d.node)
+        if on_node is None:
+            self.on_node[d.node] = [replica]
+        else:
+            on_node.append(replica)
+
+    def _untake_turns(self, owner: str, keys: list[Key]) -> None:
+        """``keys`` no longer count in ``owner``'s turns (a few deleted in place, many filtered out)."""
+        have = self.owner_keys[owner]
+        if len(keys) < 16:
+            for key in keys:
+                del have[bisect.bisect_left(have, key)]
+        else:
+            out = {id for _, id in keys}  # by id: a string keeps its hash, a tuple does not
+            have[:] = [k for k in have if k[1] not in out]
 
 
 def step(state: AdmissionState, events: Sequence[Event], now: float) -> tuple[AdmissionState, list[Decision]]:

@@ -70,7 +70,7 @@ class Catalog(Mapping[str, ComputeClass]):
         return self._classes[name]
 
     def get(self, name: str, default: ComputeClass | None = None) -> ComputeClass | None:  # type: ignore[override]
-        """The dict's own lookup: Mapping's ``get`` goes through ``__getitem__`` and a try, 4x slower, and
+        """The dict's own lookup: Mapping's ``get`` goes through ``__getitem__`` and a try, and
         admission asks once or more per workload."""
         return self._classes.get(name, default)
 

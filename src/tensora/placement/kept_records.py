@@ -26,12 +26,11 @@ from tensora.placement.admission_events import (
     Started,
     Stopped,
     Submitted,
-    running_from,
 )
 from tensora.placement.attempts import preferred_over
 from tensora.placement.capacity import Capacity, GpuReserve, Node, Placed
 from tensora.placement.catalog import Catalog
-from tensora.placement.decisions import Decision, Place, Queued, Running
+from tensora.placement.decisions import Decision, Queued, Running
 from tensora.placement.owner_quotas import OwnerQuotas, share
 from tensora.placement.policy import Policy
 from tensora.placement.priority_lists import Prio, PriorityLists
@@ -144,7 +143,7 @@ class KeptRecords:
 
     # -- records --------------------------------------------------------------------------
 
-    def _regions_of(self, owner: str, region: str, n: int) -> None:
+    def _count_in_region(self, owner: str, region: str, n: int) -> None:
         regions = self.owner_regions.get(owner)
         if regions is None:
             regions = self.owner_regions[owner] = Counter()
@@ -156,11 +155,11 @@ class KeptRecords:
 
     def _enqueue(self, w: Queued) -> None:
         if w.id in self.queue or w.id in self.running:
-            self._drop(w.id)
+            self._forget(w.id)
         self.queue[w.id] = w
         self.by_region.setdefault(w.region, {})[w.id] = w
-        self._regions_of(w.owner, w.region, 1)
-        self._dirty(w.region, w.id)
+        self._count_in_region(w.owner, w.region, 1)
+        self._mark_dirty(w.region, w.id)
         later = self.timer_queue.later  # onto the heap at the next cycle, in one go (a first cycle submits the queue)
         if w.not_before > 0:  # it may be backing off: it takes its turn when its timer ends (as if absent till then)
             self.backing.add(w.id)
@@ -204,9 +203,9 @@ class KeptRecords:
             regions = owner_regions.get(owner)
             if regions is None:
                 regions = owner_regions[owner] = Counter()
-            regions[region] = regions.get(region, 0) + 1  # _regions_of(owner, region, 1)
+            regions[region] = regions.get(region, 0) + 1  # _count_in_region(owner, region, 1)
             if region not in dirty or region in self.decided:
-                self._dirty(region, id)
+                self._mark_dirty(region, id)
             if w.not_before > 0:
                 backing.add(id)
                 later.append((w.not_before, id))
@@ -226,41 +225,41 @@ class KeptRecords:
             had += keys
             had.sort()
             if behind:  # (the new ones need no turn moved: their submission has them decided anyway)
-                self._turns(owner, above=first)
+                self._move_turns(owner, above=first)
 
     def _take_turn(self, w: Queued) -> None:
         """``w`` counts in its owner's turns (one more queued before its owner's later ones)."""
         bisect.insort(self.owner_keys.setdefault(w.owner, []), (w.queued_since, w.id))
-        self._turns(w.owner, above=(w.queued_since, w.id))
+        self._move_turns(w.owner, above=(w.queued_since, w.id))
 
-    def _dirty(self, region: str, id: str) -> None:
+    def _mark_dirty(self, region: str, id: str) -> None:
         self.dirty.add(region)
         if region in self.decided and region not in self.whole:  # a region decided whole needs no list
             self.must.setdefault(region, set()).add(id)
 
-    def _start(self, r: Running, *, turns: bool = True) -> None:
+    def _record_running(self, r: Running, *, turns: bool = True) -> None:
         """Record ``r`` as running; ``turns`` False: the caller accounts for the turns it changes."""
         was = self.running.get(r.id)
         turns = turns and (was is None or was.owner != r.owner)  # a record replaced: the same count
-        self._drop(r.id, turns=turns)
+        self._forget(r.id, turns=turns)
         self.running[r.id] = r
         self.owner_running[r.owner] += 1
         if r.on_fallback and not r.moving:
             self.movers.setdefault(r.region, {})[r.id] = r
             for entry in preferred_over(r):
                 self.prefers.setdefault((r.region, entry), set()).add(r.id)
-            self._regions_of(r.owner, r.region, 1)
-        self._count(r, 1)
+            self._count_in_region(r.owner, r.region, 1)
+        self._count_use(r, 1)
         self.dirty.add(r.region)
         if turns:
-            self._turns(r.owner, below=HIGH)  # one more running: every queued one of its owner
+            self._move_turns(r.owner, below=HIGH)  # one more running: every queued one of its owner
 
-    def _drop(self, id: str, *, turns: bool = True) -> None:
+    def _forget(self, id: str, *, turns: bool = True) -> None:
         """Forget the queued or running record ``id`` (its replicas stay)."""
         w = self.queue.pop(id, None)
         if w is not None:
             del self.by_region[w.region][id]
-            self._regions_of(w.owner, w.region, -1)
+            self._count_in_region(w.owner, w.region, -1)
             self.lists.remove(w)
             self.standing_decisions.withdraw(w.region, id)
             self.dirty.add(w.region)
@@ -270,27 +269,27 @@ class KeptRecords:
                 keys = self.owner_keys[w.owner]
                 del keys[bisect.bisect_left(keys, (w.queued_since, w.id))]
                 if turns:
-                    self._turns(w.owner, above=(w.queued_since, w.id))
+                    self._move_turns(w.owner, above=(w.queued_since, w.id))
         r = self.running.pop(id, None)
         if r is not None:
             self.owner_running[r.owner] -= 1
             if self.movers.get(r.region, {}).pop(id, None) is not None:
                 for entry in preferred_over(r):
                     self.prefers[(r.region, entry)].discard(id)
-                self._regions_of(r.owner, r.region, -1)
+                self._count_in_region(r.owner, r.region, -1)
             self.standing_decisions.withdraw(r.region, id)
-            self._count(r, -1)
+            self._count_use(r, -1)
             self.dirty.add(r.region)
             if turns:
-                self._turns(r.owner, below=HIGH)
+                self._move_turns(r.owner, below=HIGH)
 
 
-    def _turns(self, owner: str, below: Key = LOW, above: Key = HIGH) -> None:
+    def _move_turns(self, owner: str, below: Key = LOW, above: Key = HIGH) -> None:
         """The owner's queued workloads with a key < ``below`` or > ``above`` change turn."""
         lo, hi = self.turns.get(owner, (LOW, HIGH))
         self.turns[owner] = (below if below > lo else lo, above if above < hi else hi)
 
-    def _count(self, r: Running, sign: int) -> None:
+    def _count_use(self, r: Running, sign: int) -> None:
         cls = self.catalog.get(r.placed_class)
         if cls is not None:
             use = self.use.setdefault(r.owner, [0.0, 0.0])
@@ -300,15 +299,15 @@ class KeptRecords:
             if self.quota_of(r.owner) is not None:
                 self.touched.add(r.owner)
 
-    def _replica(self, p: Placed, sign: int) -> None:
-        if not self._book(p, sign):
+    def _hold_replica(self, p: Placed, sign: int) -> None:
+        if not self._book_replica(p, sign):
             return  # not held: nothing to free
         at, cls = self.cap.index.get(p.node), self.catalog.get(p.cls)
         if at is not None and cls is not None:
             self.cap.change(at, cls, sign)
             self.dirty.add(self.cap.nodes[at].region)
 
-    def _book(self, p: Placed, sign: int) -> bool:
+    def _book_replica(self, p: Placed, sign: int) -> bool:
         """Count replica ``p`` in (1) or out (-1) of the books; False: it was not there to count out."""
         if sign > 0:
             self.replicas.setdefault(p.workload, []).append(p)
@@ -323,17 +322,17 @@ class KeptRecords:
                     del book[key]
         return True
 
-    def _node(self, name: str, node: Node | None) -> None:
+    def _replace_node(self, name: str, node: Node | None) -> None:
         at = self.cap.index.get(name)
         if at is not None:
-            self._whole(self.cap.nodes[at].region)
+            self._redecide_whole(self.cap.nodes[at].region)
             self.cap.remove_node(name)
         if node is not None:
             classes = [c for p in self.on_node.get(name, []) if (c := self.catalog.get(p.cls)) is not None]
             self.cap.add_node(node, classes)
-            self._whole(node.region)
+            self._redecide_whole(node.region)
 
-    def _whole(self, region: str) -> None:
+    def _redecide_whole(self, region: str) -> None:
         """Re-decide ``region`` whole next cycle (what a class could ever fit on changed)."""
         self.dirty.add(region)
         self.whole.add(region)
@@ -344,19 +343,19 @@ class KeptRecords:
             case Submitted(w):
                 self._enqueue(w)
             case Started(r):
-                self._start(r)
+                self._record_running(r)
             case Stopped(id):
-                self._drop(id)
+                self._forget(id)
                 for p in list(self.replicas.get(id, [])):
-                    self._replica(p, -1)
+                    self._hold_replica(p, -1)
             case ReplicaPlaced(p):
-                self._replica(p, 1)
+                self._hold_replica(p, 1)
             case ReplicaEnded(p):
-                self._replica(p, -1)
+                self._hold_replica(p, -1)
             case NodeAdded(node):
-                self._node(node.name, node)
+                self._replace_node(node.name, node)
             case NodeRemoved(name):
-                self._node(name, None)
+                self._replace_node(name, None)
             case OwnerHeld(owner, gpus, cpu):
                 self.use[owner] = [gpus, cpu]
                 if self.quota_of(owner) is not None:
@@ -365,7 +364,7 @@ class KeptRecords:
                 if owner is None:
                     self.default_quota = quota
                     for region in self._all_regions():
-                        self._whole(region)
+                        self._redecide_whole(region)
                 else:
                     if quota is None:
                         self.quota_by_owner.pop(owner, None)
@@ -393,72 +392,3 @@ class KeptRecords:
 
     def quota_of(self, owner: str) -> Quotas | None:
         return self.quota_by_owner.get(owner, self.default_quota)
-
-
-    def _placed(self, d: Place, on_fallback: bool, gone: dict[str, list[Key]],
-                shares: dict[str, tuple[float, float] | None]) -> None:
-        """Assume ``d`` (``on_fallback``: ``d.fallback``): what ``_start(running_from(d), turns=False)`` then
-        ``_book`` of its replica do, for a workload queued (so not running), less its regions made dirty
-        (``_settle`` keeps its own) and its key taken out of its owner's turns, added to ``gone``
-        (``_untake_turns`` once per owner, after). ``shares``: each class's ``share`` (None: not in the
-        catalog), this settling's, as ``_count`` finds it (a first cycle settles some 50,000 placements)."""
-        w = d.workload
-        id, region, owner = w.id, w.region, w.owner
-        del self.queue[id]
-        del self.by_region[region][id]
-        if id in self.lists.prio or id in self.lists.eligible:  # (a region decided whole lists none: a first cycle's)
-            self.lists.remove(w)
-        standing = self.standing_decisions.by_region.get(region)
-        if standing is not None and id in standing:
-            self.standing_decisions.withdraw(region, id)
-        if id in self.backing:
-            self.backing.discard(id)
-        else:
-            keys = gone.get(owner)
-            if keys is None:
-                keys = gone[owner] = []
-            keys.append((w.queued_since, id))
-        r = running_from(d)
-        self.running[id] = r
-        self.owner_running[owner] += 1
-        if on_fallback:  # a mover now: in its region still
-            self.movers.setdefault(region, {})[id] = r
-            for entry in preferred_over(r):
-                self.prefers.setdefault((region, entry), set()).add(id)
-        else:
-            self._regions_of(owner, region, -1)
-        cls = d.cls
-        if cls in shares:
-            got = shares[cls]
-        else:
-            known = self.catalog.get(cls)
-            got = shares[cls] = share(known) if known is not None else None
-        if got is not None:  # _count(r, 1)
-            use = self.use.get(owner)
-            if use is None:
-                use = self.use[owner] = [0.0, 0.0]
-            use[0] += got[0]
-            use[1] += got[1]
-            if (self.default_quota is not None or self.quota_by_owner) and self.quota_of(owner) is not None:
-                self.touched.add(owner)
-        replica = Placed(d.node, cls, id)
-        replicas = self.replicas.get(id)
-        if replicas is None:
-            self.replicas[id] = [replica]
-        else:
-            replicas.append(replica)
-        on_node = self.on_node.get(d.node)
-        if on_node is None:
-            self.on_node[d.node] = [replica]
-        else:
-            on_node.append(replica)
-
-    def _untake_turns(self, owner: str, keys: list[Key]) -> None:
-        """``keys`` no longer count in ``owner``'s turns (a few deleted in place, many filtered out)."""
-        have = self.owner_keys[owner]
-        if len(keys) < 16:
-            for key in keys:
-                del have[bisect.bisect_left(have, key)]
-        else:
-            out = {id for _, id in keys}  # by id: a string keeps its hash, a tuple does not
-            have[:] = [k for k in have if k[1] not in out]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tensora.placement.capacity import Node, Placed
 from tensora.placement.decisions import Place, Queued, Running
-from tensora.placement.quotas import Quotas
+from tensora.placement.quotas import RunningQuotas
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ class QuotaChanged:
     """An owner's running quotas (``owner`` None: the default for owners without their own)."""
 
     owner: str | None
-    quota: Quotas | None
+    quota: RunningQuotas | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from tensora.placement.decisions import Decision, Queued, Running
 from tensora.placement.owner_quotas import OwnerQuotas, share
 from tensora.placement.policy import Policy
 from tensora.placement.priority_lists import Prio, PriorityLists
-from tensora.placement.quotas import Quotas
+from tensora.placement.quotas import RunningQuotas
 from tensora.placement.standing import StandingDecisions
 from tensora.placement.timers import Timers, starving_from
 
@@ -61,7 +61,7 @@ class KeptRecords:
         self.catalog = catalog
         self.policy = policy or Policy()
         self.default_quota = quotas.default if quotas else None
-        self.quota_by_owner: dict[str, Quotas] = dict(quotas.by_owner) if quotas else {}
+        self.quota_by_owner: dict[str, RunningQuotas] = dict(quotas.by_owner) if quotas else {}
         self.replicas: dict[str, list[Placed]] = {}  # by workload id
         self.on_node: dict[str, list[Placed]] = {}  # by node name, kept while a node is away
         placed = list(placed)
@@ -390,5 +390,5 @@ class KeptRecords:
     def _all_regions(self) -> set[str]:
         return self.cap.regions | set(self.by_region) | set(self.movers) | set(self.standing_decisions.by_region)
 
-    def quota_of(self, owner: str) -> Quotas | None:
+    def quota_of(self, owner: str) -> RunningQuotas | None:
         return self.quota_by_owner.get(owner, self.default_quota)

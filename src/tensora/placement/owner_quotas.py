@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from tensora.placement.catalog import Catalog, ComputeClass
 from tensora.placement.decisions import Attempt, Outcome, Running
-from tensora.placement.quotas import Quotas
+from tensora.placement.quotas import RunningQuotas
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,8 +18,8 @@ class OwnerQuotas:
     each owner's replicas hold now, as (GPUs, vCPUs of CPU classes), starting and stopping ones too; None:
     what ``running`` holds (enough for a caller with no starting or stopping replicas)."""
 
-    default: Quotas | None = None
-    by_owner: Mapping[str, Quotas] = field(default_factory=dict)
+    default: RunningQuotas | None = None
+    by_owner: Mapping[str, RunningQuotas] = field(default_factory=dict)
     held: Mapping[str, tuple[float, float]] | None = None
 
 

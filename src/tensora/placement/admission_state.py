@@ -92,7 +92,7 @@ class AdmissionState(KeptRecords):
         """The waits and restart offers that stand now, every region, with the figures of now (what is free,
         who waits, each owner's use: :class:`tensora.placement.admission.Recount`)."""
         recount = Recount(self.cap, Ledger(self.quotas(), (), self.catalog), self.standing_decisions.waited)
-        return self.standing_decisions.recounted(recount)
+        yield from self.standing_decisions.recounted(recount)
 
     def waiting(self) -> int:
         """How many waits stand now (every queued workload not backing off, once decided)."""
@@ -130,9 +130,11 @@ class AdmissionState(KeptRecords):
         return True
 
     def _prio(self, w: Queued) -> Prio:
+        """``w``'s place in the priority order now (:meth:`PriorityLists.prio_of`)."""
         return self.lists.prio_of(w)
 
     def _ordered(self, ws: Collection[Queued]) -> list[Queued]:
+        """``ws`` in the priority order (:meth:`PriorityLists.ordered`)."""
         return self.lists.ordered(ws)
 
     # -- a cycle ----------------------------------------------------------------------------

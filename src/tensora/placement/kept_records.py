@@ -144,6 +144,7 @@ class KeptRecords:
     # -- records --------------------------------------------------------------------------
 
     def _count_in_region(self, owner: str, region: str, n: int) -> None:
+        """``n`` more (or fewer) of ``owner``'s queued workloads or movers in ``region``."""
         regions = self.owner_regions.get(owner)
         if regions is None:
             regions = self.owner_regions[owner] = Counter()
@@ -154,6 +155,7 @@ class KeptRecords:
             regions.pop(region, None)
 
     def _enqueue(self, w: Queued) -> None:
+        """Queue ``w`` (in place of any record of its id), with its timers."""
         if w.id in self.queue or w.id in self.running:
             self._forget(w.id)
         self.queue[w.id] = w
@@ -233,6 +235,7 @@ class KeptRecords:
         self._move_turns(w.owner, above=(w.queued_since, w.id))
 
     def _mark_dirty(self, region: str, id: str) -> None:
+        """The next cycle looks at ``region``, and decides ``id`` in it again."""
         self.dirty.add(region)
         if region in self.decided and region not in self.whole:  # a region decided whole needs no list
             self.must.setdefault(region, set()).add(id)
@@ -283,13 +286,13 @@ class KeptRecords:
             if turns:
                 self._move_turns(r.owner, below=HIGH)
 
-
     def _move_turns(self, owner: str, below: Key = LOW, above: Key = HIGH) -> None:
         """The owner's queued workloads with a key < ``below`` or > ``above`` change turn."""
         lo, hi = self.turns.get(owner, (LOW, HIGH))
         self.turns[owner] = (below if below > lo else lo, above if above < hi else hi)
 
     def _count_use(self, r: Running, sign: int) -> None:
+        """Count ``r``'s class in (1) or out (-1) of its owner's quota use."""
         cls = self.catalog.get(r.placed_class)
         if cls is not None:
             use = self.use.setdefault(r.owner, [0.0, 0.0])
@@ -300,6 +303,7 @@ class KeptRecords:
                 self.touched.add(r.owner)
 
     def _hold_replica(self, p: Placed, sign: int) -> None:
+        """Replica ``p`` takes (1) or frees (-1) its capacity, and is booked so."""
         if not self._book_replica(p, sign):
             return  # not held: nothing to free
         at, cls = self.cap.index.get(p.node), self.catalog.get(p.cls)
@@ -323,6 +327,7 @@ class KeptRecords:
         return True
 
     def _replace_node(self, name: str, node: Node | None) -> None:
+        """Node ``name`` leaves (``node`` None) or is replaced by ``node``, with the replicas booked on it."""
         at = self.cap.index.get(name)
         if at is not None:
             self._redecide_whole(self.cap.nodes[at].region)
@@ -391,4 +396,5 @@ class KeptRecords:
         return self.cap.regions | set(self.by_region) | set(self.movers) | set(self.standing_decisions.by_region)
 
     def quota_of(self, owner: str) -> RunningQuotas | None:
+        """``owner``'s running quotas (None: it has none)."""
         return self.quota_by_owner.get(owner, self.default_quota)

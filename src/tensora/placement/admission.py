@@ -35,6 +35,11 @@ Priority order: with ``owner_fairness`` (the default, because a free cloud has n
 price to ration it), owners take turns: a workload's rank is how many workloads its
 owner already runs plus how many of its owner's are queued before it; then oldest
 first (``queued_since``), then id. Without it, plain FIFO by ``queued_since``.
+
+The parts, each its own module: the records and decisions with their reasons (``decisions``), the knobs
+(``policy``), the quota ledger (``owner_quotas``), trying a list of classes for one workload (``attempts``) and a
+wait's figures at the end of a cycle (``recount``). This module holds the passes, and names the parts' public
+values for its callers.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from tensora.api.sessions import Sessions
 from tensora.apikeys import digest, well_formed
 from tensora.clock import Clock, SystemClock
 from tensora.config.catalog import load_catalog
+from tensora.config.quotas import for_node, overlay, running_phrase
 from tensora.config.settings import (
     ADMIN_KEY_FILE,
     UP_LOCK_FILE,
@@ -49,7 +50,6 @@ from tensora.errors import ConfigError, TensoraError
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import ReplicaState
-from tensora.placement.quotas import for_node, overlay, running_phrase
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir

@@ -249,7 +249,7 @@ class Upload:
 @dataclass
 class Storage:
     """Where owners' files live and the operator's shared read-only roots. How many bytes each owner may
-    keep is its ``storage_bytes`` quota (``tensora.placement.quotas``), which the API reads per owner."""
+    keep is its ``storage_bytes`` quota (``tensora.config.quotas``), which the API reads per owner."""
 
     root: Path
     shared: dict[str, Path] = field(default_factory=dict)

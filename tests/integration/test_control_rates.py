@@ -13,8 +13,8 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from tensora.config.quotas import Limits
 from tensora.control.housekeeping import housekeep
-from tensora.placement.quotas import Limits
 from tensora.store import repo
 from tensora.store.db import Database
 from tests.integration.test_api import Api, assert_error, created

@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tensora.config.quotas import OwnerSettings, Quotas
 from tensora.models.validator import read_model
-from tensora.placement.quotas import OwnerSettings, Quotas
 from tensora.sdk import Client, UnprocessableError
 from tensora.storage import NOT_FOUND, NotFound, Storage, owner_dir
 from tensora.store import repo

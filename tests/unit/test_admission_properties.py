@@ -13,7 +13,7 @@ from tensora.placement import admission
 from tensora.placement.admission import OwnerQuotas, Place, Promote, Queued, Wait, decide
 from tensora.placement.capacity import Capacity, Node
 from tensora.placement.kinds import WorkloadKind
-from tensora.placement.quotas import Quotas
+from tensora.placement.quotas import RunningQuotas as Quotas
 from tensora.units import parse_duration
 from tests.support.builders import CATALOG, GI
 

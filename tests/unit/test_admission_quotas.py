@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tensora.placement.admission import Outcome, OwnerQuotas, Place, Policy, Queued, Running, Wait, decide, share
 from tensora.placement.capacity import Capacity, Node, Placed
 from tensora.placement.kinds import WorkloadKind
-from tensora.placement.quotas import Quotas
+from tensora.placement.quotas import RunningQuotas as Quotas
 from tests.support.builders import CATALOG, cap, cpu_node, ep, gpu_node, outcomes, w
 from tests.unit.test_admission_properties import nodes_st, queue_st
 

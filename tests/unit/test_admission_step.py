@@ -46,7 +46,7 @@ from tensora.placement.admission_state import (
 )
 from tensora.placement.capacity import Capacity, Node, Placed
 from tensora.placement.kinds import WorkloadKind
-from tensora.placement.quotas import Quotas
+from tensora.placement.quotas import RunningQuotas as Quotas
 from tests.support.builders import CATALOG, GI, cpu_node, ep, gpu_node, w
 
 CLASSES = ["l40s-48gb", "a100-80gb", "cpu-4c-16g", "cpu-16c-64g", "cpu-32c-128g"]

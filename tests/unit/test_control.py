@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tensora.api.schemas import WorkloadOut
 from tensora.clock import FakeClock
+from tensora.config.quotas import Quotas
 from tensora.control import snapshot
 from tensora.control.apply import apply
 from tensora.control.events import (
@@ -38,7 +39,6 @@ from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.admission import decide
 from tensora.placement.kinds import ReplicaRole, ReplicaState, SlotRef, WorkloadKind, WorkloadState
-from tensora.placement.quotas import Quotas
 from tensora.store import repo
 from tensora.store.db import Database
 from tensora.store.rows import WORKLOAD_COLUMNS, HeldReplica, ReplicaRow, WorkloadRow

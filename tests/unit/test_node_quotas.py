@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from tensora.config.catalog import default_catalog
+from tensora.config.quotas import Quotas, for_node, running_phrase
 from tensora.placement.capacity import CORES_LABEL, Node
-from tensora.placement.quotas import Quotas, for_node, running_phrase
 from tensora.units import GIB
 
 CATALOG = default_catalog()

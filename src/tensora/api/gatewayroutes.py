@@ -23,10 +23,10 @@ from tensora import replicakeys
 from tensora.api.deps import ERRORS, Admin, Svc
 from tensora.api.schemas import UsageBatch, UsageBatchOut
 from tensora.api.services import Services
+from tensora.config.quotas import effective
 from tensora.gateway.routedoc import EndpointDoc, KeyDoc, OwnerDoc, ReplicaDoc, RouteDocument
 from tensora.placement.fallback import uses_cpu
 from tensora.placement.kinds import ReplicaRole, ReplicaState
-from tensora.placement.quotas import effective
 from tensora.storage import SHARED
 from tensora.store import repo
 from tensora.store.rows import ReplicaRow, WorkloadRecord

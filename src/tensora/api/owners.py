@@ -10,8 +10,8 @@ from tensora.api.deps import ERRORS, Admin, OwnerName, Reader, Svc, iso
 from tensora.api.errors import QUOTA_EXCEEDED, ApiError
 from tensora.api.schemas import OwnerList, OwnerOut, OwnerUpdate
 from tensora.api.services import Services
+from tensora.config import quotas
 from tensora.control import owners
-from tensora.placement import quotas
 from tensora.store import repo
 
 router = APIRouter()

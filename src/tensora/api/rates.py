@@ -17,7 +17,7 @@ from enum import StrEnum
 from tensora.api.errors import ApiError
 from tensora.api.owners import owner_settings
 from tensora.api.services import Services
-from tensora.placement.quotas import RATE_WINDOW_S as WINDOW_S
+from tensora.config.quotas import RATE_WINDOW_S as WINDOW_S
 from tensora.store import repo
 
 

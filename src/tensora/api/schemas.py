@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from tensora.apikeys import SCOPES
+from tensora.config.quotas import Limits, Quotas
 from tensora.placement.kinds import ReplicaRole, WorkloadKind, WorkloadState
-from tensora.placement.quotas import Limits, Quotas
 
 
 def pattern(enum: type[StrEnum]) -> str:

@@ -11,11 +11,11 @@ from tensora.api.auth import KeyChecker
 from tensora.api.idempotency import Idempotency
 from tensora.api.sessions import Sessions
 from tensora.clock import Clock
+from tensora.config.quotas import OwnerSettings
 from tensora.control.controller import Controller
 from tensora.names import controller_lease
 from tensora.placement.capacity import GpuReserve
 from tensora.placement.catalog import Catalog
-from tensora.placement.quotas import OwnerSettings
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database

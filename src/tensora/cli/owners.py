@@ -21,7 +21,7 @@ from tensora.cli.root import (
     local_time,
     session,
 )
-from tensora.placement.quotas import Limits, Quotas
+from tensora.config.quotas import Limits, Quotas
 from tensora.units import format_memory, parse_memory
 
 OWNER_FLAGS = {"owner": "OWNER", "trusted": "--trusted/--untrusted", "quotas": "--quota", "limits": "--limit",

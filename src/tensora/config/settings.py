@@ -14,11 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from tensora import listeners
 from tensora.config import yamlsource
+from tensora.config.quotas import Limits, OwnerSettings, Quotas
 from tensora.config.wording import in_words
 from tensora.drivers.hardware import NodeOverrides
 from tensora.errors import ConfigError
 from tensora.names import DOMAIN_PATTERN, NAME_PATTERN
-from tensora.placement.quotas import Limits, OwnerSettings, Quotas
 from tensora.scrape import check_listen
 from tensora.tracing import TracingSettings
 from tensora.units import parse_memory

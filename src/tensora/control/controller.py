@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from sqlalchemy import Connection
 
 from tensora.clock import Clock, SystemClock
+from tensora.config.quotas import OwnerSettings
 from tensora.control import housekeeping, metrics
 from tensora.control.apply import apply
 from tensora.control.feed import Fed, Feed
@@ -49,7 +50,6 @@ from tensora.placement.admission import Decision, Policy
 from tensora.placement.capacity import GpuReserve, Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import WorkloadState
-from tensora.placement.quotas import OwnerSettings
 from tensora.store import repo
 from tensora.store.db import Database
 from tensora.store.rows import NodeRow, ReplicaRow, WorkloadRow

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Connection
 
+from tensora.config.quotas import Quotas
 from tensora.control import snapshot
 from tensora.control.apply import Applied
 from tensora.placement.admission import (
     Decision,
-    OwnerQuotas,
     Place,
     Policy,
     Queued,
@@ -51,7 +51,6 @@ from tensora.placement.admission_state import (
 from tensora.placement.capacity import GpuReserve, Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import SlotRef, WorkloadState
-from tensora.placement.quotas import Quotas
 from tensora.store import repo
 from tensora.store.rows import WorkloadRow
 
@@ -154,7 +153,7 @@ class Feed:
         by_owner = snapshot.quotas_by_owner(self.defaults, repo.owner_quotas(conn))
         held = snapshot.held_by_owner(repo.held_replicas(conn), self.catalog)
         self.admission = AdmissionState(nodes.values(), snapshot.placed(replicas), self.catalog, self.policy,
-                                        OwnerQuotas(self.defaults, by_owner), self.reserves)
+                                        snapshot.running_quotas(self.defaults, by_owner), self.reserves)
         self.seen_rev, self.nodes, self.quotas = mark, nodes, by_owner
         self.waits, self.offered, self.backoff = {}, set(), {}
         self._remember(snap.workloads.values())
@@ -169,7 +168,8 @@ class Feed:
         return events
 
     def _quota_events(self, by_owner: dict[str, Quotas]) -> list[Event]:
-        events: list[Event] = [QuotaChanged(o, by_owner.get(o)) for o in sorted(self.quotas.keys() | by_owner.keys())
+        events: list[Event] = [QuotaChanged(o, q.running() if (q := by_owner.get(o)) is not None else None)
+                               for o in sorted(self.quotas.keys() | by_owner.keys())
                                if self.quotas.get(o) != by_owner.get(o)]
         self.quotas = by_owner
         return events

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import Connection
 
-from tensora.placement.quotas import RATE_WINDOW_S
+from tensora.config.quotas import RATE_WINDOW_S
 from tensora.store import repo
 
 EXPIRE_IDEMPOTENCY_EVERY = 30

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from tensora.config.quotas import OwnerSettings, effective
 from tensora.errors import TensoraError
-from tensora.placement.quotas import OwnerSettings, effective
 from tensora.store import repo
 
 

@@ -16,12 +16,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensora.config.quotas import Quotas
 from tensora.placement.admission import OwnerQuotas, Queued, Running, share
 from tensora.placement.admission_state import Event, ReplicaPlaced, Started, Stopped, Submitted
 from tensora.placement.capacity import Capacity, GpuReserve, Node, Placed
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import ReplicaRole, ReplicaState, SlotRef, WorkloadKind, WorkloadState
-from tensora.placement.quotas import Quotas
 from tensora.store.rows import HeldReplica, ReplicaRow, WorkloadRow
 
 log = logging.getLogger("tensora.controller")
@@ -154,7 +154,13 @@ def changes(workloads: Iterable[WorkloadRow], replicas: Iterable[ReplicaRow], ca
 def owner_quotas(defaults: Quotas, stored: Mapping[str, Mapping[str, Any]], held: Iterable[HeldReplica],
                  catalog: Catalog) -> OwnerQuotas:
     """Each owner's running quotas (``quotas_by_owner``) and what its replicas hold now (``held_by_owner``)."""
-    return OwnerQuotas(defaults, quotas_by_owner(defaults, stored), held_by_owner(held, catalog))
+    return running_quotas(defaults, quotas_by_owner(defaults, stored), held_by_owner(held, catalog))
+
+
+def running_quotas(defaults: Quotas, by_owner: Mapping[str, Quotas],
+                   held: Mapping[str, tuple[float, float]] | None = None) -> OwnerQuotas:
+    """The validated quotas as admission reads them: each owner's running ones, as plain values."""
+    return OwnerQuotas(defaults.running(), {o: q.running() for o, q in by_owner.items()}, held)
 
 
 def quotas_by_owner(defaults: Quotas, stored: Mapping[str, Mapping[str, Any]]) -> dict[str, Quotas]:

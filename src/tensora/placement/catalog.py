@@ -70,7 +70,7 @@ class Catalog(Mapping[str, ComputeClass]):
         return self._classes[name]
 
     def get(self, name: str, default: ComputeClass | None = None) -> ComputeClass | None:  # type: ignore[override]
-        """The dict's own lookup: Mapping's ``get`` goes through ``__getitem__`` and a try, 4x slower, and
+        """The dict's own lookup: Mapping's ``get`` goes through ``__getitem__`` and a try, and
         admission asks once or more per workload."""
         return self._classes.get(name, default)
 
@@ -87,3 +87,12 @@ class Catalog(Mapping[str, ComputeClass]):
         """Raise KeyError unless ``entry`` is a class name or the word ``cpu``."""
         if entry != CPU_WORD and entry not in self._classes:
             raise KeyError(entry)
+
+
+def entry_classes(entry: str, catalog: Catalog) -> tuple[ComputeClass, ...]:
+    """The classes a fallback-list entry stands for: every CPU class (smallest first) for the word ``cpu``,
+    else the class it names (none where the catalog has no such class)."""
+    if entry == CPU_WORD:
+        return catalog.cpu_classes
+    cls = catalog.get(entry)
+    return () if cls is None else (cls,)

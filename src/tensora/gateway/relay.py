@@ -37,7 +37,7 @@ class Relay:
     client has seen nothing yet."""
 
     def __init__(self, options: Options, clock: Callable[[], float]) -> None:
-        self.o, self.clock = options, clock
+        self.options, self.clock = options, clock
         self._fixed: dict[str, tuple[Backend, Headers]] = {}  # by backend key: see ``_ok``
 
     def headers(self, call: Call, b: Backend, resp: Reply | None, ok: str) -> tuple[Headers, str, str]:
@@ -103,8 +103,8 @@ class Relay:
             data = None  # answered below, out of the handler, as compiled code needs: test_gateway_compiled_rules
         if data is None:  # as large from any replica of the model: no other tier
             await answer(call.send, 502, error_body(
-                f"the model server's answer is over {self.o.max_upstream_body_bytes} bytes", "server_error",
-                "upstream_too_large"), call.rid, self.o.region, self.headers(call, b, resp, "body_too_large")[0])
+                f"the model server's answer is over {self.options.max_upstream_body_bytes} bytes", "server_error",
+                "upstream_too_large"), call.rid, self.options.region, self.headers(call, b, resp, "body_too_large")[0])
             return Served(b, b.served_by, b.region, status=502)
         try:
             obj = orjson.loads(data)
@@ -130,7 +130,7 @@ class Relay:
         with an error event, never splicing another model's output in. After it, an event must come
         every ``idle_s`` (comments do not count): a stalled model server is not held to the deadline."""
         send, client_usage, deadline = call.send, call.client_usage, call.deadline
-        events = sse.Events(self.o.max_sse_event_bytes)
+        events = sse.Events(self.options.max_sse_event_bytes)
         held: list[bytes] = []
         sending = False  # the head is out: from here a failure ends the stream with an error event
         served = Served(b, b.served_by, b.region)

@@ -40,7 +40,7 @@ from typing import Any
 
 import httptools
 
-from tensora.gateway.upstream import LOOP_READS, nodelay
+from tensora.gateway.upstream import Reads, nodelay
 
 log = logging.getLogger("tensora.gateway")
 
@@ -75,8 +75,8 @@ class Limits:
 
 def _head_lines(status: int, headers: Any) -> tuple[list[bytes], bool]:
     """The status line and header lines of an answer, as the parts of one join; and whether it has a content-length.
-    The gateway's headers (a list of tuples of bytes) are taken as typed: 15 of them in ~0.6 µs, against ~0.8 µs
-    the generic way (a ``map`` of joins, then a join of those); any other iterable of pairs an ASGI app may send
+    The gateway's headers (a list of tuples of bytes) are taken as typed, faster than the generic way (a ``map``
+    of joins, then a join of those); any other iterable of pairs an ASGI app may send
     goes the generic way."""
     lines = [_status_line(status)]
     has_length = False
@@ -113,7 +113,7 @@ class Spin:
     """Busy polling: for ``window_s`` after each ``poke`` the loop polls for I/O without sleeping (a callback is
     always ready, so libuv's poll waits 0), then sleeps as before. A sleeping CPU takes tens of microseconds to
     wake, most of all in a virtual machine (HAProxy's ``busy-polling`` for the same reason: "30 to 100
-    microseconds observed"): measured under bench/gateway.py on a 2-core VM, c=1 p50 0.141 -> 0.076 ms. The cost
+    microseconds observed"); the figures of the gateway's own are on the benchmarks page. The cost
     is CPU: up to ``window_s`` of one core after each request and each answer, nothing once traffic stops; it
     fills only time the loop would have slept, so one process never spins past one core. Off by default: under a
     CPU limit below one core (a Kubernetes pod's ``limits.cpu: 500m``) the spinning would be throttled."""
@@ -163,6 +163,7 @@ class _Conn(asyncio.Protocol):
         self.server = server
         self.per_host = per_host  # the open connections by client host of the listener this one came in on
         self.lim = server.limits
+        self.reads = server.reads
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None  # the client's address: the scope's "client", asked of the transport once
         self.host: Any = None  # the client's host, counted in ``per_host`` while this connection is open
@@ -257,7 +258,7 @@ class _Conn(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        LOOP_READS.n += 1  # the upstream connections' liveness check asks the socket less for it (``_Conn.unused``)
+        self.reads.n += 1  # the upstream connections' liveness check asks the socket less for it (``_Conn.unused``)
         spin = self.server.spin
         if spin is not None:
             spin.poke()  # the upstream's answer comes soon: poll for it rather than sleep
@@ -512,9 +513,10 @@ class Server:
     driver's sandboxes' listener, whose clients have shares of their own (``sandbox_per_host``)."""
 
     def __init__(self, app: App, host: str, port: int, *, limits: Limits | None = None, grace_s: float = 10.0,
-                 own_process: bool = False, busy_poll_s: float = 0.0, sandbox_sock: socket.socket | None = None
-                 ) -> None:
+                 own_process: bool = False, busy_poll_s: float = 0.0, sandbox_sock: socket.socket | None = None,
+                 reads: Reads | None = None) -> None:
         self.app, self.host, self.port = app, host, port
+        self.reads = reads if reads is not None else Reads()  # the app's (``proxy.Gateway.reads``): counted here too
         self.sandbox_sock = sandbox_sock
         self.own_process = own_process  # the process is this server's alone: its collector is tuned (``quiet_gc``)
         self.limits, self.grace_s = limits or Limits(), grace_s
@@ -618,8 +620,8 @@ def _bound(server: Any) -> tuple[str, int]:
 def quiet_gc(gen0: int = 50_000) -> None:
     """For a process that is the server: the collector's pauses out of the tail of latency.
 
-    Measured under bench/gateway.py at c=32: a full collection walked the ~100,000 objects of start-up (pydantic,
-    httpx, the route table) in 35-120 ms, a few times in 10 s, each one the whole p99. What start-up made is frozen
+    Under load a full collection walked all the objects of start-up (pydantic, httpx, the route table), a pause
+    long enough to be the whole tail latency (the benchmarks page). What start-up made is frozen
     (never scanned again), and the young generation collected every ``gen0`` net allocations rather than 700:
     a request leaves almost no cyclic garbage (what it allocates dies by reference counting), so collections
     find little, and fewer of them are most of their cost."""

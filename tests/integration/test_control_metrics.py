@@ -69,7 +69,7 @@ def get(s: Stack, wid: str) -> WorkloadRecord:
 
 def test_fallback_and_move_back_then_scrape(db_url: str, tmp_path: Path) -> None:
     s = stack(db_url, tmp_path)
-    listener = Listener("127.0.0.1:0", REGISTRY, ControllerCollector())
+    listener = Listener("127.0.0.1:0", REGISTRY, ControllerCollector(s.controller.metrics))
     assert listener.start()
     s.controller.start()
     try:

@@ -14,7 +14,8 @@ and counted in ``bad``; the batch's good records go on. The sender (``run``) out
 
 A batch this process wrote whole (its size that of the records it wrote: no write failed part way, no line
 of a crashed gateway's or of another writer in it) is sent as its lines, unparsed: parsing them under load held
-the GIL against the requests' loop, in turns long enough to be the gateway's tail latency. Any other file is read record by record.
+the GIL against the requests' loop, in turns long enough to be the gateway's tail latency. Any other file is
+read record by record.
 """
 
 from __future__ import annotations

@@ -216,11 +216,11 @@ class GatewayCollector:
     prometheus-client ``Collector`` by its ``collect`` (a protocol): a compiled class subclasses no dependency's
     class (the build sees dependencies as ``Any``, and mypyc's class built on ``Any`` crashed at run time)."""
 
-    def __init__(self, gw: Watched, m: GatewayMetrics, clock: Callable[[], float]) -> None:
-        self.gw, self.m, self.clock = gw, m, clock
+    def __init__(self, gw: Watched, metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
+        self.gw, self.metrics, self.clock = gw, metrics, clock
 
     def collect(self) -> Iterator[Metric]:
-        m, gw = self.m, self.gw
+        m, gw = self.metrics, self.gw
         requests, ttft, latency = m.families()
         yield _counter("tensora_gateway_requests", "Inference requests answered, by endpoint (owner/name, capped), "
                        "the chain's tier that answered, what served it and the HTTP status",

@@ -172,7 +172,7 @@ class Gateway:
 
     # -- step 1: who is calling -------------------------------------------------------------
 
-    def _key(self, headers: RequestHeaders, table: RouteTable) -> KeyRoute | tuple[int, str, str]:
+    def _calling_key(self, headers: RequestHeaders, table: RouteTable) -> KeyRoute | tuple[int, str, str]:
         auth = headers.auth
         if auth is None or auth[:7].lower() != b"bearer ":
             return 401, "missing API key: send Authorization: Bearer <key>", "invalid_api_key"
@@ -199,7 +199,7 @@ class Gateway:
 
     async def _caller(self, headers: RequestHeaders, send: Send, rid: str, table: RouteTable) -> KeyRoute | None:
         """The calling key, or None once the 401/403 is sent."""
-        key = self._key(headers, table)
+        key = self._calling_key(headers, table)
         if isinstance(key, KeyRoute):
             return key
         status, message, code = key

@@ -162,7 +162,7 @@ class _Conn(asyncio.Protocol):
     def __init__(self, server: Server, per_host: dict[Any, int]) -> None:
         self.server = server
         self.per_host = per_host  # the open connections by client host of the listener this one came in on
-        self.lim = server.limits
+        self.limits = server.limits
         self.reads = server.reads
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None  # the client's address: the scope's "client", asked of the transport once
@@ -188,26 +188,26 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         loop = self.server.loop
-        if len(self.server.conns) >= self.lim.max_connections:
+        if len(self.server.conns) >= self.limits.max_connections:
             self.done_reading = True
             self._reject(503, b"the gateway is at its connection limit", [b"retry-after: %d\r\n" %
-                                                                          self.lim.retry_after_s])
+                                                                          self.limits.retry_after_s])
             return
         self.peer = peer = transport.get_extra_info("peername")
         host = peer[0] if type(peer) is tuple else ""  # a unix socket's clients: one
         per_host = self.per_host
         held = per_host.get(host, 0)
-        if held >= self.lim.max_connections_per_client:
+        if held >= self.limits.max_connections_per_client:
             self.done_reading = True
             self._reject(503, b"this client is at its connection limit", [b"retry-after: %d\r\n" %
-                                                                          self.lim.retry_after_s])
+                                                                          self.limits.retry_after_s])
             return
         per_host[host] = held + 1
         self.host = host
         nodelay(transport)
-        transport.set_write_buffer_limits(high=self.lim.write_buffer_bytes)  # type: ignore[attr-defined]
+        transport.set_write_buffer_limits(high=self.limits.write_buffer_bytes)  # type: ignore[attr-defined]
         self.lost = loop.create_future()
-        self.deadline = self.server.now + self.lim.idle_timeout_s
+        self.deadline = self.server.now + self.limits.idle_timeout_s
         self.server.conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -245,10 +245,10 @@ class _Conn(asyncio.Protocol):
 
     def _flow(self) -> None:
         """Read only while the client takes its answers and the queue has room."""
-        if self.pending and len(self.queue) < self.lim.max_pipelined and not self.done_reading:
+        if self.pending and len(self.queue) < self.limits.max_pipelined and not self.done_reading:
             data, self.pending = self.pending, b""
             self._feed(data)
-        pause = ((self.drain is not None or self.pending or len(self.queue) >= self.lim.max_pipelined)
+        pause = ((self.drain is not None or self.pending or len(self.queue) >= self.limits.max_pipelined)
                  and not self.done_reading)
         if pause != self.paused and self.transport is not None and not self.closed:
             self.paused = pause
@@ -274,7 +274,7 @@ class _Conn(asyncio.Protocol):
         (a head ends at its blank line, a body at its length), so that what follows a full queue waits
         unparsed in ``pending`` (reading paused) rather than queued."""
         i, n = 0, len(data)
-        lim = self.lim
+        lim = self.limits
         if n + max(self.head, 0) <= lim.max_header_bytes and len(self.queue) + data.count(b"\r\n\r\n") < \
                 lim.max_pipelined:  # no head in it can be too large, nor the queue fill: all at once
             if self.head >= 0:
@@ -287,7 +287,7 @@ class _Conn(asyncio.Protocol):
         while i < n:
             if self.done_reading:
                 return
-            if len(self.queue) >= self.lim.max_pipelined:
+            if len(self.queue) >= self.limits.max_pipelined:
                 self.pending = bytes(view[i:])
                 self._flow()
                 return
@@ -295,7 +295,7 @@ class _Conn(asyncio.Protocol):
                 j = data.find(b"\r\n\r\n", i)
                 end = n if j < 0 else j + 4
                 if self.head == 0:  # a head begins: it has header_timeout_s to arrive whole
-                    self.deadline = self.server.now + self.lim.header_timeout_s
+                    self.deadline = self.server.now + self.limits.header_timeout_s
                 self.head += end - i
             else:
                 end = n if self.length < 0 else min(n, i + max(1, self.length - self.size))
@@ -305,8 +305,8 @@ class _Conn(asyncio.Protocol):
     def _parse(self, data: bytes | memoryview) -> None:
         try:
             self.parser.feed_data(data)
-            if self.head > self.lim.max_header_bytes:  # still in the head after all of this
-                raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
+            if self.head > self.limits.max_header_bytes:  # still in the head after all of this
+                raise _Refuse(431, b"the request line and headers are over %d bytes" % self.limits.max_header_bytes)
         except _Refuse as r:
             self._refuse(r)
         except httptools.HttpParserUpgrade:
@@ -369,31 +369,31 @@ class _Conn(asyncio.Protocol):
         self.req.headers.append((name, value))
         if name == b"content-length" and value.isdigit():
             self.length = int(value)
-            if self.length > self.lim.max_body_bytes:
-                raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)  # before it is sent
+            if self.length > self.limits.max_body_bytes:
+                raise _Refuse(413, b"the body is over %d bytes" % self.limits.max_body_bytes)  # before it is sent
 
     def on_headers_complete(self) -> None:
-        if self.head > self.lim.max_header_bytes:  # exact: a large read is parsed a head at a time
-            raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
-        if len(self.req.headers) > self.lim.max_headers:  # counted here: the head's size bounds them meanwhile
-            raise _Refuse(431, b"more than %d headers" % self.lim.max_headers)
+        if self.head > self.limits.max_header_bytes:  # exact: a large read is parsed a head at a time
+            raise _Refuse(431, b"the request line and headers are over %d bytes" % self.limits.max_header_bytes)
+        if len(self.req.headers) > self.limits.max_headers:  # counted here: the head's size bounds them meanwhile
+            raise _Refuse(431, b"more than %d headers" % self.limits.max_headers)
         self.req.method = self.parser.get_method()
         self.req.keep_alive = self.parser.should_keep_alive()
         self.head = -1
-        self.deadline = self.server.now + self.lim.idle_timeout_s  # for the body
+        self.deadline = self.server.now + self.limits.idle_timeout_s  # for the body
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
-        if self.size > self.lim.max_body_bytes:
-            raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)
+        if self.size > self.limits.max_body_bytes:
+            raise _Refuse(413, b"the body is over %d bytes" % self.limits.max_body_bytes)
         self.req.body.append(body)
-        self.deadline = self.server.now + self.lim.idle_timeout_s
+        self.deadline = self.server.now + self.limits.idle_timeout_s
 
     def on_message_complete(self) -> None:
         self.head = 0
         self.deadline = None
         self.queue.append(self.req)
-        if len(self.queue) >= self.lim.max_pipelined:
+        if len(self.queue) >= self.limits.max_pipelined:
             self._flow()
         self._kick()
 
@@ -415,7 +415,7 @@ class _Conn(asyncio.Protocol):
             if not self.queue:
                 self.busy = False
                 if self.head == 0 and self.deadline is None:
-                    self.deadline = self.server.now + self.lim.idle_timeout_s
+                    self.deadline = self.server.now + self.limits.idle_timeout_s
                 self.wake = self.server.loop.create_future()
                 await self.wake  # cancelled when the connection is lost
                 self.wake = None

@@ -16,7 +16,7 @@ reset (the connection died), timeout (no first byte / token in time), body_too_l
 A request is never sent twice behind the caller's back: it goes again on a fresh connection only when
 the failure is known to come before the upstream read it (the kept-alive connection was closed before
 the request was written, or the write failed at once). A reset after that may follow work the model
-server did, so it is the backend's failure, for the proxy to show and decide on.
+server did, so it is the backend's failure, for the walk to show and decide on.
 """
 
 from __future__ import annotations

@@ -337,7 +337,7 @@ def _metrics_listener(settings: ServeSettings, services: Services, *, multiproce
     if services.controller is not None:
         from tensora.control.metrics import ControllerCollector
 
-        collectors.append(ControllerCollector())
+        collectors.append(ControllerCollector(services.controller.metrics))
         from tensora.drivers.local import LocalDriver
 
         if isinstance(services.controller.driver, LocalDriver):

@@ -20,14 +20,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensora.api.metrics import REGISTRY
+from tensora.clock import FakeClock
+from tensora.config.catalog import default_catalog
 from tensora.control import workloads
+from tensora.control.controller import Controller
 from tensora.control.metrics import ControllerCollector
 from tensora.control.spec import parse_spec
+from tensora.drivers.simulated import SimulatedDriver
 from tensora.scrape import Listener
 from tensora.store import repo
+from tensora.store.db import Database
 from tensora.store.rows import WorkloadRecord
 from tests.support.services import free_port, serving
-from tests.support.stack import Stack, stack
+from tests.support.stack import T0, Stack, fleet, stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,7 +74,7 @@ def get(s: Stack, wid: str) -> WorkloadRecord:
 
 def test_fallback_and_move_back_then_scrape(db_url: str, tmp_path: Path) -> None:
     s = stack(db_url, tmp_path)
-    listener = Listener("127.0.0.1:0", REGISTRY, ControllerCollector())
+    listener = Listener("127.0.0.1:0", REGISTRY, ControllerCollector(s.controller.metrics))
     assert listener.start()
     s.controller.start()
     try:
@@ -126,6 +131,26 @@ def test_fallback_and_move_back_then_scrape(db_url: str, tmp_path: Path) -> None
     assert moved("tensora_api_idempotency_total", outcome="replayed") == 1
     assert moved("tensora_api_idempotency_total", outcome="conflict") == 0
     assert moved("tensora_api_request_duration_seconds_count", route="/v1/keys", method="POST") == 2
+
+
+def test_two_controllers_in_one_process_count_apart(db: Database) -> None:
+    """Each controller counts into its own ``metrics`` (the server that runs it exposes those): a cycle of one is
+    not the other's."""
+    clock = FakeClock(T0)
+    running, idle = (Controller(db, SimulatedDriver(fleet(), clock), default_catalog(), clock=clock, holder=h,
+                                tick_s=0.01, min_gap_s=0.0) for h in "ab")
+    assert running.metrics is not idle.metrics
+    running.start()
+    try:
+        deadline = time.monotonic() + 20
+        while running.metrics.leader.get("local") != 1:
+            assert time.monotonic() < deadline, "no cycle counted"
+            time.sleep(0.02)
+    finally:
+        running.stop()
+    leader = {f.name: [s.value for s in f.samples] for f in ControllerCollector(idle.metrics).collect()}
+    assert idle.metrics.leader == {} and leader["tensora_controller_leader"] == []
+    assert leader["tensora_controller_cycle_duration_seconds"] == []
 
 
 def test_serve_scrape_sums_its_workers(tmp_path: Path) -> None:

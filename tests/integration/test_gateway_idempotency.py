@@ -80,12 +80,11 @@ class Spooled:
 def gateway(b: Backends, d: Path, wall: FakeClock | None = None, shared: Any = None, *, ttft_s: float = 1.5,
             deadline_s: float = 4, **kw: Any) -> tuple[Gateway, Spooled]:
     t, spool = table(b, kw.pop("owners", None)), Spooled(d / "spool")
-    gw = Gateway(Options(ttft_s=ttft_s, deadline_s=deadline_s), lambda: t, MemoryLimiter(), spool.meter,
-                 **({"wall": wall} if wall else {}))
-    gw.on_shutdown.append(spool.close)
-    gw.idem = Idempotency(DiskStore(d / "idem", kw.pop("max_total_bytes", 1 << 20), kw.pop("max_owner_bytes", None)),
-                          shared,
-                          **({"wall": wall} if wall else {}), **kw)
+    idem = Idempotency(DiskStore(d / "idem", kw.pop("max_total_bytes", 1 << 20), kw.pop("max_owner_bytes", None)),
+                       shared,
+                       **({"wall": wall} if wall else {}), **kw)
+    gw = Gateway(Options(ttft_s=ttft_s, deadline_s=deadline_s), lambda: t, MemoryLimiter(), spool.meter, idem=idem,
+                 on_shutdown=[spool.close], **({"wall": wall} if wall else {}))
     return gw, spool
 
 
@@ -441,9 +440,8 @@ def test_answer_round_trip() -> None:
 def redis_gateway(b: Backends, d: Path, url: str) -> tuple[Gateway, Spooled]:
     t, spool = table(b), Spooled(d / "spool")
     lim = RedisLimiter(url, "t", timeout_s=0.5, connect_timeout_s=0.5)
-    gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, lim, spool.meter)
-    gw.on_shutdown.append(spool.close)
-    gw.idem = Idempotency(DiskStore(d / "idem"), RedisStore(lim.redis), probe_s=0.2)
+    gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, lim, spool.meter,
+                 idem=Idempotency(DiskStore(d / "idem"), RedisStore(lim.redis), probe_s=0.2), on_shutdown=[spool.close])
     return gw, spool
 
 
@@ -495,9 +493,9 @@ def test_a_redis_that_never_answers_costs_a_timeout_not_a_500(backends: Backends
     try:
         t, spool = table(backends), Spooled(tmp_path / "spool")
         lim = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", "t")  # the defaults: 50 ms a call
-        gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, lim, spool.meter)
-        gw.on_shutdown.append(spool.close)
-        gw.idem = Idempotency(DiskStore(tmp_path / "idem"), RedisStore(lim.redis), probe_s=60)
+        gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, lim, spool.meter,
+                     idem=Idempotency(DiskStore(tmp_path / "idem"), RedisStore(lim.redis), probe_s=60),
+                     on_shutdown=[spool.close])
         with serving(gw) as url:
             started = time.monotonic()
             got = [post(url, chat()) for _ in range(3)]

@@ -65,10 +65,10 @@ def test_story_then_scrape(backends: Backends, tmp_path: Path) -> None:
                        {ALICE: ("alice", ["inference"]), ALICE_SLOW: ("alice", ["inference"])},
                        limits={ALICE_SLOW: (1, None)})
     meter = Meter(tmp_path / "spool", control_api_down)
+    metrics = GatewayMetrics()
     gw = Gateway(Options(retry_delay_s=0.0, breaker=Policy(consecutive=2, base_s=300)), lambda: table,
-                 MemoryLimiter(), meter)
-    gw.metrics = GatewayMetrics()
-    listener = Listener("127.0.0.1:0", GatewayCollector(gw, gw.metrics, gw.clock), process=False)
+                 MemoryLimiter(), meter, metrics=metrics)
+    listener = Listener("127.0.0.1:0", GatewayCollector(gw, metrics, gw.clock), process=False)
     assert listener.start()
     try:
         before = samples(scrape(listener.port))
@@ -127,9 +127,9 @@ def test_story_then_scrape(backends: Backends, tmp_path: Path) -> None:
 def test_promtool_accepts_the_exposition(backends: Backends) -> None:
     table = make_table([{"id": "wl_main", "name": "my-llm", "owner": "alice",
                          "replicas": [replica("r1", backends.url("r1"))]}], {ALICE: ("alice", ["inference"])})
-    gw = Gateway(Options(), lambda: table, MemoryLimiter(), None)
-    gw.metrics = GatewayMetrics()
-    listener = Listener("127.0.0.1:0", GatewayCollector(gw, gw.metrics, gw.clock))
+    metrics = GatewayMetrics()
+    gw = Gateway(Options(), lambda: table, MemoryLimiter(), None, metrics=metrics)
+    listener = Listener("127.0.0.1:0", GatewayCollector(gw, metrics, gw.clock))
     assert listener.start()
     try:
         with serving(gw) as url:

@@ -17,11 +17,10 @@ import pytest
 import yaml
 
 from tensora.api.metrics import REGISTRY
-from tensora.control.metrics import ControllerCollector
+from tensora.control.metrics import ControllerCollector, ControllerMetrics
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.metering import Meter
 from tensora.gateway.metrics import GatewayCollector, GatewayMetrics
-from tensora.gateway.probe import Prober
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 
@@ -37,10 +36,9 @@ async def _nothing(records: list[bytes]) -> bool:
 
 def exported(tmp_path: Path) -> set[str]:
     """Every series name the three processes' collectors can expose."""
-    gw = Gateway(Options(), RouteTable, MemoryLimiter(), Meter(tmp_path / "spool", _nothing))
-    gw.prober = Prober(gw)
-    families = [*GatewayCollector(gw, GatewayMetrics(), gw.clock).collect(), *ControllerCollector().collect(),
-                *REGISTRY.collect()]
+    gw = Gateway(Options(), RouteTable, MemoryLimiter(), Meter(tmp_path / "spool", _nothing), probe_interval_s=2.0)
+    families = [*GatewayCollector(gw, GatewayMetrics(), gw.clock).collect(),
+                *ControllerCollector(ControllerMetrics()).collect(), *REGISTRY.collect()]
     return {f.name + s for f in families for s in SUFFIXES[f.type]}
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensora.api.operator import figures, quantile, since, snapshot
+from tensora.api.operator import KEPT, Sampler, figures, quantile, since, snapshot
 
 QUANTILES = {
     "no observations": (0.5, {}, None),
@@ -74,3 +74,24 @@ def test_nothing_moved_shows_nothing() -> None:
     for t in range(0, 3601, 60):
         out = figures(float(t), snap(3), ring)
     assert out["window_s"] == 3600 and out["fallbacks"] == {}
+
+
+def test_two_samplers_keep_rings_of_their_own() -> None:
+    """Each app has its sampler (``create_app``): a read of one is no sample of the other's hour."""
+    a, b = Sampler(every_s=3600), Sampler(every_s=3600)
+    try:
+        got = a.read({})  # no listeners: nothing scraped, a sample all the same
+        assert got["control"] is False and got["window_s"] is None
+        assert len(a.ring) == 1 and len(b.ring) == 0 and a.ring.maxlen == b.ring.maxlen == KEPT
+        assert a.thread is not None and b.thread is None  # the first read starts the reader's thread alone
+    finally:
+        a.stop()
+        b.stop()
+    assert a.thread is not None and not a.thread.is_alive()
+
+
+def test_a_stopped_sampler_starts_no_thread() -> None:
+    s = Sampler()
+    s.stop()
+    s.read({})
+    assert s.thread is None and len(s.ring) == 1

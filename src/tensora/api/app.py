@@ -52,12 +52,14 @@ def create_app(services: Services, *, max_in_flight: int = 256, max_body_bytes: 
             guard.draining = True
             if run_controller and services.controller is not None:
                 services.controller.stop()
+            app.state.operator_sampler.stop()
 
     # /docs and /redoc: apidocs' pages, whose scripts are served here rather than from a CDN
     app = FastAPI(title="Tensora control API", version=__version__, description=DESCRIPTION, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     install_docs(app)
     app.state.services = services
+    app.state.operator_sampler = operator.Sampler()  # the operator page's samples: this app's own
     errors.install(app)
     for resource in (workloads, catalog, usage, keys, owners, health):
         app.include_router(resource.router)

@@ -3,9 +3,9 @@
 Read by scraping the metrics listeners over loopback (``metrics_listen``: the controller's counts live in the
 supervisor, not in the HTTP worker answering; the gateway's in its own process), parsed with prometheus-client's
 parser, each with a short timeout: a listener that does not answer is said to be unavailable, never waited for.
-"The last hour" is the difference from a sample this process keeps: one a minute, from a thread started by the
-first read (a server nobody asks does not scrape itself), 61 kept (``RING``); until they cover an hour, the figures
-are totals since the processes started, and the answer says which (``window_s``: null).
+"The last hour" is the difference from a sample the app keeps (its ``Sampler``, made and stopped with it): one a
+minute, from a thread started by the first read (a server nobody asks does not scrape itself), 61 kept; until they
+cover an hour, the figures are totals since the processes started, and the answer says which (``window_s``: null).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensora.api.deps import ERRORS, Admin, Svc
@@ -25,7 +25,7 @@ from tensora.api.deps import ERRORS, Admin, Svc
 router = APIRouter(tags=["operator"])
 TIMEOUT_S = 1.0
 HOUR_S, EVERY_S = 3600.0, 60.0
-RING: deque[tuple[float, dict[str, Any]]] = deque(maxlen=61)
+KEPT = 61  # samples: an hour of them, and the one an hour before the latest
 COUNTERS = ("fallbacks", "failovers", "placed", "ttft")  # differenced over the window; the rest are as they are now
 
 
@@ -126,35 +126,51 @@ def figures(now_t: float, snap: dict[str, Any], ring: deque[tuple[float, dict[st
 
 
 class Sampler:
-    """One sample a minute of this server's listeners, into ``RING``; started by the first read."""
+    """One sample a minute of this server's listeners, into its ``ring``; started by the first read, stopped with
+    the app (``stop``). One per app: two apps in one process (tests) keep samples of their own."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_s: float = EVERY_S) -> None:
+        self.every_s = every_s
         self.lock = threading.Lock()
+        self.ring: deque[tuple[float, dict[str, Any]]] = deque(maxlen=KEPT)
         self.sources: dict[str, str] = {}
         self.thread: threading.Thread | None = None
+        self.stopping = threading.Event()
 
     def read(self, sources: dict[str, str]) -> dict[str, Any]:
         with self.lock:
             self.sources = dict(sources)
-            if self.thread is None:
+            if self.thread is None and not self.stopping.is_set():
                 self.thread = threading.Thread(target=self._loop, name="operator-sampler", daemon=True)
                 self.thread.start()
         snap = self.snap()
         with self.lock:
-            return figures(time.monotonic(), snap, RING)
+            return figures(time.monotonic(), snap, self.ring)
 
     def snap(self) -> dict[str, Any]:
         return snapshot(scrape(self.sources.get("control")), scrape(self.sources.get("gateway")))
 
+    def stop(self) -> None:
+        """The sampling thread ends (at once if it waits; after its scrape, bounded by ``TIMEOUT_S``, if not)."""
+        self.stopping.set()
+        thread = self.thread
+        if thread is not None:
+            thread.join(timeout=2 * TIMEOUT_S + 1)
+
     def _loop(self) -> None:
-        while True:
-            time.sleep(EVERY_S)
+        while not self.stopping.wait(self.every_s):
             snap = self.snap()
             with self.lock:
-                record(time.monotonic(), snap, RING)
+                record(time.monotonic(), snap, self.ring)
 
 
-SAMPLER = Sampler()
+async def sampler(request: Request) -> Sampler:
+    """The app's sampler (``api.app.create_app`` makes it)."""
+    found: Sampler = request.app.state.operator_sampler
+    return found
+
+
+Sampled = Annotated[Sampler, Depends(sampler)]
 
 
 @router.get("/v1/operator", responses=ERRORS, summary="What an operator watches (admin keys only)",
@@ -163,5 +179,5 @@ SAMPLER = Sampler()
                         "the last hour (``window_s``), or since the processes started (``window_s``: null). "
                         "From this server's metrics listeners; ``control``/``gateway`` false where one did not "
                         "answer.")
-def operator(svc: Svc, _: Admin) -> dict[str, Any]:
-    return SAMPLER.read(svc.metrics_listen)
+def operator(svc: Svc, _: Admin, sampled: Sampled) -> dict[str, Any]:
+    return sampled.read(svc.metrics_listen)

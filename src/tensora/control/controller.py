@@ -38,9 +38,10 @@ from sqlalchemy import Connection
 
 from tensora.clock import Clock, SystemClock
 from tensora.config.quotas import OwnerSettings
-from tensora.control import housekeeping, metrics
+from tensora.control import housekeeping
 from tensora.control.apply import apply
 from tensora.control.feed import Fed, Feed
+from tensora.control.metrics import ControllerMetrics
 from tensora.control.reconcile import DRAIN_S, reconcile
 from tensora.control.store_ledger import StoreLedger
 from tensora.drivers.base import Driver, ReplicaSpec
@@ -128,7 +129,7 @@ class Controller:
                  release_every: int = housekeeping.RELEASE_EVERY,
                  retention_s: float = housekeeping.RETENTION_S, prune_every: int = housekeeping.PRUNE_EVERY,
                  sandbox_uids: tuple[int, int] = (repo.UID_FIRST, repo.UID_LAST),
-                 owner_defaults: OwnerSettings | None = None) -> None:
+                 owner_defaults: OwnerSettings | None = None, metrics: ControllerMetrics | None = None) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
         self.owner_defaults = owner_defaults or OwnerSettings()  # quotas unless an admin set an owner's own
         self.clock = clock or SystemClock()
@@ -144,6 +145,7 @@ class Controller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.tracing: Tracing | None = None  # a span per cycle when set (``tracing``)
+        self.metrics = metrics or ControllerMetrics()  # this controller's counts (``ControllerCollector`` reads them)
         self._known_nodes: list[NodeRow] | None = None
         self._cycles = 0
         self.release_every = release_every  # cycles between looks for deleted workloads' storage to give back
@@ -190,7 +192,7 @@ class Controller:
             except Exception:
                 log.exception("controller cycle failed; the next one redoes its work")
             ended = time.monotonic()
-            metrics.cycle(self.region, report, ended - began)
+            self.metrics.cycle(self.region, report, ended - began)
             self._wake.wait(min(self.tick_s, self.starting_tick_s) if report.starting else self.tick_s)
             # woken early: rest at least min_gap_s, and BUSY_REST times as long as the last cycle took
             rest = max(self.min_gap_s, BUSY_REST * (ended - began)) - (time.monotonic() - ended)
@@ -254,9 +256,9 @@ class Controller:
                 workloads = repo.workloads_by_id_or_state(conn, held, self.region, _ASKED_TO_STOP)
                 done = reconcile(StoreLedger(conn), workloads, replicas, observed, now, self.drain_s)
                 for kind, role in done.failures:
-                    metrics.replica_failed(self.region, kind, role)
+                    self.metrics.replica_failed(self.region, kind, role)
                 for _ in range(done.moved_back):
-                    metrics.moved_back(self.region)
+                    self.metrics.moved_back(self.region)
                 effects.start = self._specs(conn, done.start) if done.start else []
                 effects.stop = done.stop
         except LostLease:

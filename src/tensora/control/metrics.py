@@ -1,9 +1,10 @@
 """The controller's metrics, from what a cycle already has: its decisions, its report, its duration.
 
-The controller calls ``cycle`` once a cycle (from its loop) and ``moved_back`` / ``replica_failed`` where those
-happen; everything else is derived here from the admission decisions, so the controller itself carries no
-metrics code. Counted in plain dicts (one process holds the controller), exposed by ``Collector`` on ``tensora
-serve``'s ``metrics_listen``. Labels: region, classes (the catalog's names: bounded), kind, outcome.
+The controller calls its ``ControllerMetrics``' ``cycle`` once a cycle (from its loop) and ``moved_back`` /
+``replica_failed`` where those happen; everything else is derived here from the admission decisions, so the
+controller itself carries no metrics code. Counted in plain dicts, each controller its own (``Controller.metrics``),
+exposed by ``ControllerCollector`` on ``tensora serve``'s ``metrics_listen``. Labels: region, classes (the
+catalog's names: bounded), kind, outcome.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class _Hist:
 
 
 class ControllerMetrics:
-    """Counts of every controller of this process (one, under ``tensora serve``), by region."""
+    """The counts of one controller (``Controller.metrics``), by region."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # the controller's thread writes, the listener's reads
@@ -108,12 +109,10 @@ class ControllerMetrics:
             self.failures[k] = self.failures.get(k, 0) + 1
 
 
-METRICS = ControllerMetrics()
-cycle, moved_back, replica_failed = METRICS.cycle, METRICS.moved_back, METRICS.replica_failed
-
-
 class ControllerCollector(Collector):
-    def __init__(self, m: ControllerMetrics = METRICS) -> None:
+    """The families of one controller's counts."""
+
+    def __init__(self, m: ControllerMetrics) -> None:
         self.m = m
 
     def collect(self) -> Iterator[Metric]:

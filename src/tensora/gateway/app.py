@@ -29,7 +29,7 @@ from tensora.gateway.chain import Peer
 from tensora.gateway.idempotency import DiskStore, Idempotency, RedisStore
 from tensora.gateway.limits import FailMode, Limiter, MemoryLimiter, RedisLimiter
 from tensora.gateway.metering import Meter
-from tensora.gateway.probe import Prober
+from tensora.gateway.metrics import GatewayCollector, GatewayMetrics
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routedoc import RouteDocument
 from tensora.gateway.routes import RouteTable, table_from_json
@@ -305,9 +305,7 @@ def build(settings: GatewaySettings) -> Gateway:
                                connect_timeout_s=settings.redis_connect_timeout_s,
                                fail_mode=settings.redis_fail_mode, replicas=settings.replicas,
                                probe_s=settings.redis_probe_s)
-    # the table's getter runs on every request: C parts alone (a lambda here ran as interpreted Python)
-    gw = Gateway(settings.options(), functools.partial(getattr, source, "table"), limiter, meter)
-    gw.idem = Idempotency(
+    idem = Idempotency(
         DiskStore(settings.dir / "idempotency", settings.idempotency_max_total_bytes,
                   settings.idempotency_max_owner_bytes),
         RedisStore(limiter.redis, max_total_bytes=settings.idempotency_max_total_bytes,
@@ -315,17 +313,13 @@ def build(settings: GatewaySettings) -> Gateway:
         if isinstance(limiter, RedisLimiter) else None,
         keep_s=settings.idempotency_keep_s, in_flight_s=settings.deadline_s + 10,
         max_answer_bytes=settings.idempotency_max_answer_bytes, probe_s=settings.redis_probe_s)
+    metrics = GatewayMetrics(settings.metrics_max_labels) if settings.metrics_listen else None
+    tracing = setup(settings.tracing, "tensora-gateway")
     tasks: list[asyncio.Task[None]] = []
     stopping: list[bool] = []
-
-    prober = Prober(gw, settings.probe_interval_s, settings.connect_timeout_s)
-    listener = None
-    if settings.metrics_listen:
-        from tensora.gateway.metrics import GatewayCollector, GatewayMetrics
-
-        gw.metrics = GatewayMetrics(settings.metrics_max_labels)
-        listener = Listener(settings.metrics_listen, GatewayCollector(gw, gw.metrics, gw.clock))
-    gw.tracing = gw.walk.tracing = setup(settings.tracing, "tensora-gateway")
+    # the metrics listener reads the gateway (``GatewayCollector``): made once the gateway is, below, and before
+    # these hooks run (the gateway's lifespan, once it is served)
+    listener: Listener | None = None
 
     def supervised(name: str, run: Callable[[], Coroutine[Any, Any, None]], restart_s: float) -> None:
         """The usage sender and the prober log and go on after errors of their own; should one end anyway,
@@ -350,7 +344,8 @@ def build(settings: GatewaySettings) -> Gateway:
             listener.start()
         tasks.append(asyncio.create_task(source.run()))
         supervised("usage sender", meter.run, settings.usage_flush_s)
-        supervised("prober", prober.run, settings.probe_interval_s)
+        assert gw.prober is not None  # made with probe_interval_s
+        supervised("prober", gw.prober.run, settings.probe_interval_s)
 
     async def shutdown() -> None:
         stopping.append(True)
@@ -365,12 +360,15 @@ def build(settings: GatewaySettings) -> Gateway:
         usage.close()
         if listener is not None:
             listener.close()
-        if gw.tracing is not None:
-            gw.tracing.close()
+        if tracing is not None:
+            tracing.close()
 
-    gw.on_startup.append(startup)
-    gw.on_shutdown.append(shutdown)
-    gw.prober = prober
+    # the table's getter runs on every request: C parts alone (a lambda here ran as interpreted Python)
+    gw = Gateway(settings.options(), functools.partial(getattr, source, "table"), limiter, meter, idem=idem,
+                 metrics=metrics, tracing=tracing, probe_interval_s=settings.probe_interval_s,
+                 on_startup=[startup], on_shutdown=[shutdown])
+    if metrics is not None and settings.metrics_listen:
+        listener = Listener(settings.metrics_listen, GatewayCollector(gw, metrics, gw.clock))
     return gw
 
 
@@ -387,4 +385,4 @@ def run(settings: GatewaySettings, quiet: bool = False) -> None:
         if settings.metrics_listen:
             print(f"gateway metrics on http://{settings.metrics_listen}/metrics", flush=True)
     server.run(gw, settings.host, settings.port, limits=settings.limits(), busy_poll_s=settings.busy_poll_us / 1e6,
-               sandbox_sock=sandboxes)
+               sandbox_sock=sandboxes, reads=gw.reads)

@@ -108,7 +108,7 @@ def _count(obj: dict[str, Any], name: str) -> Invalid | None:
     v = obj.get(name)
     if v is None:
         return None
-    if not _int(v):
+    if not _is_int(v):
         return _type(name, "an integer", v)
     if v < 1:
         return Invalid(f"{name} must be at least 1, not {v}", name, "invalid_value")
@@ -125,16 +125,16 @@ def _prompt_chars(p: Any) -> int | None:
     for x in p:
         if isinstance(x, str):
             n += len(x)
-        elif _int(x):
+        elif _is_int(x):
             n += 4
-        elif isinstance(x, list) and all(_int(t) for t in x):
+        elif isinstance(x, list) and all(_is_int(t) for t in x):
             n += 4 * len(x)
         else:
             return None
     return n
 
 
-def _int(v: Any) -> bool:
+def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -57,8 +57,8 @@ class Call:
     ``deadline`` is set when the walk starts.
 
     Its ``__init__`` is written out (the dataclass gives the rest): compiled (mypyc), a written one is native,
-    where the one ``dataclass`` makes is Python run by the interpreter, ~0.4 µs for these fields, once a request
-    (the same for ``Served``, ``limits.Admission``, ``body.Body``)."""
+    where the one ``dataclass`` makes is Python run by the interpreter, once a request (the same for ``Served``,
+    ``limits.Admission``, ``body.Body``)."""
 
     send: Send
     rid: str

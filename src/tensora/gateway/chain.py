@@ -6,7 +6,7 @@
 4. its ``fallback_models``, in order;
 5. peer regions' gateways, only with ``allow_cross_region`` (and never for a request that already
    hopped, so two regions cannot bounce a request between them);
-6. nothing left: the proxy answers 503 with Retry-After (``Plan.retry_after``).
+6. nothing left: the walk answers 503 with Retry-After (``Plan.retry_after``).
 
 A backend whose breaker is open is left out at once and listed in ``Plan.skipped``; one that said
 in its 429 not to be sent requests before a time, in ``Plan.limited``. Within a tier the replicas
@@ -41,7 +41,7 @@ class Backend:
     region: str
     ttft_s: float | None = None
     peer: bool = False
-    api_key: str | None = None  # a replica's own key (the proxy sends it as Authorization); None for peers
+    api_key: str | None = None  # a replica's own key (the walk sends it as Authorization); None for peers
     stream_idle_s: float | None = None  # the endpoint's own limit on a stream's silence after its first token
     context: int | None = None  # its model's context length in tokens, when known
 
@@ -76,7 +76,7 @@ def _replicas(e: EndpointRoute, served_by: ServedBy, *, cpu: bool | None, model:
 def tiers(endpoint: EndpointRoute, table: RouteTable, peers: Sequence[Peer], *,
           hopped: bool) -> list[list[Backend]]:
     """Every backend the chain allows, tier by tier, before rotation and breakers. It depends only on
-    the route table, so the proxy keeps it per table version."""
+    the route table, so the walk keeps it per table version (``walk.Walk``)."""
     e = endpoint
     if e.requested_cpu:  # a CPU endpoint's replicas are its own class, not a fallback
         own, cpu = _replicas(e, ServedBy.REPLICA, cpu=None, model=e.name), []

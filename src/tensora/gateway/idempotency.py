@@ -44,7 +44,7 @@ SWEEP_S = 60.0  # the disk store sweeps expired records at most this often, when
 STATUS = b"x-tensora-idempotency"
 REPLAYED = (b"idempotent-replayed", b"true")
 _NOT_KEPT = (b"x-request-id", b"ratelimit", b"ratelimit-policy")  # the replay's own, or stale
-_STREAM_ERROR = b'data: {"error":'  # how the relay ends a stream that failed after its head (proxy._stream)
+_STREAM_ERROR = b'data: {"error":'  # how the relay ends a stream that failed after its head (``relay.Relay.stream``)
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 

@@ -13,9 +13,9 @@ machine, or garbage) is moved to ``spool/bad/`` (one file per batch, kept), logg
 and counted in ``bad``; the batch's good records go on. The sender (``run``) outlives any error.
 
 A batch this process wrote whole (its size that of the records it wrote: no write failed part way, no line
-of a crashed gateway's or of another writer in it) is sent as its lines, unparsed: parsing 26,000 records a
-second under load held the GIL in 5 ms turns against the requests' loop, the gateway's p99 (bench/gateway.py).
-Any other file is read record by record.
+of a crashed gateway's or of another writer in it) is sent as its lines, unparsed: parsing them under load held
+the GIL against the requests' loop, in turns long enough to be the gateway's tail latency. Any other file is
+read record by record.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class Meter:
     async def flush(self) -> None:
         """Rotate, then send what is spooled, oldest first; stops at the first batch not taken. The disk's part
         (fsync, reading and checking a batch, deleting it) runs in a thread: on the loop it held every request
-        in flight for tens of milliseconds a second, the gateway's p99 under load (bench/gateway.py). A batch
+        in flight while it ran, the gateway's tail latency under load. A batch
         just written is sent from memory; one kept for later is read again (memory stays bounded while the
         control API is down)."""
         async with self._flushing:  # the sender's and the shutdown's never interleave

@@ -4,8 +4,8 @@ prometheus-client's ``labels(...).inc()`` takes a lock and looks its child up on
 one dict lookup (its labels' ``Row``), a few increments and one bisect per histogram (the event loop is the only
 writer, so no lock), and ``Collector`` sums the rows into the families when ``/metrics`` is read (from the
 listener's thread: it copies the rows first). Breaker states and the spool are read at scrape time, never counted
-per request. (A dict and a histogram each, keyed by label tuples built per request, cost the gateway 5-8% of its
-CPU per request under bench/gateway.py.)
+per request. (A dict and a histogram each, keyed by label tuples built per request, cost a share of the gateway's
+CPU per request that showed under load: the benchmarks page.)
 
 Labels are bounded: ``endpoint`` (``owner/name``) and ``owner`` keep the first ``max_labels`` values seen and count
 the rest as ``other`` (first seen, not top N: a value that moved from ``other`` to its own series would make
@@ -216,11 +216,11 @@ class GatewayCollector:
     prometheus-client ``Collector`` by its ``collect`` (a protocol): a compiled class subclasses no dependency's
     class (the build sees dependencies as ``Any``, and mypyc's class built on ``Any`` crashed at run time)."""
 
-    def __init__(self, gw: Watched, m: GatewayMetrics, clock: Callable[[], float]) -> None:
-        self.gw, self.m, self.clock = gw, m, clock
+    def __init__(self, gw: Watched, metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
+        self.gw, self.metrics, self.clock = gw, metrics, clock
 
     def collect(self) -> Iterator[Metric]:
-        m, gw = self.m, self.gw
+        m, gw = self.metrics, self.gw
         requests, ttft, latency = m.families()
         yield _counter("tensora_gateway_requests", "Inference requests answered, by endpoint (owner/name, capped), "
                        "the chain's tier that answered, what served it and the HTTP status",

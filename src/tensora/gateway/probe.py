@@ -17,11 +17,15 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
 from tensora.gateway.chain import Backend
-from tensora.gateway.proxy import Gateway
+
+if TYPE_CHECKING:
+    from tensora.gateway.breaker import Breaker
+    from tensora.gateway.routes import RouteTable
 
 log = logging.getLogger("tensora.gateway")
 
@@ -32,8 +36,28 @@ def probe_url(b: Backend) -> str:
     return b.base_url + "/models"
 
 
+class Probed(Protocol):
+    """What the prober reads of a gateway (``proxy.Gateway``): its route table, its backends' breakers, and the
+    ejected backends, which it forgets once their breakers close or they leave the route table."""
+
+    @property
+    def table(self) -> Callable[[], RouteTable]: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def breakers(self) -> dict[str, Breaker]: ...
+
+    @property
+    def ejected(self) -> dict[str, Backend]: ...
+
+
 class Prober:
-    def __init__(self, gw: Gateway, interval_s: float = 2.0, timeout_s: float = 2.0,
+    """Probes ``gw``'s ejected backends every ``interval_s`` (``run``), each within ``timeout_s``; counts the
+    probes by outcome (the metrics)."""
+
+    def __init__(self, gw: Probed, interval_s: float = 2.0, timeout_s: float = 2.0,
                  jitter: Callable[[], float] = random.random) -> None:
         self.gw, self.interval_s, self.timeout_s, self.jitter = gw, interval_s, timeout_s, jitter
         self._version: str | None = None

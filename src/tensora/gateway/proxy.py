@@ -21,7 +21,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -35,10 +35,11 @@ from tensora.gateway.call import HOP, Call, Failed, Options, Receive, Scope, Sen
 from tensora.gateway.chain import Backend, ServedBy
 from tensora.gateway.limits import Admission, Caller, Limiter, Quota, Refused
 from tensora.gateway.metering import Meter
-from tensora.gateway.metrics import NONE, GatewayMetrics, ProbeCounts
+from tensora.gateway.metrics import NONE, GatewayMetrics
+from tensora.gateway.probe import Prober
 from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable
-from tensora.gateway.upstream import Client
+from tensora.gateway.upstream import Client, Reads
 from tensora.gateway.walk import Walk
 
 if TYPE_CHECKING:
@@ -50,27 +51,44 @@ _PATHS = {"/v1/chat/completions": "/chat/completions", "/v1/completions": "/comp
 _RID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
+Hook = Callable[[], Awaitable[None]]
+
+
 class Gateway:
+    """One gateway: its route table, limits and meter, and all it keeps across requests (each backend's breaker,
+    the upstream connections, the keys seen, the request ids' counter), made whole here and owned by it alone.
+
+    ``idem``: Idempotency-Key honoured when set. ``metrics``: each answer counted when set (``metrics_listen``).
+    ``tracing``: a span per request, and one per attempt, when set. ``probe_interval_s``: its ejected backends
+    probed this often (``prober``, run by ``app.build``'s hooks) when set. ``on_startup`` / ``on_shutdown``: run by
+    the ASGI lifespan, in order."""
+
     def __init__(self, options: Options, table: Callable[[], RouteTable], limiter: Limiter, meter: Meter | None,
-                 *, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
-        self.o = options
+                 *, idem: idempotency.Idempotency | None = None, metrics: GatewayMetrics | None = None,
+                 tracing: Tracing | None = None, probe_interval_s: float | None = None,
+                 on_startup: Sequence[Hook] = (), on_shutdown: Sequence[Hook] = (),
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self.options = options
         self.table = table
         self.limiter = limiter
         self.meter = meter
         self.clock, self.wall = clock, wall
-        self.client = Client(options.connect_timeout_s, options.max_upstream_body_bytes)
-        self.walk = Walk(options, clock, self.client, Relay(options, clock))
+        self.reads = Reads()  # the loop's reads, counted by this gateway's server and its upstream connections
+        self.client = Client(options.connect_timeout_s, options.max_upstream_body_bytes, reads=self.reads)
+        self.walk = Walk(options, clock, self.client, Relay(options, clock), tracing)
         self._callers: dict[str, Caller] = {}  # by key id, for the route table's version below
-        self._inference: dict[str, bool] = {}  # by key id, for that version too: whether it may call models
+        self._may_infer: dict[str, bool] = {}  # by key id, for that version too: whether it may call models
         self._callers_version: str | None = None
         self._keys: dict[bytes, str] = {}  # secret -> digest, for keys seen before (bounded)
         self._record_ids = record_ids()
-        self.idem: idempotency.Idempotency | None = None  # Idempotency-Key honoured when set
-        self.metrics: GatewayMetrics | None = None  # counted when set (``metrics_listen``)
-        self.tracing: Tracing | None = None  # a span per request when set (``tracing``); the walk's, per attempt
-        self.prober: ProbeCounts | None = None  # its probes counted in the metrics when set (``app.build``)
-        self.on_startup: list[Callable[[], Awaitable[None]]] = []
-        self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
+        self._rid_prefix = "req_" + secrets.token_hex(8)  # this gateway's, random: ids of two gateways never meet
+        self._rid_count = 0  # a native int: its increment is the cheapest counter there is
+        self.idem = idem
+        self.metrics = metrics
+        self.tracing = tracing
+        self.prober = Prober(self, probe_interval_s, options.connect_timeout_s) if probe_interval_s else None
+        self.on_startup: list[Hook] = list(on_startup)
+        self.on_shutdown: list[Hook] = list(on_shutdown)
 
     @property
     def breakers(self) -> dict[str, Breaker]:
@@ -89,8 +107,8 @@ class Gateway:
             return
         if scope["type"] != "http":
             return
-        asked = Asked(scope["headers"])
-        rid = _request_id(asked)
+        headers = RequestHeaders(scope["headers"])
+        rid = self._request_id(headers)
         path, method = scope["path"], scope["method"]
         failed = False
         try:
@@ -99,11 +117,11 @@ class Gateway:
                     await self._error(send, rid, 405, "use POST", "invalid_request_error")
                     return
                 if self.tracing is None:
-                    await self._infer(asked, receive, send, rid, _PATHS[path])
+                    await self._infer_and_count(headers, receive, send, rid, _PATHS[path])
                 else:
-                    await self._traced(scope, asked, receive, send, rid, _PATHS[path], self.tracing)
+                    await self._traced(scope, headers, receive, send, rid, _PATHS[path], self.tracing)
             elif path == "/v1/models" and method == "GET":
-                await self._models(asked, send, rid)
+                await self._models(headers, send, rid)
             elif path in ("/healthz", "/readyz"):
                 await self._send(send, 200, orjson.dumps({"status": "ok", "routes": self.table().version}), rid)
             else:
@@ -135,16 +153,27 @@ class Gateway:
 
     async def _send(self, send: Send, status: int, body: bytes, rid: str,
                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        await answer(send, status, body, rid, self.o.region, headers)
+        await answer(send, status, body, rid, self.options.region, headers)
 
     async def _error(self, send: Send, rid: str, status: int, message: str, type_: str, code: str | None = None,
                      param: str | None = None, headers: list[tuple[bytes, bytes]] | None = None) -> None:
         await self._send(send, status, error_body(message, type_, code, param), rid, headers)
 
+    def _request_id(self, headers: RequestHeaders) -> str:
+        """The X-Request-Id echoed to the client: its own when sane (1-64 of ``[A-Za-z0-9._-]``), else this
+        gateway's random prefix and its counter. Only a label: usage records carry an id of their own."""
+        given = headers.rid
+        if given is not None:
+            rid = given.decode("latin-1")
+            if _RID.match(rid):
+                return rid
+        self._rid_count += 1
+        return self._rid_prefix + str(self._rid_count)
+
     # -- step 1: who is calling -------------------------------------------------------------
 
-    def _key(self, asked: Asked, table: RouteTable) -> KeyRoute | tuple[int, str, str]:
-        auth = asked.auth
+    def _calling_key(self, headers: RequestHeaders, table: RouteTable) -> KeyRoute | tuple[int, str, str]:
+        auth = headers.auth
         if auth is None or auth[:7].lower() != b"bearer ":
             return 401, "missing API key: send Authorization: Bearer <key>", "invalid_api_key"
         raw = auth[7:].strip()
@@ -161,25 +190,25 @@ class Gateway:
         if key is None:
             return 401, "Incorrect API key provided", "invalid_api_key"
         self._fresh(table)
-        allowed = self._inference.get(key.id)
+        allowed = self._may_infer.get(key.id)
         if allowed is None:  # apikeys' rule runs as interpreted Python: once per key and route table
-            allowed = self._inference[key.id] = apikeys.allows(key.scopes, "inference")
+            allowed = self._may_infer[key.id] = apikeys.allows(key.scopes, "inference")
         if not allowed:
             return 403, "this key lacks the 'inference' scope", "insufficient_scope"
         return key
 
-    async def _caller(self, asked: Asked, send: Send, rid: str, table: RouteTable) -> KeyRoute | None:
+    async def _caller(self, headers: RequestHeaders, send: Send, rid: str, table: RouteTable) -> KeyRoute | None:
         """The calling key, or None once the 401/403 is sent."""
-        key = self._key(asked, table)
+        key = self._calling_key(headers, table)
         if isinstance(key, KeyRoute):
             return key
         status, message, code = key
         await self._error(send, rid, status, message, "invalid_request_error", code)
         return None
 
-    async def _models(self, asked: Asked, send: Send, rid: str) -> None:
+    async def _models(self, headers: RequestHeaders, send: Send, rid: str) -> None:
         table = self.table()
-        key = await self._caller(asked, send, rid, table)
+        key = await self._caller(headers, send, rid, table)
         if key is None:
             return
         data = [{"id": e.name, "object": "model", "created": 0,
@@ -188,9 +217,10 @@ class Gateway:
 
     # -- steps 2-5 ----------------------------------------------------------------------------
 
-    async def _traced(self, scope: Scope, asked: Asked, receive: Receive, send: Send, rid: str, path: str,
-                      tracing: Tracing) -> None:
-        """``_infer`` in a span of its own (the caller's ``traceparent`` its parent): the attempts are its children."""
+    async def _traced(self, scope: Scope, headers: RequestHeaders, receive: Receive, send: Send, rid: str,
+                      path: str, tracing: Tracing) -> None:
+        """``_infer_and_count`` in a span of its own (the caller's ``traceparent`` its parent): the attempts are its
+        children."""
         status = [0]
 
         def sent(msg: dict[str, Any]) -> Awaitable[None]:
@@ -200,7 +230,7 @@ class Gateway:
 
         with tracing.request("gateway.request", scope["headers"], {"http.route": path,
                                                                     "tensora.request_id": rid}) as span:
-            call = await self._infer(asked, receive, sent, rid, path)
+            call = await self._infer_and_count(headers, receive, sent, rid, path)
             span.set_attribute("http.response.status_code", status[0])
             if call is not None:
                 span.set_attribute("tensora.endpoint", f"{call.endpoint.owner}/{call.endpoint.name}")
@@ -209,11 +239,12 @@ class Gateway:
                 if call.served is not None:
                     span.set_attribute("tensora.served_by", str(call.served.served_by))
 
-    async def _infer(self, asked: Asked, receive: Receive, send: Send, rid: str, path: str) -> Call | None:
+    async def _infer_and_count(self, headers: RequestHeaders, receive: Receive, send: Send, rid: str,
+                               path: str) -> Call | None:
         """Steps 2-5; with metrics on, the answer's status and when its head went out are noted on the way."""
         m = self.metrics
         if m is None:
-            return await self._infer_(asked, receive, send, rid, path)
+            return await self._infer(headers, receive, send, rid, path)
         clock = self.clock
         start = clock()
         head: list[Any] = [0, None]  # status, when the head went out
@@ -223,7 +254,7 @@ class Gateway:
                 head[0], head[1] = msg["status"], clock()
             return send(msg)
 
-        call = await self._infer_(asked, receive, sent, rid, path)
+        call = await self._infer(headers, receive, sent, rid, path)
         served = call.served if call is not None else None
         b = served.backend if served is not None else None
         m.served(f"{call.endpoint.owner}/{call.endpoint.name}" if call is not None else NONE,
@@ -232,22 +263,22 @@ class Gateway:
                  call is not None and call.stream, start, head[1], clock(), call.attempts if call else [])
         return call
 
-    async def _infer_(self, asked: Asked, receive: Receive, send: Send, rid: str, path: str) -> Call | None:
+    async def _infer(self, headers: RequestHeaders, receive: Receive, send: Send, rid: str, path: str) -> Call | None:
         """Steps 2-5; the call once made (what the metrics label it by), else None."""
         table = self.table()
-        key = await self._caller(asked, send, rid, table)
+        key = await self._caller(headers, send, rid, table)
         if key is None:
             return None
-        raw = await _read_body(receive, self.o.max_body_bytes)
+        raw = await _read_body(receive, self.options.max_body_bytes)
         if raw is None:
-            await self._error(send, rid, 413, f"the body is over {self.o.max_body_bytes} bytes",
+            await self._error(send, rid, 413, f"the body is over {self.options.max_body_bytes} bytes",
                               "invalid_request_error")
             return None
         try:
             parsed: Any = orjson.loads(raw)
         except orjson.JSONDecodeError:
             parsed = None
-        ask = parse(parsed, self.o.default_max_tokens)
+        ask = parse(parsed, self.options.default_max_tokens)
         if isinstance(ask, Invalid):
             await self._error(send, rid, 400, ask.message, "invalid_request_error", ask.code, ask.param)
             return None
@@ -257,13 +288,13 @@ class Gateway:
                               "to it.", "invalid_request_error", "model_not_found", "model")
             return None
         call = Call(send, rid, path, key, table, endpoint, ask.obj, ask.stream, ask.include_usage, ask.reserve,
-                    asked.auth or b"", asked.hop, least=ask.least)
+                    headers.auth or b"", headers.hop, least=ask.least)
         idem = self.idem
-        ik = asked.idem if idem is not None else None
+        ik = headers.idem if idem is not None else None
         if idem is None or ik is None:
             call.served = await self._serve(call)
         else:  # replayed, refused, or served once and kept
-            head = [(b"x-request-id", rid.encode()), (b"x-tensora-region", self.o.region.encode())]
+            head = [(b"x-request-id", rid.encode()), (b"x-tensora-region", self.options.region.encode())]
 
             async def serve(s: Send) -> Served | None:
                 call.served = await self._serve(replace(call, send=s))
@@ -332,16 +363,16 @@ class Gateway:
         found = self._callers.get(key.id)
         if found is None:
             o = table.owners.get(key.owner)
-            owner = Quota(o.rpm, o.tpm) if o is not None else Quota(self.o.rpm, self.o.tpm)
+            owner = Quota(o.rpm, o.tpm) if o is not None else Quota(self.options.rpm, self.options.tpm)
             own = Quota(min(key.rpm or owner.rpm, owner.rpm), min(key.tpm or owner.tpm, owner.tpm))
             found = self._callers[key.id] = Caller(key.owner, owner, key.id, None if own == owner else own)
         return found
 
     def _fresh(self, table: RouteTable) -> None:
-        """What is kept by key id (``_callers``, ``_inference``) holds for one route table's version."""
+        """What is kept by key id (``_callers``, ``_may_infer``) holds for one route table's version."""
         if table.version != self._callers_version:
             self._callers.clear()
-            self._inference.clear()
+            self._may_infer.clear()
             self._callers_version = table.version
 
     async def _refuse(self, send: Send, rid: str, adm: Admission) -> None:
@@ -349,9 +380,9 @@ class Gateway:
         if self.metrics is not None:
             self.metrics.refused(adm.caller.owner if adm.caller is not None else NONE, str(adm.reason))
         if adm.reason is Refused.UNAVAILABLE:
-            retry = str(self.o.retry_after_s).encode()
+            retry = str(self.options.retry_after_s).encode()
             await self._error(send, rid, 503, "rate limits cannot be checked now (their store is unreachable); "
-                              f"retry after {self.o.retry_after_s} s", "server_error", "rate_limiter_unavailable",
+                              f"retry after {self.options.retry_after_s} s", "server_error", "rate_limiter_unavailable",
                               headers=[(b"retry-after", retry)])
             return
         q = dict(adm.caller.windows).get(adm.scope, adm.quota) if adm.caller is not None else adm.quota
@@ -362,27 +393,16 @@ class Gateway:
                           headers=[(b"retry-after", str(adm.retry_after).encode()), *adm.headers()])
 
 
-
-
-
-
-
-
-
-
-
-
 def _whose(caller: Caller, tpm: int) -> str:
     return "this key may use" if caller.quota.tpm != tpm else "this owner's keys may use together"
 
 
+_WANTED = {b"authorization": 0, b"x-request-id": 1, HOP: 2, idempotency.HEADER: 3}  # name -> its slot below
 
-_ASKED = {b"authorization": 0, b"x-request-id": 1, HOP: 2, idempotency.HEADER: 3}
 
-
-class Asked:
-    """The request headers the gateway reads, found in one pass over them, the first of each name. A scan of the
-    headers for each was ~4% of the gateway's CPU per request at c=32 (perf, bench/gateway.py)."""
+class RequestHeaders:
+    """The request headers the gateway reads, found in one pass over them, the first of each name (rather than a
+    scan of all headers for each name it reads: that scan cost more than anything else of the headers)."""
 
     __slots__ = ("auth", "hop", "idem", "rid")
 
@@ -392,7 +412,7 @@ class Asked:
         self.hop = False  # X-Tensora-Hop: sent by a peer gateway
         self.idem: bytes | None = None  # Idempotency-Key
         for k, v in headers:
-            i = _ASKED.get(k, -1)
+            i = _WANTED.get(k, -1)
             if i < 0:
                 continue
             if i == 0:
@@ -408,38 +428,12 @@ class Asked:
 
 
 def record_ids(batch: int = 256) -> Iterator[str]:
-    """Usage record ids: 128 random bits each, from the OS's generator, drawn ``batch`` at a time (a
-    ``getrandom`` call per request showed in strace); as unguessable as one draw each."""
+    """Usage record ids: 128 random bits each, from the OS's generator, drawn ``batch`` at a time (not a
+    ``getrandom`` call per request); as unguessable as one draw each."""
     while True:
         pool = os.urandom(16 * batch).hex()
         for i in range(0, len(pool), 32):
             yield pool[i:i + 32]
-
-
-_RID_PREFIX = "req_" + secrets.token_hex(8)
-
-
-class _Counter:
-    """The request ids' counter: a native class's int (``f"{next(itertools.count()):x}"`` would cost ~0.3 µs a
-    request)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-
-_rids = _Counter()
-
-
-def _request_id(asked: Asked) -> str:
-    """The X-Request-Id echoed to the client: its own when sane (1-64 of ``[A-Za-z0-9._-]``), else this
-    process's random prefix and a counter. Only a label: usage records carry an id of their own."""
-    given = asked.rid
-    if given is not None:
-        rid = given.decode("latin-1")
-        if _RID.match(rid):
-            return rid
-    _rids.n += 1
-    return _RID_PREFIX + str(_rids.n)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:

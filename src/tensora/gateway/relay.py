@@ -37,7 +37,7 @@ class Relay:
     client has seen nothing yet."""
 
     def __init__(self, options: Options, clock: Callable[[], float]) -> None:
-        self.o, self.clock = options, clock
+        self.options, self.clock = options, clock
         self._fixed: dict[str, tuple[Backend, Headers]] = {}  # by backend key: see ``_ok``
 
     def headers(self, call: Call, b: Backend, resp: Reply | None, ok: str) -> tuple[Headers, str, str]:
@@ -54,9 +54,9 @@ class Relay:
         """While ``b`` works on the request (``Upstream.post``'s ``meanwhile``): the headers of its answer should it
         be a success, all but the content type and length, so that the answer goes on sooner once it is in. Not for
         a peer gateway: what served the request there is in its answer."""
-        call.ready = None if b.peer else (b, self._ok(call, b, None)[0])
+        call.ready = None if b.peer else (b, self._success_headers(call, b, None)[0])
 
-    def _ok(self, call: Call, b: Backend, resp: Reply | None) -> tuple[Headers, str, str]:
+    def _success_headers(self, call: Call, b: Backend, resp: Reply | None) -> tuple[Headers, str, str]:
         """The headers of a success from ``b`` after its content type (and length), what served it, and where."""
         ready = call.ready
         if ready is not None and ready[0] is b:  # made while it was awaited (``prepare``)
@@ -64,13 +64,13 @@ class Relay:
         if not b.peer and not call.attempts:  # the first backend answered: its headers, but the id and limits, kept
             fixed = self._fixed.get(b.key)
             if fixed is None or fixed[0] is not b:
-                fixed = self._fixed_ok(b)
+                fixed = self._fixed_success_headers(b)
             return [(b"x-request-id", call.rid.encode()), *fixed[1], *call.limit_headers()], b.served_by, b.region
         headers, served_by, region = self.headers(call, b, resp, "ok")
         return [(b"x-request-id", call.rid.encode()), (b"x-tensora-region", region.encode()), *headers], \
             served_by, region
 
-    def _fixed_ok(self, b: Backend) -> tuple[Backend, Headers]:
+    def _fixed_success_headers(self, b: Backend) -> tuple[Backend, Headers]:
         """What ``_ok`` answers for a success of ``b`` at the first attempt, between the request id and the limits:
         the same every time, made once (by backend: one that changes in the route table is a new one)."""
         if len(self._fixed) >= 10_000:  # replicas come and go: bounded
@@ -103,8 +103,8 @@ class Relay:
             data = None  # answered below, out of the handler, as compiled code needs: test_gateway_compiled_rules
         if data is None:  # as large from any replica of the model: no other tier
             await answer(call.send, 502, error_body(
-                f"the model server's answer is over {self.o.max_upstream_body_bytes} bytes", "server_error",
-                "upstream_too_large"), call.rid, self.o.region, self.headers(call, b, resp, "body_too_large")[0])
+                f"the model server's answer is over {self.options.max_upstream_body_bytes} bytes", "server_error",
+                "upstream_too_large"), call.rid, self.options.region, self.headers(call, b, resp, "body_too_large")[0])
             return Served(b, b.served_by, b.region, status=502)
         try:
             obj = orjson.loads(data)
@@ -116,13 +116,14 @@ class Relay:
         usage = obj.get("usage")
         if not isinstance(usage, dict):
             usage = {}
-        headers, served_by, region = self._ok(call, b, resp)
+        headers, served_by, region = self._success_headers(call, b, resp)
         out = orjson.dumps(obj)
         send = call.send
         await send({"type": "http.response.start", "status": 200, "headers": [
             JSON, (b"content-length", b"%d" % len(out)), *headers]})
         await send({"type": "http.response.body", "body": out})
-        return Served(b, served_by, region, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+        return Served(b, served_by, region, _token_count(usage.get("prompt_tokens")),
+                      _token_count(usage.get("completion_tokens")))
 
     async def stream(self, call: Call, b: Backend, resp: Reply, first_by: float, idle_s: float) -> Served:
         """Hold the status until the first content event: a failure before it moves on (a real
@@ -130,7 +131,7 @@ class Relay:
         with an error event, never splicing another model's output in. After it, an event must come
         every ``idle_s`` (comments do not count): a stalled model server is not held to the deadline."""
         send, client_usage, deadline = call.send, call.client_usage, call.deadline
-        events = sse.Events(self.o.max_sse_event_bytes)
+        events = sse.Events(self.options.max_sse_event_bytes)
         held: list[bytes] = []
         sending = False  # the head is out: from here a failure ends the stream with an error event
         served = Served(b, b.served_by, b.region)
@@ -178,8 +179,8 @@ class Relay:
                     raise Failed("stream_error")
                 usage, choices = obj.get("usage"), obj.get("choices")
                 if isinstance(usage, dict):  # what the gateway asked for (alone, or on the last chunk)
-                    served.prompt_tokens = _int(usage.get("prompt_tokens"))
-                    served.completion_tokens = _int(usage.get("completion_tokens"))
+                    served.prompt_tokens = _token_count(usage.get("prompt_tokens"))
+                    served.completion_tokens = _token_count(usage.get("completion_tokens"))
                 if not client_usage and "usage" in obj:  # the client did not ask: it never sees it
                     if not choices:
                         continue
@@ -196,7 +197,7 @@ class Relay:
                 held += out
                 if not (content or done):
                     continue
-                headers, served.served_by, served.region = self._ok(call, b, resp)
+                headers, served.served_by, served.region = self._success_headers(call, b, resp)
                 await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *headers]})
                 sending, out, held = True, held, []
             if out or done:
@@ -220,5 +221,6 @@ def _has_content(choices: Any) -> int:
     return 0
 
 
-def _int(v: Any) -> int:
+def _token_count(v: Any) -> int:
+    """A usage field's count: a non-negative int, else 0 (a model server's odd answer meters nothing)."""
     return v if isinstance(v, int) and v >= 0 else 0

@@ -40,7 +40,7 @@ from typing import Any
 
 import httptools
 
-from tensora.gateway.upstream import LOOP_READS, nodelay
+from tensora.gateway.upstream import Reads, nodelay
 
 log = logging.getLogger("tensora.gateway")
 
@@ -75,8 +75,8 @@ class Limits:
 
 def _head_lines(status: int, headers: Any) -> tuple[list[bytes], bool]:
     """The status line and header lines of an answer, as the parts of one join; and whether it has a content-length.
-    The gateway's headers (a list of tuples of bytes) are taken as typed: 15 of them in ~0.6 µs, against ~0.8 µs
-    the generic way (a ``map`` of joins, then a join of those); any other iterable of pairs an ASGI app may send
+    The gateway's headers (a list of tuples of bytes) are taken as typed, faster than the generic way (a ``map``
+    of joins, then a join of those); any other iterable of pairs an ASGI app may send
     goes the generic way."""
     lines = [_status_line(status)]
     has_length = False
@@ -113,7 +113,7 @@ class Spin:
     """Busy polling: for ``window_s`` after each ``poke`` the loop polls for I/O without sleeping (a callback is
     always ready, so libuv's poll waits 0), then sleeps as before. A sleeping CPU takes tens of microseconds to
     wake, most of all in a virtual machine (HAProxy's ``busy-polling`` for the same reason: "30 to 100
-    microseconds observed"): measured under bench/gateway.py on a 2-core VM, c=1 p50 0.141 -> 0.076 ms. The cost
+    microseconds observed"); the figures of the gateway's own are on the benchmarks page. The cost
     is CPU: up to ``window_s`` of one core after each request and each answer, nothing once traffic stops; it
     fills only time the loop would have slept, so one process never spins past one core. Off by default: under a
     CPU limit below one core (a Kubernetes pod's ``limits.cpu: 500m``) the spinning would be throttled."""
@@ -162,7 +162,8 @@ class _Conn(asyncio.Protocol):
     def __init__(self, server: Server, per_host: dict[Any, int]) -> None:
         self.server = server
         self.per_host = per_host  # the open connections by client host of the listener this one came in on
-        self.lim = server.limits
+        self.limits = server.limits
+        self.reads = server.reads
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None  # the client's address: the scope's "client", asked of the transport once
         self.host: Any = None  # the client's host, counted in ``per_host`` while this connection is open
@@ -187,26 +188,26 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         loop = self.server.loop
-        if len(self.server.conns) >= self.lim.max_connections:
+        if len(self.server.conns) >= self.limits.max_connections:
             self.done_reading = True
             self._reject(503, b"the gateway is at its connection limit", [b"retry-after: %d\r\n" %
-                                                                          self.lim.retry_after_s])
+                                                                          self.limits.retry_after_s])
             return
         self.peer = peer = transport.get_extra_info("peername")
         host = peer[0] if type(peer) is tuple else ""  # a unix socket's clients: one
         per_host = self.per_host
         held = per_host.get(host, 0)
-        if held >= self.lim.max_connections_per_client:
+        if held >= self.limits.max_connections_per_client:
             self.done_reading = True
             self._reject(503, b"this client is at its connection limit", [b"retry-after: %d\r\n" %
-                                                                          self.lim.retry_after_s])
+                                                                          self.limits.retry_after_s])
             return
         per_host[host] = held + 1
         self.host = host
         nodelay(transport)
-        transport.set_write_buffer_limits(high=self.lim.write_buffer_bytes)  # type: ignore[attr-defined]
+        transport.set_write_buffer_limits(high=self.limits.write_buffer_bytes)  # type: ignore[attr-defined]
         self.lost = loop.create_future()
-        self.deadline = self.server.now + self.lim.idle_timeout_s
+        self.deadline = self.server.now + self.limits.idle_timeout_s
         self.server.conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -244,10 +245,10 @@ class _Conn(asyncio.Protocol):
 
     def _flow(self) -> None:
         """Read only while the client takes its answers and the queue has room."""
-        if self.pending and len(self.queue) < self.lim.max_pipelined and not self.done_reading:
+        if self.pending and len(self.queue) < self.limits.max_pipelined and not self.done_reading:
             data, self.pending = self.pending, b""
             self._feed(data)
-        pause = ((self.drain is not None or self.pending or len(self.queue) >= self.lim.max_pipelined)
+        pause = ((self.drain is not None or self.pending or len(self.queue) >= self.limits.max_pipelined)
                  and not self.done_reading)
         if pause != self.paused and self.transport is not None and not self.closed:
             self.paused = pause
@@ -257,7 +258,7 @@ class _Conn(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        LOOP_READS.n += 1  # the upstream connections' liveness check asks the socket less for it (``_Conn.unused``)
+        self.reads.n += 1  # the upstream connections' liveness check asks the socket less for it (``_Conn.unused``)
         spin = self.server.spin
         if spin is not None:
             spin.poke()  # the upstream's answer comes soon: poll for it rather than sleep
@@ -273,7 +274,7 @@ class _Conn(asyncio.Protocol):
         (a head ends at its blank line, a body at its length), so that what follows a full queue waits
         unparsed in ``pending`` (reading paused) rather than queued."""
         i, n = 0, len(data)
-        lim = self.lim
+        lim = self.limits
         if n + max(self.head, 0) <= lim.max_header_bytes and len(self.queue) + data.count(b"\r\n\r\n") < \
                 lim.max_pipelined:  # no head in it can be too large, nor the queue fill: all at once
             if self.head >= 0:
@@ -286,7 +287,7 @@ class _Conn(asyncio.Protocol):
         while i < n:
             if self.done_reading:
                 return
-            if len(self.queue) >= self.lim.max_pipelined:
+            if len(self.queue) >= self.limits.max_pipelined:
                 self.pending = bytes(view[i:])
                 self._flow()
                 return
@@ -294,7 +295,7 @@ class _Conn(asyncio.Protocol):
                 j = data.find(b"\r\n\r\n", i)
                 end = n if j < 0 else j + 4
                 if self.head == 0:  # a head begins: it has header_timeout_s to arrive whole
-                    self.deadline = self.server.now + self.lim.header_timeout_s
+                    self.deadline = self.server.now + self.limits.header_timeout_s
                 self.head += end - i
             else:
                 end = n if self.length < 0 else min(n, i + max(1, self.length - self.size))
@@ -304,8 +305,8 @@ class _Conn(asyncio.Protocol):
     def _parse(self, data: bytes | memoryview) -> None:
         try:
             self.parser.feed_data(data)
-            if self.head > self.lim.max_header_bytes:  # still in the head after all of this
-                raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
+            if self.head > self.limits.max_header_bytes:  # still in the head after all of this
+                raise _Refuse(431, b"the request line and headers are over %d bytes" % self.limits.max_header_bytes)
         except _Refuse as r:
             self._refuse(r)
         except httptools.HttpParserUpgrade:
@@ -368,31 +369,31 @@ class _Conn(asyncio.Protocol):
         self.req.headers.append((name, value))
         if name == b"content-length" and value.isdigit():
             self.length = int(value)
-            if self.length > self.lim.max_body_bytes:
-                raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)  # before it is sent
+            if self.length > self.limits.max_body_bytes:
+                raise _Refuse(413, b"the body is over %d bytes" % self.limits.max_body_bytes)  # before it is sent
 
     def on_headers_complete(self) -> None:
-        if self.head > self.lim.max_header_bytes:  # exact: a large read is parsed a head at a time
-            raise _Refuse(431, b"the request line and headers are over %d bytes" % self.lim.max_header_bytes)
-        if len(self.req.headers) > self.lim.max_headers:  # counted here: the head's size bounds them meanwhile
-            raise _Refuse(431, b"more than %d headers" % self.lim.max_headers)
+        if self.head > self.limits.max_header_bytes:  # exact: a large read is parsed a head at a time
+            raise _Refuse(431, b"the request line and headers are over %d bytes" % self.limits.max_header_bytes)
+        if len(self.req.headers) > self.limits.max_headers:  # counted here: the head's size bounds them meanwhile
+            raise _Refuse(431, b"more than %d headers" % self.limits.max_headers)
         self.req.method = self.parser.get_method()
         self.req.keep_alive = self.parser.should_keep_alive()
         self.head = -1
-        self.deadline = self.server.now + self.lim.idle_timeout_s  # for the body
+        self.deadline = self.server.now + self.limits.idle_timeout_s  # for the body
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
-        if self.size > self.lim.max_body_bytes:
-            raise _Refuse(413, b"the body is over %d bytes" % self.lim.max_body_bytes)
+        if self.size > self.limits.max_body_bytes:
+            raise _Refuse(413, b"the body is over %d bytes" % self.limits.max_body_bytes)
         self.req.body.append(body)
-        self.deadline = self.server.now + self.lim.idle_timeout_s
+        self.deadline = self.server.now + self.limits.idle_timeout_s
 
     def on_message_complete(self) -> None:
         self.head = 0
         self.deadline = None
         self.queue.append(self.req)
-        if len(self.queue) >= self.lim.max_pipelined:
+        if len(self.queue) >= self.limits.max_pipelined:
             self._flow()
         self._kick()
 
@@ -414,7 +415,7 @@ class _Conn(asyncio.Protocol):
             if not self.queue:
                 self.busy = False
                 if self.head == 0 and self.deadline is None:
-                    self.deadline = self.server.now + self.lim.idle_timeout_s
+                    self.deadline = self.server.now + self.limits.idle_timeout_s
                 self.wake = self.server.loop.create_future()
                 await self.wake  # cancelled when the connection is lost
                 self.wake = None
@@ -512,9 +513,10 @@ class Server:
     driver's sandboxes' listener, whose clients have shares of their own (``sandbox_per_host``)."""
 
     def __init__(self, app: App, host: str, port: int, *, limits: Limits | None = None, grace_s: float = 10.0,
-                 own_process: bool = False, busy_poll_s: float = 0.0, sandbox_sock: socket.socket | None = None
-                 ) -> None:
+                 own_process: bool = False, busy_poll_s: float = 0.0, sandbox_sock: socket.socket | None = None,
+                 reads: Reads | None = None) -> None:
         self.app, self.host, self.port = app, host, port
+        self.reads = reads if reads is not None else Reads()  # the app's (``proxy.Gateway.reads``): counted here too
         self.sandbox_sock = sandbox_sock
         self.own_process = own_process  # the process is this server's alone: its collector is tuned (``quiet_gc``)
         self.limits, self.grace_s = limits or Limits(), grace_s
@@ -618,8 +620,8 @@ def _bound(server: Any) -> tuple[str, int]:
 def quiet_gc(gen0: int = 50_000) -> None:
     """For a process that is the server: the collector's pauses out of the tail of latency.
 
-    Measured under bench/gateway.py at c=32: a full collection walked the ~100,000 objects of start-up (pydantic,
-    httpx, the route table) in 35-120 ms, a few times in 10 s, each one the whole p99. What start-up made is frozen
+    Under load a full collection walked all the objects of start-up (pydantic, httpx, the route table), a pause
+    long enough to be the whole tail latency (the benchmarks page). What start-up made is frozen
     (never scanned again), and the young generation collected every ``gen0`` net allocations rather than 700:
     a request leaves almost no cyclic garbage (what it allocates dies by reference counting), so collections
     find little, and fewer of them are most of their cost."""

@@ -16,7 +16,7 @@ reset (the connection died), timeout (no first byte / token in time), body_too_l
 A request is never sent twice behind the caller's back: it goes again on a fresh connection only when
 the failure is known to come before the upstream read it (the kept-alive connection was closed before
 the request was written, or the write failed at once). A reset after that may follow work the model
-server did, so it is the backend's failure, for the proxy to show and decide on.
+server did, so it is the backend's failure, for the walk to show and decide on.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Upstream(Protocol):
 
 
 _END = object()
-_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int once: the enum's ``|`` per request showed in profiles
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int once, not the enum's ``|`` per request
 _POLL = getattr(select, "poll", None)  # not on Windows: a peek there
 _HIGH, _LOW = 256 << 10, 64 << 10  # body bytes queued unread: stop reading the upstream / read again
 
@@ -194,7 +194,8 @@ def nodelay(transport: asyncio.BaseTransport) -> None:
 
 class Reads:
     """How many reads the event loop has handed on (a client's request, an upstream's answer), all told: a count that
-    moves only in the loop's I/O phase, which handles every event that came before it. See ``_Conn.unused``."""
+    moves only in the loop's I/O phase, which handles every event that came before it. See ``_Conn.unused``.
+    One per gateway (``proxy.Gateway.reads``), counted by its server and by its upstream connections."""
 
     __slots__ = ("n",)
 
@@ -202,13 +203,11 @@ class Reads:
         self.n = 0
 
 
-LOOP_READS = Reads()  # counted by the gateway's server and by the upstream connections
-
-
 class _Conn(asyncio.Protocol):
     def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop, sock: socket.socket | None = None) -> None:
         self.pool = pool
         self.loop = loop
+        self.reads = pool.reads  # the loop's reads, as its client counts them (``unused``)
         self.sock = sock  # ours, for the liveness check before a kept-alive connection is used again
         self.poll: Any = None  # on the socket, made once: ``unused`` asks it rather than peeks
         if sock is not None and _POLL is not None:
@@ -222,7 +221,7 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.paused = False
-        self.idle_at = -1  # ``LOOP_READS.n`` when it went back to its pool; -1: ask the socket (``unused``)
+        self.idle_at = -1  # ``reads.n`` when it went back to its pool; -1: ask the socket (``unused``)
         # uvloop (libuv) runs a turn's ready callbacks before its poll, and that poll's I/O all at once; asyncio's own
         # loop queues the I/O after the callbacks already scheduled, so a count that moved says less there
         self.reads_first = type(loop).__module__.startswith("uvloop")
@@ -243,7 +242,7 @@ class _Conn(asyncio.Protocol):
         nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
-        LOOP_READS.n += 1
+        self.reads.n += 1
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -299,7 +298,7 @@ class _Conn(asyncio.Protocol):
         while it idled may not have reached ``connection_lost`` yet, and a request written to it would fail in a
         way that cannot be told from a failure after its work.
 
-        On uvloop, when the loop has handed on a read since this connection went idle (``LOOP_READS`` moved),
+        On uvloop, when the loop has handed on a read since this connection went idle (``reads`` moved),
         its I/O phase has run since, and that phase handles every ready event: a close, or an answer nobody
         asked for (on which the connection closes itself), that came before it is known here already (closed, or
         closing). Only what came in the microseconds since is not, as with the syscall below, which only asks a
@@ -309,7 +308,7 @@ class _Conn(asyncio.Protocol):
         ``poll``. A syscall less on the way of a request that finds its connection idle since a turn before."""
         if self.closed or self.sock is None or self.transport is None or self.transport.is_closing():
             return False
-        if self.idle_at >= 0 and self.idle_at != LOOP_READS.n and not self.paused:
+        if self.idle_at >= 0 and self.idle_at != self.reads.n and not self.paused:
             return True
         if self.poll is not None:
             return not self.poll.poll(0)  # no event: open, and quiet; else closed (EOF), reset, or unasked bytes
@@ -326,7 +325,7 @@ class _Conn(asyncio.Protocol):
         self.resp = None
         if keep:  # its parser, at a message's end, is ready for the next one: kept (a new one a request showed)
             self.reused = True
-            self.idle_at = LOOP_READS.n if self.reads_first else -1
+            self.idle_at = self.reads.n if self.reads_first else -1
             self.pool.put(self)
         else:
             self.close()
@@ -343,8 +342,10 @@ class _Conn(asyncio.Protocol):
 class Pool:
     """Idle keep-alive connections to one host:port."""
 
-    def __init__(self, host: str, port: int, max_idle: int = 256, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, host: str, port: int, max_idle: int = 256, tls: ssl.SSLContext | None = None,
+                 reads: Reads | None = None) -> None:
         self.host, self.port, self.max_idle, self.tls = host, port, max_idle, tls
+        self.reads = reads if reads is not None else Reads()  # its client's (``_Conn.unused``)
         self.idle: deque[_Conn] = deque()
         self.addr: tuple[int, Any] | None = None
 
@@ -438,8 +439,9 @@ class Client:
     """POSTs JSON to upstreams, pooling a connection set per host:port."""
 
     def __init__(self, connect_timeout: float = 2.0, max_body: int = 32 << 20,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, reads: Reads | None = None) -> None:
         self.connect_timeout, self.max_body = connect_timeout, max_body
+        self.reads = reads if reads is not None else Reads()  # the loop's reads, shared by its pools' connections
         self.tls = tls  # for https:// upstreams; None: the system's trusted CAs, certificates checked
         self.pools: dict[tuple[str, str, int], Pool] = {}
         self._bases: dict[str, tuple[Pool, str, str]] = {}
@@ -457,7 +459,8 @@ class Client:
         if pool is None:
             if https and self.tls is None:
                 self.tls = ssl.create_default_context()
-            pool = self.pools[(u.scheme, host, port)] = Pool(host, port, tls=self.tls if https else None)
+            pool = self.pools[(u.scheme, host, port)] = Pool(host, port, tls=self.tls if https else None,
+                                                             reads=self.reads)
         found = self._bases[base_url] = (pool, f"{host}:{port}", u.path.rstrip("/"))
         return found
 

@@ -39,14 +39,15 @@ class Walk:
     """The chain's state across requests: each backend's breaker, the ejected backends (what ``probe.Prober``
     probes), the round-robin turn, and the tiers of each endpoint for the route table's version."""
 
-    def __init__(self, options: Options, clock: Callable[[], float], client: Upstream, relay: Relay) -> None:
-        self.o, self.clock, self.client, self.relay = options, clock, client, relay
+    def __init__(self, options: Options, clock: Callable[[], float], client: Upstream, relay: Relay,
+                 tracing: Tracing | None = None) -> None:
+        self.options, self.clock, self.client, self.relay = options, clock, client, relay
         self.breakers: dict[str, Breaker] = {}
         self.ejected: dict[str, Backend] = {}  # whose breakers opened: what ``probe.Prober`` probes
         self._turn = 0
         self._tiers_cache: dict[tuple[str, bool], _Tiers] = {}
         self._tiers_version: str | None = None
-        self.tracing: Tracing | None = None  # a span per attempt when set (``tracing``)
+        self.tracing = tracing  # a span per attempt when set (``tracing``)
 
     def _tiers(self, endpoint: EndpointRoute, table: RouteTable, hopped: bool) -> _Tiers:
         """``chain.tiers`` for this endpoint, kept until the route table changes."""
@@ -57,7 +58,7 @@ class Walk:
         key = (endpoint.id, hopped)
         found = self._tiers_cache.get(key)
         if found is None:
-            found = self._tiers_cache[key] = _Tiers(chain.tiers(endpoint, table, self.o.peers, hopped=hopped))
+            found = self._tiers_cache[key] = _Tiers(chain.tiers(endpoint, table, self.options.peers, hopped=hopped))
         return found
 
     def _plan(self, t: _Tiers, now: float) -> chain.Plan:
@@ -71,7 +72,7 @@ class Walk:
         """The breakers of backends gone from the route table go with them: else every replica that ever was
         keeps its state for the gateway's life (and one that comes back under its name would find it)."""
         known = {f"{e.name}/{r.id}" for e in table.endpoints for r in e.replicas}
-        known.update(f"peer:{p.region}" for p in self.o.peers)
+        known.update(f"peer:{p.region}" for p in self.options.peers)
         for key in [k for k in self.breakers if k not in known]:
             del self.breakers[key]
             self.ejected.pop(key, None)
@@ -79,7 +80,7 @@ class Walk:
     def _breaker(self, key: str) -> Breaker:
         b = self.breakers.get(key)
         if b is None:
-            b = self.breakers[key] = Breaker(self.o.breaker)
+            b = self.breakers[key] = Breaker(self.options.breaker)
         return b
 
     def _open_until(self, now: float) -> Callable[[str], float | None]:
@@ -104,8 +105,8 @@ class Walk:
             if breaker.open_until is not None:
                 self.ejected[b.key] = b
         elif f.kind == "http_429":
-            wait = f.retry_s if f.retry_s is not None else self.o.rate_limit_backoff_s * (0.5 + random.random())
-            until = now + min(wait, self.o.breaker.max_s)
+            wait = f.retry_s if f.retry_s is not None else self.options.rate_limit_backoff_s * (0.5 + random.random())
+            until = now + min(wait, self.options.breaker.max_s)
             hints.append(until)
             if b.peer:
                 breaker.release()
@@ -117,7 +118,7 @@ class Walk:
     async def run(self, call: Call) -> Served | None:
         """Answer ``call`` from the first backend that can; None once the 503 is sent."""
         start = self.clock()
-        deadline = call.deadline = start + self.o.deadline_s
+        deadline = call.deadline = start + self.options.deadline_s
         self._turn += 1
         tiers = self._tiers(call.endpoint, call.table, call.hopped)
         plan = self._plan(tiers, start)
@@ -133,7 +134,7 @@ class Walk:
                     f"this request needs at least {call.least} tokens (the prompt and max_tokens), more than the "
                     f"context of {call.endpoint.name} and of every fallback model that could take it (largest: "
                     f"{max(b.context or 0 for b in small)})", "invalid_request_error", "context_length_exceeded",
-                    "messages"), call.rid, self.o.region, [
+                    "messages"), call.rid, self.options.region, [
                     (b"x-tensora-fallback", b"false"), (b"x-tensora-attempts", ",".join(attempts).encode()),
                     *call.limit_headers()])
                 return None
@@ -150,7 +151,7 @@ class Walk:
             if not breaker.allow(now):  # opened or rate limited meanwhile, or half-open with its one probe out
                 attempts.append(f"{b.key}:{'rate_limited' if breaker.limited_until(now) else 'breaker_open'}")
                 continue
-            ttft = min(b.ttft_s or self.o.ttft_s, deadline - now)
+            ttft = min(b.ttft_s or self.options.ttft_s, deadline - now)
             alone = not b.peer and b.key in tiers.alone
             failed: Failed | None = None
             try:
@@ -179,11 +180,11 @@ class Walk:
         soonest = [t for t in (self.breakers[b.key].retry_at(now) or self.breakers[b.key].limited_until(now)
                                for b in (*plan.attempts, *plan.skipped, *plan.limited) if b.key in self.breakers)
                    if t is not None] + [t for t in hints if t > now]
-        wait = min(soonest) - now if soonest else float(self.o.retry_after_s)
+        wait = min(soonest) - now if soonest else float(self.options.retry_after_s)
         retry = max(1, math.ceil(wait))
         what = "no replica of it is ready" if not attempts else "every backend failed or is cooling down"
         await answer(call.send, 503, error_body(f"{call.endpoint.name} cannot serve now: {what}; retry after {retry} s",
-                                                "server_error", "service_unavailable"), call.rid, self.o.region, [
+                                                "server_error", "service_unavailable"), call.rid, self.options.region, [
             (b"retry-after", str(retry).encode()), (b"retry-after-ms", b"%d" % max(1, wait * 1000)),
             (b"x-tensora-fallback", b"false"), (b"x-tensora-attempts", ",".join(attempts).encode()),
             *call.limit_headers()])
@@ -198,9 +199,9 @@ class Walk:
         except Failed as f:
             if not (alone and (f.kind == "reset" or f.kind.startswith("http_5"))):
                 raise
-            delay = self.o.retry_delay_s * random.uniform(0.5, 1.5)
+            delay = self.options.retry_delay_s * random.uniform(0.5, 1.5)
             now = self.clock()
-            if call.deadline - now - delay < self.o.retry_room_s:
+            if call.deadline - now - delay < self.options.retry_room_s:
                 raise
             breaker = self._breaker(b.key)
             breaker.failure(now)  # the first try counts; the retry's outcome is the walk's to record
@@ -234,7 +235,7 @@ class Walk:
         up["model"] = b.upstream_model
         headers = [("x-request-id", call.rid), *trace]
         if b.peer:  # a peer gateway checks the caller's own key
-            headers += [("authorization", call.auth.decode("latin-1")), (HOP.decode(), self.o.region)]
+            headers += [("authorization", call.auth.decode("latin-1")), (HOP.decode(), self.options.region)]
         elif b.api_key:  # a replica gets its own key, never the caller's
             headers.append(("authorization", f"Bearer {b.api_key}"))
         if call.stream:
@@ -251,7 +252,7 @@ class Walk:
             if resp.status != 200:
                 return await self._not_ok(call, b, resp)
             if call.stream:
-                return await self.relay.stream(call, b, resp, first_by, b.stream_idle_s or self.o.stream_idle_s)
+                return await self.relay.stream(call, b, resp, first_by, b.stream_idle_s or self.options.stream_idle_s)
             return await self.relay.whole(call, b, resp)
         finally:
             resp.release()

@@ -22,6 +22,8 @@ once, where they arise, into these; the rest of the code never catches a foreign
         └── Conflict           a write lost a race with another (unique key, changed row)
 
 "Does not fit" is never an exception: admission returns it as a value (Wait).
+
+At the top of the package: every layer raises from this one tree, and it imports nothing.
 """
 
 from __future__ import annotations

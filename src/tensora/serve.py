@@ -22,12 +22,11 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tensora import listeners, replicakeys
+from tensora import listeners
 from tensora.api.auth import KeyChecker, create_key
 from tensora.api.idempotency import Idempotency
 from tensora.api.services import Services
 from tensora.api.sessions import Sessions
-from tensora.apikeys import digest, well_formed
 from tensora.clock import Clock, SystemClock
 from tensora.config.catalog import load_catalog
 from tensora.config.settings import (
@@ -42,6 +41,8 @@ from tensora.control.controller import Controller
 from tensora.drivers.base import Driver
 from tensora.drivers.hardware import gpu_notes, offered
 from tensora.errors import ConfigError
+from tensora.keys import replicakeys
+from tensora.keys.apikeys import digest, well_formed
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.quotas import for_node, overlay, running_phrase
@@ -53,7 +54,7 @@ from tensora.serving.workers import WorkerBrief, worker_settings_json
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
-from tensora.tracing import setup as setup_tracing
+from tensora.telemetry.tracing import setup as setup_tracing
 from tensora.units import parse_memory
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ def _metrics_listener(settings: ServeSettings, services: Services, *, multiproce
     summed at each scrape and removed with the listener."""
     if not settings.metrics_listen:
         return None
-    from tensora.scrape import Listener
+    from tensora.telemetry.scrape import Listener
 
     collectors: list[Any] = []
     path = None

@@ -23,9 +23,9 @@ from tensora.api.metrics import REGISTRY
 from tensora.control import workloads
 from tensora.control.metrics import ControllerCollector
 from tensora.control.spec import parse_spec
-from tensora.scrape import Listener
 from tensora.store import repo
 from tensora.store.rows import WorkloadRecord
+from tensora.telemetry.scrape import Listener
 from tests.support.services import free_port, serving
 from tests.support.stack import Stack, stack
 

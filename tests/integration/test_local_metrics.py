@@ -15,7 +15,7 @@ from tensora.drivers.localmetrics import LocalCollector
 from tensora.models import runtimes
 from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
-from tensora.scrape import Listener
+from tensora.telemetry.scrape import Listener
 
 
 class Cgroup:

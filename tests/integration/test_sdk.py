@@ -19,9 +19,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tensora import AsyncClient, Client
-from tensora.apikeys import digest
 from tensora.clock import FakeClock
 from tensora.control.spec import WorkloadSpec
+from tensora.keys.apikeys import digest
 from tensora.sdk import (
     APIConnectionError,
     APITimeoutError,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from tensora.apikeys import SCOPES
+from tensora.keys.apikeys import SCOPES
 from tensora.placement.kinds import ReplicaRole, WorkloadKind, WorkloadState
 from tensora.placement.quotas import Limits, Quotas
 

@@ -53,7 +53,7 @@ from tensora.placement.quotas import OwnerSettings
 from tensora.store import repo
 from tensora.store.db import Database
 from tensora.store.rows import NodeRow, ReplicaRow, WorkloadRow
-from tensora.tracing import Tracing
+from tensora.telemetry.tracing import Tracing
 
 log = logging.getLogger("tensora.controller")
 

@@ -82,12 +82,12 @@ from typing import Any
 
 import httpx
 
-from tensora import replicakeys
 from tensora.drivers import homes, logcap, loopback, vmdisk
 from tensora.drivers import launch as plan
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.vmdisk import ImageRefused
 from tensora.errors import ModelFileError
+from tensora.keys import replicakeys
 from tensora.models import runtimes
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog, ComputeClass

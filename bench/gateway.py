@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from tests.support.services import free_port
 
 from api import taskset
-from tensora import apikeys
+from tensora.keys import apikeys
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKEBACKEND = str(ROOT / "tests" / "support" / "fakebackend.py")  # a child process: not part of the product

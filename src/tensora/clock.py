@@ -1,5 +1,7 @@
 """Time as an argument: pure code takes ``now`` (seconds since the epoch, UTC);
-loops take a :class:`Clock`; tests use :class:`FakeClock` and never sleep."""
+loops take a :class:`Clock`; tests use :class:`FakeClock` and never sleep.
+
+At the top of the package: the controller, the API, the sandboxes and the simulated driver share it."""
 
 from __future__ import annotations
 

@@ -16,12 +16,14 @@ once, where they arise, into these; the rest of the code never catches a foreign
     ├── StorageError           owners' files (storage): BadName, NotFound (one message), OverQuota, NameTaken
     ├── UidsExhausted          no sandbox uid left in the sandbox_uids range (store.repo)
     ├── QuotaExceeded          an owner already holds its quota of keys or workloads (control.owners)
-    ├── Occupied               tensora up: already running, or its port taken by another program (serve)
+    ├── Occupied               tensora up: already running, or its port taken by another program (serving.ports)
     └── StoreError             the database
         ├── StoreUnavailable   unreachable, locked, timed out: retry later (the API answers 503)
         └── Conflict           a write lost a race with another (unique key, changed row)
 
 "Does not fit" is never an exception: admission returns it as a value (Wait).
+
+At the top of the package: every layer raises from this one tree, and it imports nothing.
 """
 
 from __future__ import annotations

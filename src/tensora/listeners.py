@@ -8,6 +8,9 @@ the gateway also listen on a port of their own for sandboxes (``sandbox_port``, 
 pasta forwards the namespace's 127.0.0.1:<port> there (the URL inside stays the same), and each server counts a
 client's connections by (client address, the port they came in on): the sandboxes share the sandbox listener's
 share among themselves, and none of them can take what the host's clients hold.
+
+At the top of the package: the control API's server, the gateway and their settings use it, and the gateway may not
+import the API's code.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Names: the one rule for what people name (workloads, classes, regions, namespaces: a DNS label), and the name of
-the store lease that makes a region's controller its only writer."""
+the store lease that makes a region's controller its only writer.
+
+At the top of the package: the config files, the workload specs, the controller and the API all check names by
+this one rule, and none of them is the others' to import for it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Tensora's compiled modules, and the guard that never lets a stale build run.
 
 Admission's hot path is compiled by mypyc (it ships with mypy) when Tensora is installed on a machine with a C
-compiler (``setup.py``): the same source, typed as it is, runs about 1.4x faster as C extensions (figures:
-docs/benchmarks.md; ADR-0021). The ``.py`` files stay the source of truth and are what runs where nothing was compiled.
+compiler (``setup.py``): the same source, typed as it is, runs faster as C extensions (figures: docs/benchmarks.md;
+ADR-0021). The ``.py`` files stay the source of truth and are what runs where nothing was compiled. At the top of
+the package: ``setup.py`` imports it before the package is built, and ``import tensora`` runs its guard first.
 
 A compiled module sits next to its source (an editable install builds in place), and Python imports the extension
 before the source: after an edit, or a checkout of other code, the old build would run instead of the new code. So
@@ -163,7 +164,7 @@ def why_pure(group: str = ADMISSION) -> str | None:
 class _FromSource:
     """Finds a group's modules, once the first of them is imported: from source when :func:`why_pure` says so,
     else leaves them to the usual finders (which take the extension). A meta path finder by its ``find_spec``
-    alone: ``importlib.abc`` would cost every command 7 ms to import."""
+    alone: importing ``importlib.abc`` would slow the start of every command."""
 
     def __init__(self) -> None:
         self.group = {m: group for group, modules in GROUPS.items() for m in modules}

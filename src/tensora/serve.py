@@ -1,4 +1,8 @@
-"""``tensora serve``: the control API and the controller of one region, in one process.
+"""``tensora serve`` and ``tensora up``: the composition root, where the store, the driver, the controller, the
+control API and the gateway are built and wired (one region; the controller in this process, the HTTP in
+worker processes, ``tensora up``'s gateway in one of its own). It stays at the top of the package: it imports
+every layer, and the layers' contracts (pyproject.toml) forbid them to import it. How these processes run on the
+machine (children, the ``up`` lock, the port checks) is ``tensora.serving``'s.
 
 Settings come from, in rising precedence: defaults, a YAML config file (``--config``),
 environment variables ``TENSORA_<SETTING>`` (e.g. ``TENSORA_DATABASE_URL``), and flags.
@@ -6,37 +10,28 @@ The database defaults to ``DATA_DIR/tensora.db`` (SQLite, WAL); a ``postgresql:/
 selects PostgreSQL. On first start an admin key is created and written to
 ``DATA_DIR/admin-key`` (mode 0600); the secret is never printed or logged.
 
-``tensora up`` (``profile="up"``) is one per data dir: it holds an flock on ``DATA_DIR/up.pid``
-(which says its pid and addresses) while it runs, so a crashed one never blocks the next. A
-second one, or one whose port is taken, stops before it prints or writes anything.
+``tensora up`` (``profile="up"``) is one per data dir (``tensora.serving.uplock``): a second one, or one whose
+port is taken, stops before it prints or writes anything.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
+import functools
 import os
 import signal
-import socket
-import sys
-import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
-from tensora import listeners, replicakeys
+from tensora import listeners
 from tensora.api.auth import KeyChecker, create_key
 from tensora.api.idempotency import Idempotency
 from tensora.api.services import Services
 from tensora.api.sessions import Sessions
-from tensora.apikeys import digest, well_formed
 from tensora.clock import Clock, SystemClock
 from tensora.config.catalog import load_catalog
 from tensora.config.quotas import for_node, overlay, running_phrase
 from tensora.config.settings import (
     ADMIN_KEY_FILE,
-    UP_LOCK_FILE,
     ServeSettings,
     describe_isolation,
     isolation_of,
@@ -44,25 +39,26 @@ from tensora.config.settings import (
     load_settings,
 )
 from tensora.control.controller import Controller
-from tensora.drivers.base import Driver, ReplicaStatus
+from tensora.drivers.base import Driver
 from tensora.drivers.hardware import gpu_notes, offered
-from tensora.errors import ConfigError, TensoraError
+from tensora.errors import ConfigError
+from tensora.keys import replicakeys
+from tensora.keys.apikeys import digest, well_formed
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
-from tensora.placement.kinds import ReplicaState
+from tensora.serving.banner import installed_runtimes, left_running
+from tensora.serving.ports import client_host
+from tensora.serving.supervision import die_with_parent, start_gateway, stop_gateway
+from tensora.serving.uplock import claim_up
+from tensora.serving.workers import WorkerBrief, worker_settings_json
 from tensora.storage import Storage
 from tensora.store import repo
 from tensora.store.db import Database, private_dir
-from tensora.tracing import setup as setup_tracing
+from tensora.telemetry.tracing import setup as setup_tracing
 from tensora.units import parse_memory
 
 if TYPE_CHECKING:
     from tensora.api.server import HttpLimits
-
-
-class Occupied(TensoraError):
-    """``tensora up`` cannot start: a Tensora already runs on this data dir or port, or another
-    program holds the port. The message says which, and what to do."""
 
 
 def load_gateway_settings(config: Path | None, flags: dict[str, Any],
@@ -71,10 +67,6 @@ def load_gateway_settings(config: Path | None, flags: dict[str, Any],
     ``data_dir``, region and the control API's address are the server's unless set there."""
     server = load_settings(config, {"data_dir": flags.get("data_dir")}, env)
     return gateway_settings_for(server, flags, env)
-
-
-def _client_host(bind: str) -> str:
-    return "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
 
 
 def make_driver(settings: ServeSettings, clock: Clock) -> Driver:
@@ -134,19 +126,6 @@ def sandbox_forwards(settings: ServeSettings) -> list[tuple[int, int]]:
     return [(inner, outer) for inner, outer in pairs if inner]
 
 
-def installed_runtimes(driver: Driver, auto_install: bool) -> str:
-    """``tensora up``'s line on the model-server runtimes: which are installed, and what happens without one."""
-    from tensora.models import runtimes
-
-    root = getattr(driver, "runtimes", None)
-    if root is None:
-        return "runtimes: not this driver's"
-    have = [name for name in runtimes.REGISTRY if runtimes.installed(root, name)]
-    then = ("the first endpoint that needs one installs it" if auto_install
-            else "an endpoint without one fails: tensora runtime install tensora-transformers")
-    return f"runtimes installed: {', '.join(have) or 'none'} (in {root}); {then}"
-
-
 def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
     """Create the admin key on first start (or when its file no longer matches a live key)."""
     path = data_dir / ADMIN_KEY_FILE
@@ -170,8 +149,9 @@ def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
 
 
 def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver | None = None,
-          catalog: Catalog | None = None) -> Services:
-    """Open the store (migrating it), the driver and the controller; nothing is served yet."""
+          catalog: Catalog | None = None, gateway_metrics_listen: str | None = None) -> Services:
+    """Open the store (migrating it), the driver and the controller; nothing is served yet.
+    ``gateway_metrics_listen``: the gateway's metrics listener, for the operator page (:func:`gateway_metrics`)."""
     clock = clock or SystemClock()
     catalog = catalog or load_catalog(settings.catalog)
     if settings.controller:  # before the store: a bad driver or nodes file leaves no database behind
@@ -198,17 +178,24 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=keys,
                     idempotency=Idempotency(db, clock), sessions=sessions, controller=controller, storage=storage,
                     isolation=isolation or None, isolation_reason=why, replica_secret=replica_secret,
-                    owner_defaults=settings.owner_defaults(), metrics_listen=_metrics_sources(settings))
+                    owner_defaults=settings.owner_defaults(),
+                    metrics_listen=_metrics_sources(settings, gateway_metrics(gateway_metrics_listen)))
 
 
-# the gateway's own variable (gateway.metrics_listen): ``tensora up`` sets it to its gateway's, which its HTTP
-# workers inherit; under ``tensora serve``, a gateway run apart is read where the operator says
 GATEWAY_METRICS_ENV = "TENSORA_GATEWAY_METRICS_LISTEN"
+"""The gateway's own variable (``gateway.metrics_listen``): under ``tensora serve``, where the operator says a
+gateway run apart has its metrics."""
 
 
-def _metrics_sources(settings: ServeSettings) -> dict[str, str]:
-    """The listeners the operator page reads: this server's, and the gateway's that ``tensora up`` started."""
-    out = {"control": settings.metrics_listen or "", "gateway": os.environ.get(GATEWAY_METRICS_ENV, "")}
+def gateway_metrics(listen: str | None) -> str:
+    """The gateway metrics listener the operator page reads: ``listen`` (``tensora up``'s gateway's, "" for none),
+    or, when None, the one :data:`GATEWAY_METRICS_ENV` names."""
+    return os.environ.get(GATEWAY_METRICS_ENV, "") if listen is None else listen
+
+
+def _metrics_sources(settings: ServeSettings, gateway: str) -> dict[str, str]:
+    """The listeners the operator page reads: this server's, and the gateway's."""
+    out = {"control": settings.metrics_listen or "", "gateway": gateway}
     return {k: v for k, v in out.items() if v}
 
 
@@ -216,61 +203,23 @@ def _exit_clean(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-WORKER_SETTINGS_ENV = "TENSORA_SERVE_WORKER_SETTINGS"
-CONTROLLER_HOLDER_ENV = "TENSORA_SERVE_CONTROLLER_HOLDER"
-SUPERVISOR_PID_ENV = "TENSORA_SERVE_SUPERVISOR_PID"
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent: int | None = None) -> None:
-    """Have this process sent SIGTERM when its parent dies, so that the HTTP workers and the gateway
-    of a crashed (SIGKILLed) server do not keep its ports; exit now if ``parent`` is already gone."""
-    ask = _parent_death_signal()
-    if ask is not None:
-        ask()
-    if parent is not None and os.getppid() != parent:
-        os._exit(0)
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """Linux: a call (safe between fork and exec: it imports nothing) that asks for SIGTERM on the
-    parent's death. Elsewhere None: a crash there leaves the children to be stopped by hand."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    term = int(signal.SIGTERM)
-    return lambda: prctl(PR_SET_PDEATHSIG, term, 0, 0, 0)
-
-
-def worker_settings_json(settings: ServeSettings) -> str:
-    """The settings as the HTTP workers read them back: the older ``storage_quota`` folded into
-    ``quotas.storage_bytes``, so that they validate again (a dump holds every field of ``quotas``, and the two
-    names together are refused)."""
-    folded = settings.model_copy(update={"quotas": settings.owner_defaults().quotas, "storage_quota": None})
-    return folded.model_dump_json()
-
-
-def worker_app() -> Any:
+def worker_app(brief: WorkerBrief) -> Any:
     """The app of one HTTP worker of ``serve --workers N``: no controller here; wakes go over a socket."""
     from tensora.api.app import create_app
     from tensora.control.wake import WakeSender, socket_path
 
-    die_with_parent(int(os.environ.get(SUPERVISOR_PID_ENV, "0")) or None)
-    settings = ServeSettings.model_validate_json(os.environ[WORKER_SETTINGS_ENV])
-    services = build(settings.model_copy(update={"controller": False}))
+    die_with_parent(brief.supervisor_pid or None)
+    settings = brief.settings()
+    services = build(settings.model_copy(update={"controller": False}),
+                     gateway_metrics_listen=brief.gateway_metrics_listen)
     if settings.controller:
         services.waker = WakeSender(socket_path(settings.data_dir, settings.region))
-        services.controller_holder = os.environ.get(CONTROLLER_HOLDER_ENV)
+        services.controller_holder = brief.controller_holder
     return create_app(services, max_in_flight=settings.max_in_flight, max_body_bytes=settings.max_body_bytes,
                       run_controller=False)
 
 
-def _run_workers(settings: ServeSettings, services: Services) -> None:
+def _run_workers(settings: ServeSettings, services: Services, gateway_metrics_listen: str | None) -> None:
     """HTTP in worker processes (uvicorn's supervisor), the controller in this process.
 
     Even with one worker: a controller cycle over a long queue is CPU work, and in the HTTP
@@ -284,7 +233,10 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
 
     limits = http_limits(settings)
     make_room(limits)  # the workers inherit it
-    config = Config("tensora.serve:worker_app", limits=limits, factory=True, workers=settings.workers,
+    holder = services.controller.holder if services.controller is not None else None
+    brief = WorkerBrief(worker_settings_json(settings), os.getpid(), holder, gateway_metrics(gateway_metrics_listen))
+    # the factory and its argument are pickled to each worker (multiprocessing's spawn): neither argv nor environ
+    config = Config(functools.partial(worker_app, brief), limits=limits, factory=True, workers=settings.workers,
                     host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
                     timeout_graceful_shutdown=10)
     # the sandboxes' listener before anything starts: a port that cannot be bound is named by its setting
@@ -295,10 +247,6 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
     if services.controller is not None:
         listener = WakeListener(socket_path(settings.data_dir, settings.region), services.controller.wake).start()
         services.controller.start()
-    os.environ[WORKER_SETTINGS_ENV] = worker_settings_json(settings)
-    os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
-    if services.controller is not None:
-        os.environ[CONTROLLER_HOLDER_ENV] = services.controller.holder
     try:
         Multiprocess(config, sockets=[config.bind_socket(), *sandboxes]).run()
     finally:
@@ -310,8 +258,6 @@ def _run_workers(settings: ServeSettings, services: Services) -> None:
             metrics.close()
 
 
-
-
 def _metrics_listener(settings: ServeSettings, services: Services, *, multiprocess: bool) -> Any:
     """``metrics_listen``: the API's metrics and the controller's, started; None when off. ``multiprocess``: the
     API runs in worker processes started after this (uvicorn's supervisor), each writing its counts to a private
@@ -319,7 +265,7 @@ def _metrics_listener(settings: ServeSettings, services: Services, *, multiproce
     summed at each scrape and removed with the listener."""
     if not settings.metrics_listen:
         return None
-    from tensora.scrape import Listener
+    from tensora.telemetry.scrape import Listener
 
     collectors: list[Any] = []
     path = None
@@ -359,37 +305,13 @@ def gateway_settings_for(server: ServeSettings, flags: dict[str, Any] | None = N
 
     env = dict(os.environ) if env is None else env
     values: dict[str, Any] = {"data_dir": server.data_dir, "region": server.region, "host": server.host,
-                              "control_url": f"http://{_client_host(server.host)}:{server.port}",
+                              "control_url": f"http://{client_host(server.host)}:{server.port}",
                               **server.gateway}
     origin = dict.fromkeys(server.gateway, "gateway")
     gw = layered(GatewaySettings, values, origin, env, "TENSORA_GATEWAY_", flags or {}, field_prefix="gateway.")
     if server.driver == "local" and gw.sandbox_port is None:  # its sandboxes reach the gateway on a port apart
         gw = gw.model_copy(update={"sandbox_port": listeners.derived(gw.port)})
     return gw
-
-
-def _start_gateway(gw: Any) -> Any:
-    """tensora up: the gateway in a process of its own (its own core, its own event loop), reading
-    routes from this server. It stops with ``tensora up``, even a crashed one; the workloads do not."""
-    import subprocess
-
-    from tensora.gateway.app import GATEWAY_SETTINGS_ENV
-
-    env = dict(os.environ, **{GATEWAY_SETTINGS_ENV: gw.model_dump_json()})
-    return subprocess.Popen([sys.executable, "-m", "tensora.gateway"], env=env,
-                            preexec_fn=_parent_death_signal())
-
-
-def _stop_gateway(proc: Any) -> None:
-    import subprocess
-
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run(settings: ServeSettings, profile: str = "serve") -> None:
@@ -400,14 +322,13 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     gw = gateway_settings_for(settings, {"port": settings.gateway_port}) if profile == "up" else None
     # before anything is printed or written
     lock = claim_up(settings, gw.port, gw.sandbox_port) if gw is not None else None
-    if gw is not None and gw.metrics_listen:
-        os.environ[GATEWAY_METRICS_ENV] = gw.metrics_listen
+    gateway_metrics_listen = (gw.metrics_listen or "") if gw is not None else None
     if profile == "up" and settings.runtimes.auto_install is None:  # a new user's machine: nothing to pre-install
         settings = settings.model_copy(update={"runtimes": settings.runtimes.model_copy(update={"auto_install": True})})
     if profile == "up" and settings.controller and settings.driver == "local":
-        settings, services = _build_up(settings)
+        settings, services = _build_up(settings, gateway_metrics_listen)
     else:
-        services = build(settings)
+        services = build(settings, gateway_metrics_listen=gateway_metrics_listen)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     key_file = ensure_admin_key(services.db, settings.data_dir, services.clock.now())
     where = "PostgreSQL" if not services.db.is_sqlite else f"SQLite at {settings.db_url}"
@@ -434,13 +355,13 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
         print(f"OpenAI-compatible gateway on http://{gw.host}:{gw.port}/v1  (the same keys)", flush=True)
         if gw.metrics_listen:
             print(f"gateway metrics on http://{gw.metrics_listen}/metrics", flush=True)
-        gateway = _start_gateway(gw)
+        gateway = start_gateway(gw)
     if services.controller is not None or settings.workers > 1:
         try:
-            _run_workers(settings, services)
+            _run_workers(settings, services, gateway_metrics_listen)
         finally:
             if gateway is not None:
-                _stop_gateway(gateway)
+                stop_gateway(gateway)
         if profile == "up" and services.controller is not None:
             print(left_running(services.controller.driver.observe()), flush=True)
         if lock is not None:
@@ -466,7 +387,7 @@ def http_limits(settings: ServeSettings) -> HttpLimits:
                       max_connections_per_client=settings.max_connections_per_client)
 
 
-def _build_up(settings: ServeSettings) -> tuple[ServeSettings, Services]:
+def _build_up(settings: ServeSettings, gateway_metrics_listen: str | None) -> tuple[ServeSettings, Services]:
     """``tensora up``'s build: the local driver first, so that the running quotas the config leaves unset are
     the node's (``quotas.for_node``: half of it, at least its largest class), in the settings the HTTP workers
     are given too."""
@@ -475,7 +396,8 @@ def _build_up(settings: ServeSettings) -> tuple[ServeSettings, Services]:
     driver = make_driver(settings, clock)
     quotas = for_node(settings.quotas, driver.nodes()[0], catalog)
     settings = settings.model_copy(update={"quotas": quotas})
-    return settings, build(settings, clock=clock, driver=driver, catalog=catalog)
+    return settings, build(settings, clock=clock, driver=driver, catalog=catalog,
+                           gateway_metrics_listen=gateway_metrics_listen)
 
 
 ADMIN_OWNER = "admin"
@@ -495,150 +417,3 @@ def admin_runs_the_node(db: Database, node: Node, now: float) -> bool:
             return False
         repo.write_owner(conn, ADMIN_OWNER, {"quotas": overlay(row["quotas"], whole), "updated_at": now})
     return True
-
-
-def left_running(replicas: Sequence[ReplicaStatus]) -> str:
-    """What ``tensora up`` says as it stops: the workloads whose replicas keep running without it."""
-    alive = [r for r in replicas if r.state in (ReplicaState.STARTING, ReplicaState.RUNNING)]
-    stopping = sum(1 for r in replicas if r.state is ReplicaState.STOPPING)
-    workloads = len({r.workload_id for r in alive})
-    if not alive:
-        text = "stopped the API and gateway; no workloads are running"
-    else:
-        text = (f"stopped the API and gateway; {_count(workloads, 'workload')} "
-                f"{'keeps' if workloads == 1 else 'keep'} running ({_count(len(alive), 'replica')}): "
-                "the next `tensora up` adopts them; to stop them, start it and run "
-                "`tensora workloads stop NAME`")
-    if stopping:
-        text += f" ({_count(stopping, 'replica')} still stopping: the next `tensora up` sees it through)"
-    return text
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-# -- one tensora up per data dir, and free ports ----------------------------------------------
-
-def claim_up(settings: ServeSettings, gateway_port: int, gateway_sandbox_port: int | None = None) -> IO[str]:
-    """Check that nothing holds this data dir or the ports, then hold the data dir's lock for as long
-    as the returned file stays open (the process's life; the OS drops it however that ends).
-
-    Occupied when another ``tensora up`` holds the lock, or a port is in use (by a Tensora, or
-    by another program, naming the flag that chooses another); nothing is written until then."""
-    import fcntl
-
-    path = settings.data_dir / UP_LOCK_FILE
-    # 1. another tensora up on this data dir
-    holder = _lock_holder(path)
-    if holder is not None:
-        raise Occupied(_already_running(holder.get("api"), holder.get("pid")))
-    # 2. the ports: free, or held by a Tensora (another data dir), or by another program
-    for port, flag in ((settings.port, "--port"), (gateway_port, "--gateway-port")):
-        _check_port(settings.host, port, flag)
-    sandboxes = ((settings.sandbox_listener(), "sandbox_port"), (gateway_sandbox_port, "gateway.sandbox_port"))
-    for sandbox_port, setting in sandboxes:
-        if sandbox_port is not None:
-            _check_port(listeners.SANDBOX_HOST, sandbox_port, setting)
-    # 3. take the lock and say who holds it
-    private_dir(settings.data_dir)
-    f = path.open("a+")  # not inherited by children (close-on-exec): replicas never hold it
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        holder = _lock_holder(path) or {}
-        raise Occupied(_already_running(holder.get("api"), holder.get("pid"))) from None
-    f.truncate(0)
-    f.write(json.dumps({"pid": os.getpid(), "api": f"{_client_host(settings.host)}:{settings.port}",
-                        "gateway": f"{_client_host(settings.host)}:{gateway_port}"}) + "\n")
-    f.flush()
-    return f
-
-
-def _already_running(api: str | None, pid: int | None) -> str:
-    return f"Tensora is already running on {api or 'this data dir'}" + (f" (pid {pid})" if pid else "")
-
-
-def _lock_holder(path: Path) -> dict[str, Any] | None:
-    """What ``up.pid`` says when a live process holds its lock, else None (absent, or left by a
-    process that is gone)."""
-    import fcntl
-
-    try:
-        f = path.open("r")
-    except FileNotFoundError:
-        return None
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            pass
-        else:
-            return None  # nobody holds it: a stale file
-        for _ in range(20):  # its holder writes it just after taking the lock
-            f.seek(0)
-            with contextlib.suppress(ValueError):
-                data = json.loads(f.read())
-                if isinstance(data, dict):
-                    return data
-            time.sleep(0.05)
-        return {}
-
-
-def _check_port(host: str, port: int, flag: str) -> None:
-    """Occupied unless this process could listen on ``host:port``."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise Occupied(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no owner
-        try:
-            s.bind(address)
-            return
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise Occupied(f"cannot listen on {host}:{port} ({exc.strerror}): choose another with {flag}") \
-                    from None
-    if _is_tensora(_client_host(host), port):
-        raise Occupied(_already_running(f"{_client_host(host)}:{port}", _listener_pid(port)))
-    raise Occupied(f"port {port} is in use by another program (not Tensora): choose another with {flag}")
-
-
-def _is_tensora(host: str, port: int) -> bool:
-    """Whether a Tensora control API or gateway answers there (their /readyz bodies say so)."""
-    import httpx
-
-    try:
-        body = httpx.get(f"http://{host}:{port}/readyz", timeout=2).json()
-    except (httpx.HTTPError, ValueError):
-        return False
-    return isinstance(body, dict) and ("controller" in body or "routes" in body)
-
-
-def _listener_pid(port: int) -> int | None:
-    """Linux: the process listening on TCP ``port`` (the eldest, where workers share its socket)."""
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                f = line.split()
-                if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                    inodes.add(f"socket:[{f[9]}]")
-    pids: set[int] = set()
-    for proc in Path("/proc").iterdir() if inodes else ():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                pids.add(int(proc.name))
-    for pid in sorted(pids):  # the one whose parent does not share the socket: the server, not a worker
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid not in pids:
-                return pid
-    return min(pids) if pids else None

@@ -14,7 +14,8 @@ for this. Anything else, whatever the host holds, is :class:`NotFound` with ONE 
 existence, permission, size or content oracle.
 
 This module imports no store and no web framework: the API (``api/files.py``) keeps the
-metadata in the same transaction as the rename that publishes an upload.
+metadata in the same transaction as the rename that publishes an upload. At the top of the package: the API, the
+controller, both drivers and the SDK's records (``FileList``, ``FileOut``) use it, and none of them owns the others.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Durations: ``0``, ``90``, ``"90s"``, ``"10m"``, ``"1h30m"``, ``"2d"``.
 Memory: ``"64Gi"``, ``"512Mi"``, ``"80GB"``, or a plain number of bytes.
 Parameter counts: ``7000000000``, ``"7B"``, ``"350M"``, ``"8.5e9"``.
+
+At the top of the package: pure code (placement) and every edge (config, CLI, drivers, API) read and write these.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ import httpx
 import openai
 import pytest
 
-from tensora import apikeys, replicakeys
 from tensora.config.catalog import default_catalog
 from tensora.drivers import homes
 from tensora.drivers.base import ReplicaSpec
@@ -34,6 +33,7 @@ from tensora.drivers.qmp import qmp
 from tensora.drivers.record import ReplicaRecord
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
+from tensora.keys import apikeys, replicakeys
 from tensora.models import runtimes
 from tensora.models.tinymodel import write_tiny_model
 from tensora.placement.capacity import Node

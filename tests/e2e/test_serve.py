@@ -22,12 +22,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tensora.apikeys import well_formed
 from tensora.config.settings import ADMIN_KEY_FILE, ServeSettings, load_settings
 from tensora.drivers.base import ReplicaStatus
 from tensora.errors import ConfigError
+from tensora.keys.apikeys import well_formed
 from tensora.placement.kinds import ReplicaState
-from tensora.serve import build, left_running
+from tensora.serve import build
+from tensora.serving.banner import left_running
 from tests.support.services import PgCluster, free_port
 
 START_DEADLINE_S = 30.0

@@ -71,6 +71,12 @@ def test_workers_share_the_store_and_wake_the_controller_at_once(tmp_path: Path)
             time.sleep(0.2)
         key = (tmp_path / "data" / "admin-key").read_text().strip()
         h = {"Authorization": f"Bearer {key}"}
+        if Path("/proc/self/environ").exists():  # the workers' settings came as their factory's argument
+            children = _children(proc.pid)
+            assert children
+            for pid in children:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                assert b"TENSORA_SERVE_" not in environ and str(tmp_path / "data").encode() not in environ
         # the controller's first cycle ran at start; the next tick is a minute away, so a
         # workload placed within seconds was placed because a worker woke the controller
         time.sleep(1)
@@ -100,3 +106,16 @@ def test_workers_share_the_store_and_wake_the_controller_at_once(tmp_path: Path)
             rc = proc.wait()
         log.close()
     assert rc == 0, (tmp_path / "serve.log").read_text()
+
+
+def _children(pid: int) -> list[int]:
+    """Linux: the processes whose parent is ``pid``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append(int(stat.parent.name))
+    return out

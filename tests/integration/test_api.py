@@ -23,7 +23,7 @@ import pytest
 from safetensors.numpy import save_file
 from sqlalchemy import text
 
-from tensora import apikeys
+from tensora.keys import apikeys
 from tensora.storage import NOT_FOUND
 from tests.support import services
 from tests.support.stack import T0, Stack, stack

@@ -27,10 +27,10 @@ from tensora.control.controller import Controller
 from tensora.control.metrics import ControllerCollector
 from tensora.control.spec import parse_spec
 from tensora.drivers.simulated import SimulatedDriver
-from tensora.scrape import Listener
 from tensora.store import repo
 from tensora.store.db import Database
 from tensora.store.rows import WorkloadRecord
+from tensora.telemetry.scrape import Listener
 from tests.support.services import free_port, serving
 from tests.support.stack import T0, Stack, fleet, stack
 

@@ -14,12 +14,12 @@ import openai
 import orjson
 import pytest
 
-from tensora import apikeys
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Peer
 from tensora.gateway.limits import Caller, MemoryLimiter, Quota, RedisLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
+from tensora.keys import apikeys
 from tests.support.gateway_harness import (
     Backends,
     FakeClock,

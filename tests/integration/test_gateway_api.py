@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tensora import apikeys, replicakeys
 from tensora.gateway.routes import table_from_json
+from tensora.keys import apikeys, replicakeys
 from tensora.models.tinymodel import MAX_POSITIONS, write_tiny_model
 from tensora.store import repo
 from tests.support import services

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensora import apikeys
 from tensora.gateway.body import Body, Invalid, parse
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
+from tensora.keys import apikeys
 from tests.support.gateway_harness import Backends, make_table, replica, serving
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,13 +19,13 @@ import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensora import apikeys
 from tensora.gateway import upstream
 from tensora.gateway.breaker import Policy
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 from tensora.gateway.upstream import Client, UpstreamError
+from tensora.keys import apikeys
 from tests.support.gateway_harness import (
     Backends,
     FakeClock,

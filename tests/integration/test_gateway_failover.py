@@ -16,7 +16,6 @@ import httpx
 import orjson
 import pytest
 
-from tensora import apikeys
 from tensora.gateway.app import GatewaySettings, build
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Backend, Peer, ServedBy
@@ -25,6 +24,7 @@ from tensora.gateway.probe import Prober, probe_url
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 from tensora.gateway.walk import context_exceeded, retry_after
+from tensora.keys import apikeys
 from tests.support.gateway_harness import (
     Backends,
     FakeClock,

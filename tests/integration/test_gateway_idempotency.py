@@ -20,7 +20,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensora import apikeys
 from tensora.gateway import idempotency
 from tensora.gateway.app import GatewaySettings, build
 from tensora.gateway.idempotency import Answer, DiskStore, Held, Idempotency, RedisStore, fingerprint
@@ -28,6 +27,7 @@ from tensora.gateway.limits import MemoryLimiter, RedisLimiter
 from tensora.gateway.metering import Meter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
+from tensora.keys import apikeys
 from tests.support.gateway_harness import Backends, FakeClock, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import free_port, redis_process
 

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensora import apikeys
 from tensora.gateway.limits import Admission, Caller, Limiter, MemoryLimiter, Quota, RedisLimiter, Refused, decide
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable, table_from_json
+from tensora.keys import apikeys
 from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import redis_server
 

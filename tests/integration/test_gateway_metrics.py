@@ -16,14 +16,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tensora import apikeys
 from tensora.api import operator
 from tensora.gateway.breaker import Policy
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.metering import Meter
 from tensora.gateway.metrics import GatewayCollector, GatewayMetrics
 from tensora.gateway.proxy import Gateway, Options
-from tensora.scrape import Listener
+from tensora.keys import apikeys
+from tensora.telemetry.scrape import Listener
 from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,7 +19,6 @@ import httpx
 import pytest
 import uvicorn
 
-from tensora import apikeys
 from tensora.config.settings import layered
 from tensora.errors import ConfigError
 from tensora.gateway.app import GatewaySettings
@@ -28,6 +27,7 @@ from tensora.gateway.chain import Peer
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.upstream import peer_url_problem
+from tensora.keys import apikeys
 from tests.support.gateway_harness import Backends, chat, make_table, replica, serving
 from tests.support.services import free_port
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tensora import apikeys
 from tensora.gateway.app import GatewaySettings, build
 from tensora.gateway.limits import Caller, FailMode, MemoryLimiter, Quota, RedisLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
+from tensora.keys import apikeys
 from tests.support.doubles import HandClock, Silent
 from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import free_port, redis_process

@@ -16,12 +16,12 @@ import httpx
 import pytest
 from sqlalchemy import update
 
-from tensora import apikeys
 from tensora.api import gatewayroutes
 from tensora.api.auth import create_key
 from tensora.config.quotas import Limits, OwnerSettings
 from tensora.gateway.routedoc import RouteDocument
 from tensora.gateway.routes import table_from_json
+from tensora.keys import apikeys
 from tensora.store import repo
 from tests.support import services
 from tests.support.stack import Stack, stack

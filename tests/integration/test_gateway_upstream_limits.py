@@ -17,11 +17,11 @@ import httpx
 import orjson
 import pytest
 
-from tensora import apikeys
 from tensora.gateway.breaker import Policy
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.upstream import _HIGH, Client
+from tensora.keys import apikeys
 from tests.support.gateway_harness import chat, make_table, replica, serving_own, sse_payloads
 
 pytestmark = pytest.mark.timeout(60)

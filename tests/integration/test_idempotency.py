@@ -16,10 +16,10 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from tensora import apikeys
 from tensora.api.idempotency import IN_FLIGHT_S, KEEP_S, MAX_KEY_LEN, fingerprint
 from tensora.control import workloads
 from tensora.control.spec import parse_spec
+from tensora.keys import apikeys
 from tensora.store import repo
 from tensora.store.rows import WorkloadRecord
 from tests.support.services import LiveServer, serving

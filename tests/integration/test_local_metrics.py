@@ -16,7 +16,7 @@ from tensora.drivers.record import ReplicaRecord
 from tensora.models import runtimes
 from tensora.placement.admission import WorkloadKind
 from tensora.placement.capacity import Node
-from tensora.scrape import Listener
+from tensora.telemetry.scrape import Listener
 
 
 class Cgroup:

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensora import apikeys
 from tensora.api.auth import create_key
 from tensora.gateway.app import GatewaySettings, build
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.metering import Meter
 from tensora.gateway.proxy import Gateway, Options
+from tensora.keys import apikeys
 from tensora.store import repo
 from tensora.store.db import Database
 from tests.support import services

@@ -20,7 +20,8 @@ from sqlalchemy import text
 from tensora.config.quotas import GIB, Limits, OwnerSettings, Quotas, effective, overlay
 from tensora.config.settings import ServeSettings
 from tensora.placement.capacity import Node
-from tensora.serve import admin_runs_the_node, worker_settings_json
+from tensora.serve import admin_runs_the_node
+from tensora.serving.workers import worker_settings_json
 from tests.integration.test_api import Api, assert_error, created
 from tests.integration.test_api import api as api  # the fixture, re-exported under its name
 

@@ -19,10 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tensora import AsyncClient, Client
-from tensora.apikeys import digest
 from tensora.cli import profile
 from tensora.clock import FakeClock
 from tensora.control.spec import WorkloadSpec
+from tensora.keys.apikeys import digest
 from tensora.sdk import (
     APIConnectionError,
     APITimeoutError,

@@ -18,14 +18,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from tensora import apikeys
 from tensora.config.settings import ServeSettings
 from tensora.gateway.app import GatewaySettings
 from tensora.gateway.breaker import Policy
 from tensora.gateway.chain import Peer
 from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
-from tensora.tracing import Tracing, TracingSettings, setup
+from tensora.keys import apikeys
+from tensora.telemetry.tracing import Tracing, TracingSettings, setup
 from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import free_port
 from tests.support.stack import stack

@@ -17,10 +17,10 @@ import httpx
 import pytest
 import uvicorn
 
-from tensora import apikeys
 from tensora.gateway.proxy import Gateway
 from tensora.gateway.routedoc import EndpointDoc, KeyDoc, OwnerDoc, RouteDocument
 from tensora.gateway.routes import RouteTable, table_from_json
+from tensora.keys import apikeys
 from tests.support.services import free_port
 
 FAKEBACKEND = str(Path(__file__).resolve().parent / "fakebackend.py")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tensora import replicakeys
 from tensora.config.settings import ServeSettings
+from tensora.keys import replicakeys
 from tensora.serve import build
 
 A, B = b"a" * replicakeys.SECRET_BYTES, b"b" * replicakeys.SECRET_BYTES

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from tensora.config.settings import ServeSettings
 from tensora.gateway.app import GatewaySettings
-from tensora.scrape import check_listen, parse_listen
+from tensora.telemetry.scrape import check_listen, parse_listen
 
 GOOD = [("loopback", "127.0.0.1:8710", ("127.0.0.1", 8710)), ("all interfaces", "0.0.0.0:8711", ("0.0.0.0", 8711)),
         ("no host: all", ":9100", ("0.0.0.0", 9100)), ("a name", "localhost:1", ("localhost", 1)),

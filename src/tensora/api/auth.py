@@ -14,9 +14,9 @@ from typing import Any
 
 from fastapi import Request
 
-from tensora import apikeys
 from tensora.api.errors import ApiError
 from tensora.api.principal import Principal
+from tensora.keys import apikeys
 from tensora.store import repo
 from tensora.store.db import Database
 

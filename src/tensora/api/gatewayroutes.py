@@ -19,12 +19,12 @@ import orjson
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
-from tensora import replicakeys
 from tensora.api.deps import ERRORS, Admin, Svc
 from tensora.api.schemas import UsageBatch, UsageBatchOut
 from tensora.api.services import Services
 from tensora.config.quotas import effective
 from tensora.gateway.routedoc import EndpointDoc, KeyDoc, OwnerDoc, ReplicaDoc, RouteDocument
+from tensora.keys import replicakeys
 from tensora.placement.fallback import uses_cpu
 from tensora.placement.kinds import ReplicaRole, ReplicaState
 from tensora.storage import SHARED

@@ -12,7 +12,7 @@ from tensora.api.deps import ERRORS, IdemKey, KeyAdmin, Svc, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import check_quota
 from tensora.api.schemas import KeyCreate, KeyList, KeyOut
-from tensora.apikeys import DEFAULT_SCOPES, allows
+from tensora.keys.apikeys import DEFAULT_SCOPES, allows
 from tensora.store import repo
 
 router = APIRouter()

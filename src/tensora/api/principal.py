@@ -14,8 +14,8 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from tensora import apikeys
 from tensora.api.errors import ApiError
+from tensora.keys import apikeys
 
 SCOPE_KEY = "tensora.principal"
 """The ASGI scope key of an in-process caller's principal (``deps.caller`` takes it, with its scopes)."""

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from tensora.apikeys import SCOPES
 from tensora.config.quotas import Limits, Quotas
+from tensora.keys.apikeys import SCOPES
 from tensora.placement.kinds import ReplicaRole, WorkloadKind, WorkloadState
 
 

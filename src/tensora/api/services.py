@@ -44,7 +44,7 @@ class Services:
     isolation_reason: str | None = None
     """Why this host cannot sandbox (``admin-only``)."""
     replica_secret: bytes | None = None
-    """The local driver's replica key secret (``tensora.replicakeys``): the route table carries each replica's
+    """The local driver's replica key secret (``tensora.keys.replicakeys``): the route table carries each replica's
     key for the gateway. None: replicas take no key (other drivers)."""
     owner_defaults: OwnerSettings = field(default_factory=OwnerSettings)
     """Every owner's quotas and limits unless an admin set otherwise (``tensora.placement.quotas``)."""

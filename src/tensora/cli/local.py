@@ -113,6 +113,7 @@ def _serve(config: Path | None, flags: dict[str, Any], profile: str) -> None:
     does ``tensora up`` where one already runs or its port is taken."""
     from tensora import serve
     from tensora.config.settings import load_settings
+    from tensora.serving.ports import Occupied
 
     try:
         settings = load_settings(config, flags)
@@ -121,7 +122,7 @@ def _serve(config: Path | None, flags: dict[str, Any], profile: str) -> None:
         raise _fail(exc) from None
     except StoreUnavailable as exc:
         raise _fail(ValueError(f"the database is unavailable: {exc}"), code=1) from None
-    except serve.Occupied as exc:
+    except Occupied as exc:
         raise _fail(exc, code=1) from None
 
 

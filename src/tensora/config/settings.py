@@ -19,8 +19,8 @@ from tensora.config.wording import in_words
 from tensora.drivers.hardware import NodeOverrides
 from tensora.errors import ConfigError
 from tensora.names import DOMAIN_PATTERN, NAME_PATTERN
-from tensora.scrape import check_listen
-from tensora.tracing import TracingSettings
+from tensora.telemetry.scrape import check_listen
+from tensora.telemetry.tracing import TracingSettings
 from tensora.units import parse_memory
 
 ADMIN_KEY_FILE = "admin-key"

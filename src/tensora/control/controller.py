@@ -54,7 +54,7 @@ from tensora.placement.kinds import WorkloadState
 from tensora.store import repo
 from tensora.store.db import Database
 from tensora.store.rows import NodeRow, ReplicaRow, WorkloadRow
-from tensora.tracing import Tracing
+from tensora.telemetry.tracing import Tracing
 
 log = logging.getLogger("tensora.controller")
 

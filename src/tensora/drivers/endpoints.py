@@ -17,12 +17,12 @@ from pathlib import Path
 
 import httpx
 
-from tensora import replicakeys
 from tensora.drivers import launch
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.launch import Launch, LaunchError, PythonEnv
 from tensora.drivers.launcher import PROBE_TIMEOUT_S, LogFile, Origins, readable_by_others
 from tensora.drivers.record import Records, ReplicaRecord
+from tensora.keys import replicakeys
 from tensora.models import runtimes
 from tensora.placement.catalog import ComputeClass
 

@@ -61,7 +61,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from tensora import replicakeys
 from tensora.drivers import launch, logcap
 from tensora.drivers.base import ReplicaSpec, ReplicaStatus
 from tensora.drivers.endpoints import EndpointLauncher, Installing
@@ -73,6 +72,7 @@ from tensora.drivers.runners import OUT_LOG, ProcessRunner, Runner, SandboxRunne
 from tensora.drivers.vmdisk import ImageRefused
 from tensora.drivers.vms import VmLauncher, overlay_path
 from tensora.errors import ModelFileError
+from tensora.keys import replicakeys
 from tensora.models import runtimes
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog, ComputeClass

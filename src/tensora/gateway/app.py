@@ -35,8 +35,8 @@ from tensora.gateway.routedoc import RouteDocument
 from tensora.gateway.routes import RouteTable, table_from_json
 from tensora.gateway.server import Limits
 from tensora.gateway.upstream import Client, peer_url_problem
-from tensora.scrape import Listener, check_listen
-from tensora.tracing import TracingSettings, setup
+from tensora.telemetry.scrape import Listener, check_listen
+from tensora.telemetry.tracing import TracingSettings, setup
 
 log = logging.getLogger("tensora.gateway")
 

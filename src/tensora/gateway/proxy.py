@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from tensora import apikeys
 from tensora.gateway import idempotency
 from tensora.gateway.body import Invalid, parse
 from tensora.gateway.breaker import Breaker, State
@@ -41,9 +40,10 @@ from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable
 from tensora.gateway.upstream import Client, Reads
 from tensora.gateway.walk import Walk
+from tensora.keys import apikeys
 
 if TYPE_CHECKING:
-    from tensora.tracing import Tracing
+    from tensora.telemetry.tracing import Tracing
 
 log = logging.getLogger("tensora.gateway")
 

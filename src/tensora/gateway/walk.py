@@ -32,7 +32,7 @@ from tensora.gateway.routes import EndpointRoute, RouteTable
 from tensora.gateway.upstream import Reply, Upstream, UpstreamError
 
 if TYPE_CHECKING:
-    from tensora.tracing import Tracing
+    from tensora.telemetry.tracing import Tracing
 
 
 class Walk:

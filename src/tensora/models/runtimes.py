@@ -62,7 +62,7 @@ class Runtime:
     stream_ends_with_done: bool = True
     api_key_env: str | None = None
     """The environment variable the server reads its API key from (``drivers.launch`` sets it to the replica's
-    key, ``tensora.replicakeys``); None: the server takes no key."""
+    key, ``tensora.keys.replicakeys``); None: the server takes no key."""
 
 
 REGISTRY: dict[str, Runtime] = {r.name: r for r in (

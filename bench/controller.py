@@ -38,8 +38,9 @@ from tensora.control import feed, snapshot
 from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
-from tensora.store import repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
+from tensora.store.ids import new_id
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.support
 from tests.support.services import pg_cluster
@@ -53,8 +54,8 @@ def fill(db: Database, queued: int, spec_kib: int) -> None:
     pad = "x" * max(0, spec_kib * 1024 - 200)
     with db.write() as conn:
         for i in range(queued + 1):
-            repo.insert_workload(conn, {
-                "id": repo.new_id("wl_"), "owner": f"owner-{i % 50}", "kind": "notebook", "name": f"nb-{i}",
+            workloads_repo.insert_workload(conn, {
+                "id": new_id("wl_"), "owner": f"owner-{i % 50}", "kind": "notebook", "name": f"nb-{i}",
                 "region": "local", "gpu_class": "l40s-48gb", "requested_class": "l40s-48gb", "placed_class": None,
                 "fallback": [], "fallback_after_s": 0.0, "placement": "policy", "state": "queued",
                 "reason": "queued for l40s-48gb", "fallback_eligible_at": None, "restart_available": False,
@@ -82,7 +83,7 @@ def measure(db_url: str, queued: int, spec_kib: int, cycles: int) -> dict[str, f
         cpu.append(time.process_time() - began_cpu)
         assert report.leader and report.waiting == queued and report.placed == 0, report
     with db.read() as conn:
-        got = repo.workloads_in(conn, "local", snapshot.LIVE)  # the snapshot's read (its rows hold no spec)
+        got = workloads_repo.workloads_in(conn, "local", snapshot.LIVE)  # the snapshot's read (its rows hold no spec)
     spec_bytes = sum(len(str(getattr(w, "spec", None) or "")) for w in got)
     db.dispose()
     return {"median_ms": statistics.median(times) * 1000, "min_ms": min(times) * 1000,

@@ -51,7 +51,8 @@ from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import ReplicaState
 from tensora.placement.quotas import for_node, overlay, running_phrase
 from tensora.storage import Storage
-from tensora.store import repo
+from tensora.store import keys as keys_repo
+from tensora.store import owners as owners_repo
 from tensora.store.db import Database, private_dir
 from tensora.tracing import setup as setup_tracing
 from tensora.units import parse_memory
@@ -154,7 +155,7 @@ def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
         secret = path.read_text().strip()
         if well_formed(secret):
             with db.read() as conn:
-                row = repo.key_by_digest(conn, digest(secret))
+                row = keys_repo.key_by_digest(conn, digest(secret))
             if row is not None and row["revoked_at"] is None:
                 return path
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -490,10 +491,10 @@ def admin_runs_the_node(db: Database, node: Node, now: float) -> bool:
     if node.gpus:  # none: the GPU quota is left as it is (``quotas.for_node``)
         whole["running_gpus"] = sum(node.gpus.values())
     with db.write() as conn:
-        row = repo.owner_for_update(conn, ADMIN_OWNER, now)
+        row = owners_repo.owner_for_update(conn, ADMIN_OWNER, now)
         if any(name in (row["quotas"] or {}) for name in whole):
             return False
-        repo.write_owner(conn, ADMIN_OWNER, {"quotas": overlay(row["quotas"], whole), "updated_at": now})
+        owners_repo.write_owner(conn, ADMIN_OWNER, {"quotas": overlay(row["quotas"], whole), "updated_at": now})
     return True
 
 

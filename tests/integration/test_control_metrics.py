@@ -24,7 +24,7 @@ from tensora.control import workloads
 from tensora.control.metrics import ControllerCollector
 from tensora.control.spec import parse_spec
 from tensora.scrape import Listener
-from tensora.store import repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.rows import WorkloadRecord
 from tests.support.services import free_port, serving
 from tests.support.stack import Stack, stack
@@ -62,7 +62,7 @@ def submit(s: Stack, owner: str, **body: Any) -> str:
 
 def get(s: Stack, wid: str) -> WorkloadRecord:
     with s.services.db.read() as conn:
-        w = repo.get_workload(conn, wid)
+        w = workloads_repo.get_workload(conn, wid)
         assert w is not None
         return w
 

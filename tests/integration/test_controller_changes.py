@@ -28,7 +28,8 @@ from tensora.control.spec import parse_spec
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.admission import Decision, Place, Promote, RestartAvailable, Wait
 from tensora.placement.admission_state import Event
-from tensora.store import repo
+from tensora.store import owners as owners_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tensora.store.rows import WorkloadRecord
 from tests.support.stack import T0, fleet
@@ -111,15 +112,15 @@ def submit(db: Database, clock: FakeClock, owner: str = "alice", **body: Any) ->
 
 def get(db: Database, wid: str) -> WorkloadRecord:
     with db.read() as conn:
-        w = repo.get_workload(conn, wid, include_deleted=True)
+        w = workloads_repo.get_workload(conn, wid, include_deleted=True)
         assert w is not None
         return w
 
 
 def set_quotas(db: Database, owner: str, quotas: dict[str, Any] | None, at: float) -> None:
     with db.write() as conn:  # as PUT /v1/owners/{owner} does
-        repo.owner_for_update(conn, owner, at)
-        repo.write_owner(conn, owner, {"quotas": quotas, "updated_at": at})
+        owners_repo.owner_for_update(conn, owner, at)
+        owners_repo.write_owner(conn, owner, {"quotas": quotas, "updated_at": at})
 
 
 @dataclass
@@ -157,7 +158,7 @@ def _stop(w: World, name: str) -> None:
 
 def _fail_primary(w: World, name: str) -> None:
     with w.db.read() as conn:
-        r = repo.replicas_of(conn, [w.ids[name]])[0]
+        r = workloads_repo.replicas_of(conn, [w.ids[name]])[0]
     w.run.driver.fail(r.id, "OOM killed")
 
 
@@ -360,9 +361,9 @@ def _history(db: Database, history: list[tuple[str, int]]) -> None:
     for n, (what, r) in enumerate(history):
         owner = "abc"[r % 3]
         with db.read() as conn:
-            live = [w for w in repo.workloads_in(conn, "local", ["queued", "starting", "running"])
+            live = [w for w in workloads_repo.workloads_in(conn, "local", ["queued", "starting", "running"])
                     if w.deleted_at is None]
-            held = repo.active_replicas(conn, "local")
+            held = workloads_repo.active_replicas(conn, "local")
         if what in ("create", "endpoint"):
             body: dict[str, Any] = {"kind": "notebook" if what == "create" else "endpoint", "name": f"w{n}",
                                     "gpu_class": classes[r % 3], "fallback": fallbacks[r % 4],

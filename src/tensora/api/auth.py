@@ -17,8 +17,9 @@ from fastapi import Request
 from tensora import apikeys
 from tensora.api.errors import ApiError
 from tensora.api.principal import Principal
-from tensora.store import repo
+from tensora.store import keys as keys_repo
 from tensora.store.db import Database
+from tensora.store.ids import new_id
 
 
 class KeyChecker:
@@ -64,7 +65,7 @@ class KeyChecker:
         if hit and hit[0] > now:
             return hit[1]
         with self.db.read() as conn:
-            row = repo.key_by_digest(conn, d)
+            row = keys_repo.key_by_digest(conn, d)
         if row is None or not apikeys.same_digest(row["digest"], d) or row["revoked_at"] is not None:
             raise ApiError(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
         p = Principal(row["id"], row["owner"], tuple(row["scopes"]))
@@ -85,8 +86,8 @@ def create_key(conn: Any, owner: str, name: str, scopes: list[str], now: float, 
                tpm: int | None = None) -> tuple[str, dict[str, Any]]:
     """A new key: (the secret, shown once; the stored row)."""
     secret = apikeys.generate()
-    row = {"id": repo.new_id("key_"), "digest": apikeys.digest(secret), "hint": apikeys.hint(secret),
+    row = {"id": new_id("key_"), "digest": apikeys.digest(secret), "hint": apikeys.hint(secret),
            "owner": owner, "name": name, "scopes": list(scopes), "created_at": now, "revoked_at": None,
            "rpm": rpm, "tpm": tpm}
-    repo.insert_key(conn, row)
+    keys_repo.insert_key(conn, row)
     return secret, row

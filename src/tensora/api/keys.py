@@ -13,7 +13,8 @@ from tensora.api.errors import ApiError
 from tensora.api.owners import check_quota
 from tensora.api.schemas import KeyCreate, KeyList, KeyOut
 from tensora.apikeys import DEFAULT_SCOPES, allows
-from tensora.store import repo
+from tensora.store import keys as keys_repo
+from tensora.store import sessions as sessions_repo
 
 router = APIRouter()
 
@@ -65,14 +66,14 @@ def create_api_key(svc: Svc, p: KeyAdmin, body: Annotated[KeyCreate | None, Body
 @router.get("/v1/keys", response_model=KeyList, responses=ERRORS, tags=["keys"])
 def list_api_keys(svc: Svc, p: KeyAdmin) -> dict[str, Any]:
     with svc.db.read() as conn:
-        return {"data": [_key_out(r) for r in repo.list_keys(conn, p.owner_filter())]}
+        return {"data": [_key_out(r) for r in keys_repo.list_keys(conn, p.owner_filter())]}
 
 
 @router.delete("/v1/keys/{key_id}", status_code=204, responses=ERRORS, tags=["keys"])
 def revoke_api_key(key_id: str, svc: Svc, p: KeyAdmin) -> Response:
     with svc.db.write() as conn:
-        if not repo.revoke_key(conn, key_id, p.owner_filter(), svc.clock.now()):
+        if not keys_repo.revoke_key(conn, key_id, p.owner_filter(), svc.clock.now()):
             raise ApiError(404, f"no key {key_id!r}")
-        repo.revoke_sessions_of_key(conn, key_id, svc.clock.now())  # its dashboard sessions end with it
+        sessions_repo.revoke_sessions_of_key(conn, key_id, svc.clock.now())  # its dashboard sessions end with it
     svc.keys.forget(key_id)
     return Response(status_code=204)

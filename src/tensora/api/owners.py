@@ -12,7 +12,7 @@ from tensora.api.schemas import OwnerList, OwnerOut, OwnerUpdate
 from tensora.api.services import Services
 from tensora.control import owners
 from tensora.placement import quotas
-from tensora.store import repo
+from tensora.store import owners as owners_repo
 
 router = APIRouter()
 
@@ -45,8 +45,8 @@ def _owner_out(svc: Services, owner: str, row: dict[str, Any] | None, held: dict
                         "effective quotas and limits and what they hold. Admin keys only.")
 def list_owners(svc: Svc, _: Admin) -> dict[str, Any]:
     with svc.db.read() as conn:
-        rows = repo.list_owners(conn)
-        held = repo.holdings(conn, [r["owner"] for r in rows])
+        rows = owners_repo.list_owners(conn)
+        held = owners_repo.holdings(conn, [r["owner"] for r in rows])
     return {"data": [_owner_out(svc, r["owner"], r, held[r["owner"]]) for r in rows]}
 
 
@@ -58,7 +58,7 @@ def get_owner(owner: OwnerName, svc: Svc, p: Reader) -> dict[str, Any]:
     if owner != p.owner and not p.is_admin:
         raise ApiError(404, f"no owner {owner!r}")
     with svc.db.read() as conn:
-        return _owner_out(svc, owner, repo.get_owner(conn, owner), repo.holdings(conn, [owner])[owner])
+        return _owner_out(svc, owner, owners_repo.get_owner(conn, owner), owners_repo.holdings(conn, [owner])[owner])
 
 
 @router.put("/v1/owners/{owner}", response_model=OwnerOut, responses=ERRORS, tags=["owners"],
@@ -72,7 +72,7 @@ def set_owner(owner: OwnerName, svc: Svc, _: Admin, body: Annotated[OwnerUpdate,
         raise ApiError(422, "nothing to set: give trusted, quotas or limits")
     now = svc.clock.now()
     with svc.db.write() as conn:
-        row = repo.owner_for_update(conn, owner, now)
+        row = owners_repo.owner_for_update(conn, owner, now)
         values: dict[str, Any] = {"updated_at": now}
         if body.trusted is not None:
             values["trusted"] = body.trusted
@@ -81,5 +81,5 @@ def set_owner(owner: OwnerName, svc: Svc, _: Admin, body: Annotated[OwnerUpdate,
                 patch = getattr(body, part)
                 values[part] = (None if patch is None else
                                 quotas.overlay(row[part], {f: getattr(patch, f) for f in patch.model_fields_set}))
-        repo.write_owner(conn, owner, values)
-        return _owner_out(svc, owner, {**row, **values}, repo.holdings(conn, [owner])[owner])
+        owners_repo.write_owner(conn, owner, values)
+        return _owner_out(svc, owner, {**row, **values}, owners_repo.holdings(conn, [owner])[owner])

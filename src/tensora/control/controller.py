@@ -50,7 +50,11 @@ from tensora.placement.capacity import GpuReserve, Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import WorkloadState
 from tensora.placement.quotas import OwnerSettings
-from tensora.store import repo
+from tensora.store import leases as leases_repo
+from tensora.store import nodes as nodes_repo
+from tensora.store import owners as owners_repo
+from tensora.store import uids as uids_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tensora.store.rows import NodeRow, ReplicaRow, WorkloadRow
 from tensora.tracing import Tracing
@@ -127,7 +131,7 @@ class Controller:
                  drain_s: float = DRAIN_S, reserves: dict[str, GpuReserve] | None = None,
                  release_every: int = housekeeping.RELEASE_EVERY,
                  retention_s: float = housekeeping.RETENTION_S, prune_every: int = housekeeping.PRUNE_EVERY,
-                 sandbox_uids: tuple[int, int] = (repo.UID_FIRST, repo.UID_LAST),
+                 sandbox_uids: tuple[int, int] = (uids_repo.UID_FIRST, uids_repo.UID_LAST),
                  owner_defaults: OwnerSettings | None = None) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
         self.owner_defaults = owner_defaults or OwnerSettings()  # quotas unless an admin set an owner's own
@@ -174,7 +178,7 @@ class Controller:
         if release:
             try:
                 with self.db.write() as conn:
-                    repo.release_lease(conn, self.lease_name, self.holder)
+                    leases_repo.release_lease(conn, self.lease_name, self.holder)
             except StoreUnavailable:
                 pass
 
@@ -247,11 +251,11 @@ class Controller:
             with self.db.write() as conn:
                 self._fence(conn, now)
                 self._sync_nodes(conn, nodes, now)
-                replicas = repo.active_replicas(conn, self.region)
+                replicas = workloads_repo.active_replicas(conn, self.region)
                 # the workloads that hold replicas (failed or deleted ones too: their replicas still drain),
                 # and those asked to stop; queued workloads have nothing to reconcile and are not read here
                 held = {r.workload_id for r in replicas}
-                workloads = repo.workloads_by_id_or_state(conn, held, self.region, _ASKED_TO_STOP)
+                workloads = workloads_repo.workloads_by_id_or_state(conn, held, self.region, _ASKED_TO_STOP)
                 done = reconcile(StoreLedger(conn), workloads, replicas, observed, now, self.drain_s)
                 for kind, role in done.failures:
                     metrics.replica_failed(self.region, kind, role)
@@ -306,7 +310,7 @@ class Controller:
         missing = need - rows.keys()
         if missing:
             with self.db.read() as conn:
-                rows.update((w.id, w) for w in repo.workloads_by_id(conn, sorted(missing)))
+                rows.update((w.id, w) for w in workloads_repo.workloads_by_id(conn, sorted(missing)))
         return rows
 
     # -- 1. lead ------------------------------------------------------------------------
@@ -314,7 +318,7 @@ class Controller:
     def _lead(self, now: float) -> bool:
         try:
             with self.db.write() as conn:
-                led = repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s)
+                led = leases_repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s)
         except Conflict:  # another controller inserted the lease first
             return False
         if led and now >= self._lease_until:  # it had lapsed: another may have led meanwhile, unseen here
@@ -324,13 +328,13 @@ class Controller:
         return led
 
     def _fence(self, conn: Connection, now: float) -> None:
-        if not repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s):
+        if not leases_repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s):
             raise LostLease(self.lease_name)
         self._lease_until = now + self.lease_ttl_s  # (renewed if the transaction commits; never later than this)
 
     def is_leader(self) -> bool:
         with self.db.read() as conn:
-            return repo.lease_holder(conn, self.lease_name, self.clock.now()) == self.holder
+            return leases_repo.lease_holder(conn, self.lease_name, self.clock.now()) == self.holder
 
     # -- 2. observe ---------------------------------------------------------------------
 
@@ -338,7 +342,7 @@ class Controller:
         rows = [NodeRow(n.name, n.region, n.cpu, n.memory, dict(n.gpus), dict(n.labels), n.schedulable)
                 for n in nodes if n.region == self.region]
         if rows != self._known_nodes:  # updated_at is left out of the comparison: it is 0 in both
-            repo.replace_nodes(conn, self.region, [replace(r, updated_at=now) for r in rows])
+            nodes_repo.replace_nodes(conn, self.region, [replace(r, updated_at=now) for r in rows])
             self._known_nodes = rows
 
     # -- the driver ---------------------------------------------------------------------
@@ -347,15 +351,15 @@ class Controller:
         """What the driver needs to start each replica: read only for those (never a queue's specs)."""
         # the host paths the API resolved the owner's names to (workloads.validate), never a client's value:
         # a row without them (made before names) starts with no model or image
-        specs = repo.workload_specs(conn, {w.id for w, _ in starts})
+        specs = workloads_repo.workload_specs(conn, {w.id for w, _ in starts})
         if starts and self._trusted is None:  # one read a cycle, not one a start: a flag set since applies
-            self._trusted = repo.trusted_owners(conn)
+            self._trusted = owners_repo.trusted_owners(conn)
         trusted = self._trusted or set()
         first, last = self.sandbox_uids  # the owner's sandbox uid, allocated on its first replica
         out = []
         for w, r in starts:
             spec = specs.get(w.id) or {}
-            uid = repo.owner_uid(conn, w.owner, self.clock.now(), first=first, last=last)
+            uid = uids_repo.owner_uid(conn, w.owner, self.clock.now(), first=first, last=last)
             out.append(ReplicaSpec(r.id, w.id, w.kind, r.cls, r.node, spec.get("model_path"), spec.get("image_path"),
                                    w.owner, trusted=w.owner in trusted, uid=uid, gid=uid))
         return out

@@ -6,7 +6,9 @@ from typing import Any, Literal
 
 from tensora.errors import TensoraError
 from tensora.placement.quotas import OwnerSettings, effective
-from tensora.store import repo
+from tensora.store import keys as keys_repo
+from tensora.store import owners as owners_repo
+from tensora.store import workloads as workloads_repo
 
 
 class QuotaExceeded(TensoraError):
@@ -15,15 +17,15 @@ class QuotaExceeded(TensoraError):
 
 def settings(conn: Any, defaults: OwnerSettings, owner: str) -> OwnerSettings:
     """The owner's effective quotas and limits: its stored overrides over the server's defaults."""
-    row = repo.get_owner(conn, owner)
+    row = owners_repo.get_owner(conn, owner)
     return effective(defaults, row and row["quotas"], row and row["limits"])
 
 
 def check_quota(conn: Any, defaults: OwnerSettings, owner: str, what: Literal["keys", "workloads"]) -> None:
     """QuotaExceeded when ``owner`` already holds its quota of ``what``. Counted in the transaction that inserts,
     under the owner's quota lock: two creates cannot both take the last slot."""
-    repo.lock_owner_quota(conn, owner)
+    owners_repo.lock_owner_quota(conn, owner)
     quota = getattr(settings(conn, defaults, owner).quotas, what)
-    held = repo.count_keys(conn, owner) if what == "keys" else repo.count_workloads(conn, owner)
+    held = keys_repo.count_keys(conn, owner) if what == "keys" else workloads_repo.count_workloads(conn, owner)
     if held >= quota:
         raise QuotaExceeded(f"owner quota: {held} of {quota} {what} in use")

@@ -20,8 +20,11 @@ from tensora.placement.catalog import Catalog
 from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
 from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadKind, WorkloadState
 from tensora.storage import NOT_FOUND, NotFound, Storage
-from tensora.store import repo
+from tensora.store import events as events_repo
+from tensora.store import workloads as workloads_repo
+from tensora.store.ids import new_id
 from tensora.store.rows import ReplicaRow, WorkloadRecord
+from tensora.store.tables import ACTIVE_REPLICA
 from tensora.units import format_clock
 
 
@@ -155,7 +158,7 @@ def create(conn: Any, checked: Checked, now: float) -> WorkloadRecord:
     """Insert a queued workload of ``checked.owner`` and its first event; returns the row."""
     spec, owner = checked.spec, checked.owner
     row = WorkloadRecord(
-        id=repo.new_id("wl_"), owner=owner, kind=spec.kind, region=spec.region, gpu_class=spec.gpu_class,
+        id=new_id("wl_"), owner=owner, kind=spec.kind, region=spec.region, gpu_class=spec.gpu_class,
         requested_class=spec.gpu_class, placed_class=None, fallback=tuple(spec.fallback),
         fallback_after_s=spec.fallback_after_s, placement="policy", state=WorkloadState.QUEUED,
         reason=f"queued for {spec.gpu_class}", fallback_eligible_at=None, restart_available=False,
@@ -167,9 +170,9 @@ def create(conn: Any, checked: Checked, now: float) -> WorkloadRecord:
               "allow_cross_region": spec.allow_cross_region, "model_path": checked.model_path,
               "image_path": checked.image_path, "context": checked.context},
     )
-    repo.insert_workload(conn, {**row._asdict(), "fallback": list(row.fallback)})
+    workloads_repo.insert_workload(conn, {**row._asdict(), "fallback": list(row.fallback)})
     policy = f"; fallback to {', '.join(spec.fallback)} after {spec.fallback_after_s:g}s" if spec.fallback else ""
-    repo.add_event(conn, row.id, now, "transition", f"created: queued for {spec.gpu_class}{policy}",
+    events_repo.add_event(conn, row.id, now, "transition", f"created: queued for {spec.gpu_class}{policy}",
                    None, WorkloadState.QUEUED)
     return row
 
@@ -180,16 +183,16 @@ def stop(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWN
     ``stopping`` too: the state says how far it got) until a restart queues it again."""
     if w.state in (WorkloadState.STOPPED, WorkloadState.FAILED, WorkloadState.STOPPING):
         return w
-    active = repo.replicas_of(conn, [w.id])
+    active = workloads_repo.replicas_of(conn, [w.id])
     target = WorkloadState.STOPPING if active else WorkloadState.STOPPED
     reason = f"{'deleted' if deleting else 'stopped'} by {by}"
     values: dict[str, Any] = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
-    if not repo.update_workload(conn, w.id, values, expect_state=w.state):
+    if not workloads_repo.update_workload(conn, w.id, values, expect_state=w.state):
         raise InvalidState("the workload changed meanwhile; try again")
     for r in active:
-        repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
+        workloads_repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
     asked = "deleted" if deleting else "stop requested"
-    repo.add_event(conn, w.id, now, "transition", f"{target}: {asked} by {by}", w.state, target)
+    events_repo.add_event(conn, w.id, now, "transition", f"{target}: {asked} by {by}", w.state, target)
     return w._replace(**values)
 
 
@@ -198,23 +201,24 @@ def restart(conn: Any, w: WorkloadRecord, now: float, placement: str) -> Workloa
     this time (the ADR's "restart on GPU"); ``"policy"``: the class, then the fallback list."""
     if w.state == WorkloadState.STOPPING:
         raise InvalidState("the workload is stopping; restart it once it has stopped")
-    for r in repo.replicas_of(conn, [w.id]):
-        repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
+    for r in workloads_repo.replicas_of(conn, [w.id]):
+        workloads_repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
     values: dict[str, Any] = {
         "state": WorkloadState.QUEUED, "placement": placement, "placed_class": None, "queued_since": now,
         "updated_at": now, "restart_available": False, "restart_reason": "", "reason": f"queued for {w.gpu_class}",
         "fallback_eligible_at": None,
         "failures": 0, "last_failure": "", "retry_at": None}  # an owner's restart ends a crash loop
-    if not repo.update_workload(conn, w.id, values, expect_state=w.state):
+    if not workloads_repo.update_workload(conn, w.id, values, expect_state=w.state):
         raise InvalidState("the workload changed meanwhile; try again")
     on = f"on {w.gpu_class} only" if placement == "requested" else "with its placement policy"
-    repo.add_event(conn, w.id, now, "transition", f"queued: restart requested {on}", w.state, WorkloadState.QUEUED)
+    events_repo.add_event(conn, w.id, now, "transition", f"queued: restart requested {on}", w.state,
+                          WorkloadState.QUEUED)
     return w._replace(**values)
 
 
 def delete(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER) -> None:
     w = stop(conn, w, now, by, deleting=True)
-    repo.update_workload(conn, w.id, {"deleted_at": now, "updated_at": now})
+    workloads_repo.update_workload(conn, w.id, {"deleted_at": now, "updated_at": now})
 
 
 def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> list[dict[str, Any]]:
@@ -232,7 +236,7 @@ def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catal
             message += f": {ON_CPU[w.kind]}"
         out.append({"type": "degraded", "reason": "cpu_fallback" if on_cpu else "class_fallback",
                     "message": message})
-    movers = [r for r in replicas if r.role == ReplicaRole.CANDIDATE and r.state in repo.ACTIVE_REPLICA]
+    movers = [r for r in replicas if r.role == ReplicaRole.CANDIDATE and r.state in ACTIVE_REPLICA]
     if movers:
         out.append({"type": "moving", "reason": "move_back",
                     "message": f"starting a replica on {movers[0].cls}; traffic shifts when it is ready"})
@@ -259,7 +263,7 @@ def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) ->
     warning = cpu_warning(w.kind, w.gpu_class, w.fallback, catalog)
     if warning:
         out["warning"] = warning
-    active = [r for r in replicas if r.state in repo.ACTIVE_REPLICA]
+    active = [r for r in replicas if r.state in ACTIVE_REPLICA]
     if w.kind == WorkloadKind.ENDPOINT:
         out.update(model=w.model, model_params=w.model_params, replicas=[
             {"id": r.id, "class": r.cls, "node": r.node, "state": r.state, "url": r.url, "role": r.role}

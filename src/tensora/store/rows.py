@@ -25,7 +25,7 @@ a few events (placed, running, failed), each repeating the attempt before's."""
 
 class WorkloadRow(NamedTuple):
     """A workload as a cycle reads it: every column but ``name``, ``model``, ``restart_reason`` and
-    ``spec`` (up to 16 KiB; read only for the workloads that start, ``repo.workload_specs``)."""
+    ``spec`` (up to 16 KiB; read only for the workloads that start, ``store.workloads.workload_specs``)."""
 
     id: str
     owner: str

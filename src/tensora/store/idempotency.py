@@ -1,0 +1,56 @@
+"""Idempotency records: a request's claim on its key, then the response kept for its retries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, and_, bindparam, delete, insert, select, update
+
+from tensora.store.tables import I
+
+_PK_I = and_(I.c.key_id == bindparam("k_key_id"), I.c.method == bindparam("k_method"),
+             I.c.path == bindparam("k_path"), I.c.key == bindparam("k_key"))
+
+_INSERT_I = insert(I)
+
+
+_COMPLETE_I = update(I).where(_PK_I).values(state="done", status=bindparam("b_status"), body=bindparam("b_body"),
+                                            expires_at=bindparam("b_expires_at"))
+
+
+_GET_I = select(I).where(_PK_I)
+
+
+_DROP_I = delete(I).where(_PK_I)
+
+
+def _pk(pk: dict[str, Any]) -> dict[str, Any]:
+    return {"k_" + k: v for k, v in pk.items()}
+
+
+def claim_idempotency(conn: Connection, row: dict[str, Any]) -> None:
+    """Atomic insert of an in-flight claim; raises Conflict (from translate) if the key exists."""
+    conn.execute(_INSERT_I, row)
+
+
+def take_over_expired(conn: Connection, pk: dict[str, Any], row: dict[str, Any], now: float) -> bool:
+    """Claim a key whose record has expired (a crashed request, or a response older than 24 h)."""
+    q = update(I).where(*(I.c[k] == v for k, v in pk.items()), I.c.expires_at <= now)
+    return conn.execute(q.values(**row)).rowcount == 1
+
+
+def get_idempotency(conn: Connection, pk: dict[str, Any]) -> dict[str, Any] | None:
+    row = conn.execute(_GET_I, _pk(pk)).mappings().first()
+    return dict(row) if row else None
+
+
+def complete_idempotency(conn: Connection, pk: dict[str, Any], status: int, body: str, expires_at: float) -> None:
+    conn.execute(_COMPLETE_I, {**_pk(pk), "b_status": status, "b_body": body, "b_expires_at": expires_at})
+
+
+def drop_idempotency(conn: Connection, pk: dict[str, Any]) -> None:
+    conn.execute(_DROP_I, _pk(pk))
+
+
+def expire_idempotency(conn: Connection, now: float) -> int:
+    return int(conn.execute(delete(I).where(I.c.expires_at <= now)).rowcount)

@@ -12,7 +12,7 @@ An idle region (``--idle``): the controller's CPU time per cycle with 10,000, 30
 notebooks and nothing changing, two ways in the same run: *before*, every cycle from a full snapshot (the
 kept admission state dropped before each: all live workloads read, all decided); *after*, the kept state told
 what changed since the watermark (nothing). Also shown: the full-snapshot path's read and ``decide`` alone
-(``feed.from_scratch``), the least a full-snapshot cycle costs.
+(``tracker.from_scratch``), the least a full-snapshot cycle costs.
 
 Run:  python bench/controller.py              (SQLite, 500 queued, 16 KiB specs, 20 cycles)
       python bench/controller.py --quick      (a smoke run, the idle figure at 2,000 queued too)
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tensora.clock import FakeClock
 from tensora.config.catalog import default_catalog
-from tensora.control import feed, snapshot
+from tensora.control import snapshot, tracker
 from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
@@ -122,7 +122,7 @@ def idle(db_url: str, queued: int, cycles: int) -> dict[str, float]:
     for _ in range(cycles):
         began = time.process_time()
         with db.read() as conn:
-            _, decisions = feed.from_scratch(conn, nodes, c.catalog, c.region, c.policy, c.owner_defaults.quotas,
+            _, decisions = tracker.from_scratch(conn, nodes, c.catalog, c.region, c.policy, c.owner_defaults.quotas,
                                              clock.now())
         spent.append(time.process_time() - began)
         assert len(decisions) == queued

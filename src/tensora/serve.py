@@ -156,7 +156,7 @@ def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
         if well_formed(secret):
             with db.read() as conn:
                 row = keys_repo.key_by_digest(conn, digest(secret))
-            if row is not None and row["revoked_at"] is None:
+            if row is not None and row.revoked_at is None:
                 return path
     data_dir.mkdir(parents=True, exist_ok=True)
     with db.write() as conn:
@@ -492,9 +492,9 @@ def admin_runs_the_node(db: Database, node: Node, now: float) -> bool:
         whole["running_gpus"] = sum(node.gpus.values())
     with db.write() as conn:
         row = owners_repo.owner_for_update(conn, ADMIN_OWNER, now)
-        if any(name in (row["quotas"] or {}) for name in whole):
+        if any(name in (row.quotas or {}) for name in whole):
             return False
-        owners_repo.write_owner(conn, ADMIN_OWNER, {"quotas": overlay(row["quotas"], whole), "updated_at": now})
+        owners_repo.write_owner(conn, ADMIN_OWNER, {"quotas": overlay(row.quotas, whole), "updated_at": now})
     return True
 
 

@@ -21,7 +21,7 @@ from tensora.store import leases as leases_repo
 from tensora.store import usage as usage_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
-from tensora.store.rows import WORKLOAD_COLUMNS, ReplicaRow, WorkloadRecord
+from tensora.store.rows import WORKLOAD_COLUMNS, ReplicaRow, SegmentRow, WorkloadRecord
 from tensora.store.tables import O
 from tests.support.doubles import Crash, CrashingDriver, FlakyRelease
 from tests.support.stack import GI, T0, fleet
@@ -64,9 +64,9 @@ def view(db: Database, wid: str) -> dict[str, Any]:
     return workloads.view(get(db, wid), replicas(db, wid), CATALOG)
 
 
-def segments(db: Database) -> list[dict[str, Any]]:
+def segments(db: Database) -> list[SegmentRow]:
     with db.read() as conn:
-        return sorted(usage_repo.segments(conn, None, 0, 1e12), key=lambda s: (s["started_at"], s["id"]))
+        return sorted(usage_repo.segments(conn, None, 0, 1e12), key=lambda s: (s.started_at, s.id))
 
 
 def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) -> None:
@@ -137,8 +137,8 @@ def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) ->
         "drained: stopping the cpu-16c-64g replica at cpu-1",
     ]
     # usage by placed_class: the move split the endpoint's time in two segments
-    mine = [(s["placed_class"], s["started_at"] - T0, None if s["ended_at"] is None else s["ended_at"] - T0)
-            for s in segments(db) if s["workload_id"] == ep]
+    mine = [(s.placed_class, s.started_at - T0, None if s.ended_at is None else s.ended_at - T0)
+            for s in segments(db) if s.workload_id == ep]
     assert mine == [("cpu-16c-64g", 600.0, 665.0), ("l40s-48gb", 630.0, None)]
     assert get(db, a100_user).state == "running"
 
@@ -190,7 +190,7 @@ def test_notebook_on_cpu_is_offered_restart_on_gpu_and_never_moves_by_itself(db:
     w = get(db, nb)
     assert (w.state, w.placed_class, w.restart_available) == ("running", "l40s-48gb", False)
     assert [r.cls for r in replicas(db, nb)] == ["l40s-48gb"]
-    assert [s["placed_class"] for s in segments(db) if s["workload_id"] == nb] == ["cpu-16c-64g", "l40s-48gb"]
+    assert [s.placed_class for s in segments(db) if s.workload_id == nb] == ["cpu-16c-64g", "l40s-48gb"]
 
 
 @dataclass
@@ -306,8 +306,8 @@ def test_stop_and_delete_release_capacity_and_close_usage(db: Database) -> None:
     c.run_once()  # sees it stopped: a is stopped, the A100 is free, b is placed
     assert get(db, a).state == "stopped" and get(db, a).deleted_at is not None
     assert (get(db, b).state, get(db, b).placed_class) == ("starting", "a100-80gb")
-    seg = [s for s in segments(db) if s["workload_id"] == a]
-    assert [(s["started_at"] - T0, s["ended_at"] - T0) for s in seg] == [(0.0, 120.0)]
+    seg = [s for s in segments(db) if s.workload_id == a]
+    assert [(s.started_at - T0, s.ended_at - T0) for s in seg] == [(0.0, 120.0)]
     assert all(s.state.value == "stopped" for s in driver.observe() if s.workload_id == a)
 
 

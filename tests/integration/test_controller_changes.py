@@ -23,8 +23,8 @@ from tensora.clock import FakeClock
 from tensora.config.catalog import default_catalog
 from tensora.control import workloads
 from tensora.control.controller import Controller
-from tensora.control.feed import Cycle, Feed, from_scratch
 from tensora.control.spec import parse_spec
+from tensora.control.tracker import AdmissionTracker, Cycle, from_scratch
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.admission import Decision, Place, Promote, RestartAvailable, Wait
 from tensora.placement.admission_state import Event
@@ -63,8 +63,8 @@ def checked(db: Database, clock: FakeClock, driver: SimulatedDriver | None = Non
     sim = driver or SimulatedDriver(fleet(), clock)
     c = Controller(db, sim, CATALOG, clock=clock, holder=holder, lease_ttl_s=lease_ttl_s)
     out = Checked(c, sim)
-    feed: Feed = c.feed
-    real_step, real_read = feed.step, feed.read
+    tracker: AdmissionTracker = c.tracker
+    real_step, real_read = tracker.step, tracker.read
 
     def read(conn: Any, nodes: Any) -> Any:
         fed = real_read(conn, nodes)
@@ -82,13 +82,13 @@ def checked(db: Database, clock: FakeClock, driver: SimulatedDriver | None = Non
             _, want = from_scratch(conn, sim.nodes(), CATALOG, c.region, c.policy, c.owner_defaults.quotas, now)
         got = real_step(events, now)
         assert _moves(got.decisions) == _moves(want)
-        assert feed.admission is not None
-        standing = {_key(d): _settled(d) for d in feed.admission.decisions()}
+        assert tracker.admission is not None
+        standing = {_key(d): _settled(d) for d in tracker.admission.decisions()}
         assert standing == {_key(d): _settled(d) for d in want if isinstance(d, Wait | RestartAvailable)}
         assert got.waiting == sum(1 for d in want if isinstance(d, Wait))
         return got
 
-    feed.read, feed.step = read, step  # type: ignore[method-assign]
+    tracker.read, tracker.step = read, step  # type: ignore[method-assign]
     return out
 
 
@@ -260,7 +260,7 @@ def test_a_lost_lease_drops_the_state_and_leading_again_rebuilds_it(db: Database
     w.clock.advance(16)  # a's lease expires; b takes it
     assert other.c.run_once().leader
     assert not w.run.c.run_once().leader
-    assert w.run.c.feed.admission is None
+    assert w.run.c.tracker.admission is None
     mine = submit(db, w.clock, kind="notebook", name="meanwhile", gpu_class="cpu-2c-8g")
     other.c.stop(release=True)
     w.run.cycle()
@@ -288,7 +288,7 @@ def test_a_failed_cycle_drops_the_state(db: Database, monkeypatch: pytest.Monkey
     submit(db, w.clock, kind="notebook", name="x", gpu_class="cpu-2c-8g")  # a start: _specs is asked
     with pytest.raises(RuntimeError):
         w.run.c.run_once()
-    assert w.run.c.feed.admission is None
+    assert w.run.c.tracker.admission is None
     monkeypatch.undo()
     w.run.cycle()
     assert w.run.rebuilds == 2

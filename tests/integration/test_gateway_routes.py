@@ -125,7 +125,7 @@ def _key(r: Routes) -> None:
 
 def _revoke(r: Routes) -> None:
     (k,) = [k for k in r.write(lambda c: keys_repo.list_keys(c, "carol"))]
-    assert r.write(lambda c: keys_repo.revoke_key(c, k["id"], None, r.st.clock.now()))
+    assert r.write(lambda c: keys_repo.revoke_key(c, k.id, None, r.st.clock.now()))
 
 
 def _limits(rpm: int) -> Callable[[Routes], None]:

@@ -23,6 +23,7 @@ from tensora.control.spec import parse_spec
 from tensora.store import idempotency as idempotency_repo
 from tensora.store import keys as keys_repo
 from tensora.store import workloads as workloads_repo
+from tensora.store.idempotency import IdempotencyRow
 from tensora.store.rows import WorkloadRecord
 from tests.support.services import LiveServer, serving
 from tests.support.stack import Stack, stack
@@ -66,7 +67,7 @@ def key_id(secret: str, live: Live) -> str:
     with live.stack.services.db.read() as conn:
         row = keys_repo.key_by_digest(conn, apikeys.digest(secret))
     assert row is not None
-    return str(row["id"])
+    return str(row.id)
 
 
 def idem(key: str) -> dict[str, str]:
@@ -361,7 +362,7 @@ def test_a_stored_response_is_kept_24h_then_forgotten(manual: Live) -> None:
     s = manual.stack
     pk = {"key_id": key_id(s.alice, manual), "method": "POST", "path": "/v1/workloads", "key": "k-day"}
 
-    def record() -> dict[str, Any] | None:
+    def record() -> IdempotencyRow | None:
         with s.services.db.read() as conn:
             return idempotency_repo.get_idempotency(conn, pk)
 

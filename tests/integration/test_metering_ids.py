@@ -48,7 +48,7 @@ class Plane:
 
     def metered(self, owner: str) -> int:
         with self.st.services.db.read() as conn:
-            return sum(r["requests"] for r in usage_repo.token_usage(conn, owner, 0, None))
+            return sum(r.requests for r in usage_repo.token_usage(conn, owner, 0, None))
 
     def records(self, owner: str) -> list[dict[str, Any]]:
         with self.st.services.db.read() as conn:

@@ -277,7 +277,7 @@ def test_a_real_in_flight_idempotency_conflict_is_retried_then_raised(sqlite_api
     with api.stack.services.db.read() as conn:
         alice_key = keys_repo.key_by_digest(conn, digest(api.stack.alice))
     assert alice_key is not None
-    claim = Claim({"key_id": alice_key["id"], "method": "POST", "path": "/v1/workloads", "key": "mine-1"},
+    claim = Claim({"key_id": alice_key.id, "method": "POST", "path": "/v1/workloads", "key": "mine-1"},
                   fingerprint("POST", "/v1/workloads", dumped))
     assert api.stack.services.idempotency._claim(claim) is None  # in flight now, for 60 s
     with flaky(api.url) as proxy, client(proxy.url, api.stack.alice, sleeps) as c:

@@ -21,7 +21,9 @@ from tensora.store import leases as leases_repo
 from tensora.store import owners as owners_repo
 from tensora.store.db import Database, normalize_url
 from tensora.store.ids import Ids
+from tensora.store.keys import KeyRow
 from tensora.store.models import Base
+from tensora.store.rows import OwnerRow
 from tensora.store.tables import UR
 
 
@@ -122,8 +124,8 @@ def test_idempotency_claim_is_an_atomic_insert(db: Database) -> None:
 
 def test_a_failed_transaction_leaves_no_row(db: Database) -> None:
     with pytest.raises(RuntimeError), db.write() as conn:
-        keys_repo.insert_key(conn, {"id": "key_x", "digest": "d" * 64, "hint": "h", "owner": "o", "name": "n",
-                               "scopes": [], "created_at": 0.0, "revoked_at": None})
+        keys_repo.insert_key(conn, KeyRow(id="key_x", digest="d" * 64, hint="h", owner="o", name="n", scopes=[],
+                                          created_at=0.0, revoked_at=None))
         raise RuntimeError("crash before commit")
     with db.read() as conn:
         assert keys_repo.list_keys(conn, None) == []
@@ -157,8 +159,8 @@ def test_two_first_sets_of_an_owner_at_once_both_succeed(db: Database) -> None:
     other.join(timeout=10)
     assert "error" not in second, second.get("error")
     with db.read() as conn:
-        assert owners_repo.list_owners(conn) == [{"owner": "dave", "trusted": False, "updated_at": 2.0, "quotas": None,
-                                           "limits": None}]
+        assert owners_repo.list_owners(conn) == [OwnerRow(owner="dave", trusted=False, updated_at=2.0, quotas=None,
+                                                          limits=None)]
 
 
 def test_migration_0006_keeps_no_owner_trusted_that_an_admin_did_not_mark_trusted(db_url: str) -> None:
@@ -185,8 +187,8 @@ def test_migration_0006_keeps_no_owner_trusted_that_an_admin_did_not_mark_truste
         to("head")
         with database.read() as conn:
             assert owners_repo.list_owners(conn) == [
-                {"owner": "dave", "trusted": False, "updated_at": 2.0, "quotas": None, "limits": None},
-                {"owner": "mallory", "trusted": False, "updated_at": 1.0, "quotas": None, "limits": None}]
+                OwnerRow(owner="dave", trusted=False, updated_at=2.0, quotas=None, limits=None),
+                OwnerRow(owner="mallory", trusted=False, updated_at=1.0, quotas=None, limits=None)]
             assert owners_repo.trusted_owners(conn) == set()  # nobody: "erin", with no row, neither
         with database.write() as conn:
             owners_repo.set_owner(conn, "dave", True, 3.0)  # an admin means it now

@@ -127,7 +127,7 @@ def routes_table(conn: Any, svc: Services) -> RouteDocument:
             "stream_idle_s": kind_spec.get("stream_idle_s"), "context": spec.get("context"),
             "replicas": [_replica(svc, r, url, is_cpu(r.cls), r.served_model or upstream)
                          for r, url in sorted(by_w.get(w.id, []), key=_slot)]}))
-    keys = [KeyDoc(id=k["id"], digest=k["digest"], owner=k["owner"], scopes=k["scopes"], rpm=k["rpm"], tpm=k["tpm"])
+    keys = [KeyDoc(id=k.id, digest=k.digest, owner=k.owner, scopes=k.scopes, rpm=k.rpm, tpm=k.tpm)
             for k in keys_repo.gateway_keys(conn)]
     overrides = owners_repo.owner_limits(conn)
     owners: list[OwnerDoc] = []

@@ -108,17 +108,18 @@ class Idempotency:
             existing = idempotency_repo.get_idempotency(conn, claim.pk)
         if existing is None:  # released between our insert and read: try once more
             return self._claim(claim)
-        if existing["fingerprint"] != claim.fingerprint:
+        if existing.fingerprint != claim.fingerprint:
             metrics.idempotency("mismatch")
             raise ApiError(422, "this Idempotency-Key was used with a different request body",
                            field="Idempotency-Key")
-        if existing["state"] != "done":
+        if existing.state != "done":
             # The first request usually ends within milliseconds: ask for a short wait.
             metrics.idempotency("conflict")
             raise ApiError(409, "a request with this Idempotency-Key is still in progress", retry_after=1,
                            headers={"x-should-retry": "true", "retry-after-ms": "100"})
         metrics.idempotency("replayed")
-        return Response(existing["body"], status_code=existing["status"], media_type="application/json",
+        assert existing.status is not None  # a done record holds its response
+        return Response(existing.body, status_code=existing.status, media_type="application/json",
                         headers={"Idempotent-Replayed": "true"})
 
     def _release(self, claim: Claim) -> None:

@@ -15,14 +15,15 @@ from tensora.api.schemas import KeyCreate, KeyList, KeyOut
 from tensora.apikeys import DEFAULT_SCOPES, allows
 from tensora.store import keys as keys_repo
 from tensora.store import sessions as sessions_repo
+from tensora.store.keys import KeyRow
 
 router = APIRouter()
 
 
-def _key_out(row: dict[str, Any], secret: str | None = None) -> dict[str, Any]:
-    return {"id": row["id"], "name": row["name"], "owner": row["owner"], "scopes": row["scopes"],
-            "hint": row["hint"], "created_at": iso(row["created_at"]), "key": secret,
-            "requests_per_minute": row.get("rpm"), "tokens_per_minute": row.get("tpm"), "secret_withheld": False}
+def _key_out(row: KeyRow, secret: str | None = None) -> dict[str, Any]:
+    return {"id": row.id, "name": row.name, "owner": row.owner, "scopes": row.scopes,
+            "hint": row.hint, "created_at": iso(row.created_at), "key": secret,
+            "requests_per_minute": row.rpm, "tokens_per_minute": row.tpm, "secret_withheld": False}
 
 
 def _withheld(payload: dict[str, Any]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body
@@ -13,6 +14,8 @@ from tensora.api.services import Services
 from tensora.control import owners
 from tensora.placement import quotas
 from tensora.store import owners as owners_repo
+from tensora.store.owners import Holdings
+from tensora.store.rows import OwnerRow
 
 router = APIRouter()
 
@@ -31,13 +34,13 @@ def check_quota(conn: Any, svc: Services, owner: str, what: Literal["keys", "wor
         raise ApiError(403, str(exc), type_=QUOTA_EXCEEDED) from None
 
 
-def _owner_out(svc: Services, owner: str, row: dict[str, Any] | None, held: dict[str, int]) -> dict[str, Any]:
+def _owner_out(svc: Services, owner: str, row: OwnerRow | None, held: Holdings) -> dict[str, Any]:
     """An owner never set is untrusted, has the defaults and no ``updated_at``."""
-    row = row or {"trusted": False, "updated_at": None, "quotas": None, "limits": None}
-    eff = quotas.effective(svc.owner_defaults, row["quotas"], row["limits"])
-    return {"owner": owner, "trusted": bool(row["trusted"]), "updated_at": iso(row["updated_at"]),
+    q, lim = (row.quotas, row.limits) if row else (None, None)
+    eff = quotas.effective(svc.owner_defaults, q, lim)
+    return {"owner": owner, "trusted": bool(row and row.trusted), "updated_at": iso(row.updated_at if row else None),
             "quotas": eff.quotas.model_dump(), "limits": eff.limits.model_dump(),
-            "overridden": quotas.overridden(row["quotas"], row["limits"]), "in_use": held}
+            "overridden": quotas.overridden(q, lim), "in_use": asdict(held)}
 
 
 @router.get("/v1/owners", response_model=OwnerList, responses=ERRORS, tags=["owners"],
@@ -46,8 +49,8 @@ def _owner_out(svc: Services, owner: str, row: dict[str, Any] | None, held: dict
 def list_owners(svc: Svc, _: Admin) -> dict[str, Any]:
     with svc.db.read() as conn:
         rows = owners_repo.list_owners(conn)
-        held = owners_repo.holdings(conn, [r["owner"] for r in rows])
-    return {"data": [_owner_out(svc, r["owner"], r, held[r["owner"]]) for r in rows]}
+        held = owners_repo.holdings(conn, [r.owner for r in rows])
+    return {"data": [_owner_out(svc, r.owner, r, held[r.owner]) for r in rows]}
 
 
 @router.get("/v1/owners/{owner}", response_model=OwnerOut, responses=ERRORS, tags=["owners"],
@@ -80,6 +83,7 @@ def set_owner(owner: OwnerName, svc: Svc, _: Admin, body: Annotated[OwnerUpdate,
             if part in body.model_fields_set:
                 patch = getattr(body, part)
                 values[part] = (None if patch is None else
-                                quotas.overlay(row[part], {f: getattr(patch, f) for f in patch.model_fields_set}))
+                                quotas.overlay(getattr(row, part),
+                                               {f: getattr(patch, f) for f in patch.model_fields_set}))
         owners_repo.write_owner(conn, owner, values)
-        return _owner_out(svc, owner, {**row, **values}, owners_repo.holdings(conn, [owner])[owner])
+        return _owner_out(svc, owner, replace(row, **values), owners_repo.holdings(conn, [owner])[owner])

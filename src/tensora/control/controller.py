@@ -2,7 +2,7 @@
 
 The controller holds no decisions of its own (admission makes them) and no state of its own
 (the store has it) but a cache: the admission state, kept between cycles and told the store's
-changes since a watermark (``feed``), dropped on any failure or lost lease and rebuilt from a
+changes since a watermark (``tracker``), dropped on any failure or lost lease and rebuilt from a
 full snapshot. One controller per region leads, by a lease in the store; every write
 transaction of a cycle renews that lease first, so a controller that lost it cannot write
 (a fence), and a workload moves ``queued -> starting`` only by a conditional update, so no
@@ -13,7 +13,7 @@ crash between the two loses nothing: the next cycle (of this or the next leader)
 replica recorded ``starting`` that the driver does not know and starts it, or one recorded
 ``stopping`` that still runs and stops it. Driver calls are idempotent by replica id.
 
-The steps are units of ``tensora.control``: ``snapshot`` and ``feed`` (admission's inputs), ``reconcile``
+The steps are units of ``tensora.control``: ``snapshot`` and ``tracker`` (admission's inputs), ``reconcile``
 (observed against recorded), ``apply`` (admission's decisions recorded), ``housekeeping`` and
 ``events`` (sentences rendered from values); this module is the loop that runs them in order,
 leads, fences and calls the driver. ``tensora plan`` runs the same reconcile and apply.
@@ -39,9 +39,9 @@ from sqlalchemy import Connection
 from tensora.clock import Clock, SystemClock
 from tensora.control import housekeeping, metrics
 from tensora.control.apply import apply
-from tensora.control.feed import Fed, Feed
 from tensora.control.reconcile import DRAIN_S, reconcile
 from tensora.control.store_ledger import StoreLedger
+from tensora.control.tracker import AdmissionTracker, CycleRead
 from tensora.drivers.base import Driver, ReplicaSpec
 from tensora.errors import Conflict, StoreUnavailable
 from tensora.names import controller_lease
@@ -108,7 +108,7 @@ class CycleReport:
     """False: admission re-decided nothing this cycle; the waits and offers of the last one stand."""
     backing_off: int = 0
     """Queued replicas waiting out a crash-loop back-off (admission does not see them until then), as the
-    admission state was told them (``Feed.backoff``), not a count read from the store."""
+    admission state was told them (``AdmissionTracker.backoff``), not a count read from the store."""
     pruned: int = 0
     """Ended replicas the driver forgot this cycle (past the retention)."""
 
@@ -154,7 +154,7 @@ class Controller:
         self._released: list[str] = []  # given back by the driver, recorded in the next cycle's write
         self.retention_s, self.prune_every = retention_s, prune_every  # deleted workloads' events, ended replicas
         self._trusted: set[str] | None = None  # owners an admin marked trusted, read once a cycle when needed
-        self.feed = Feed(catalog, region, self.policy, self.owner_defaults.quotas, reserves)
+        self.tracker = AdmissionTracker(catalog, region, self.policy, self.owner_defaults.quotas, reserves)
         """The admission state kept between cycles, and the watermark of the changes it was told."""
         self._lease_until = 0.0  # when this controller's lease lapses unless renewed (as far as it knows)
 
@@ -220,15 +220,15 @@ class Controller:
         try:
             report = self._cycle()
         except BaseException:
-            self.feed.forget()
+            self.tracker.forget()
             raise
         if not report.leader:
-            self.feed.forget()
+            self.tracker.forget()
         return report
 
     def forget(self) -> None:
         """Rebuild the admission state from a full snapshot next cycle (tests, the benchmark)."""
-        self.feed.forget()
+        self.tracker.forget()
 
     def _cycle(self) -> CycleReport:
         """One cycle. Each numbered step is named for what it does."""
@@ -272,10 +272,10 @@ class Controller:
         #    kept between cycles (all of it, from a full snapshot, when there is none); a snapshot read:
         #    no write lock is held while admission decides, and only this leader adds replicas
         with self.db.read() as conn:
-            fed = self.feed.read(conn, nodes)
+            seen = self.tracker.read(conn, nodes)
         self._step("decide")
         # 5. decide: the pure admission step over what changed (timers come due in it too)
-        cycle = self.feed.step(fed.events, now)
+        cycle = self.tracker.step(seen.events, now)
         report.decisions, report.decided = cycle.decisions, cycle.decided
         report.waiting, report.backing_off = cycle.waiting, cycle.backing_off
         self._step("apply")
@@ -283,12 +283,12 @@ class Controller:
         #    showed: a workload stopped meanwhile is left alone), then tell the driver; the rows of the
         #    workloads decided about are read for it, never the queue's
         # 7. housekeeping, in the same transaction
-        rows = self._rows(fed, cycle.need)
+        rows = self._rows(seen, cycle.need)
         effects = _Effects()
         try:
             with self.db.write() as conn:
                 self._fence(conn, now)
-                applied = apply(StoreLedger(conn), cycle.to_apply, rows, now, fed.gone)
+                applied = apply(StoreLedger(conn), cycle.to_apply, rows, now, seen.gone)
                 effects.start = self._specs(conn, applied.start) if applied.start else []
                 self._cycles += 1
                 effects.release = housekeeping.housekeep(conn, self._cycles, now, self.region, self._released,
@@ -298,15 +298,15 @@ class Controller:
                 self._released = []
         except LostLease:
             return CycleReport(leader=False)  # run_once drops the state
-        self.feed.applied(cycle, applied)
+        self.tracker.applied(cycle, applied)
         report.placed, report.promoted = applied.placed, applied.promoted
         self._apply_effects(effects, report)
         report.starting = done.busy + len(effects.start)
         return report
 
-    def _rows(self, fed: Fed, need: set[str]) -> dict[str, WorkloadRow]:
+    def _rows(self, seen: CycleRead, need: set[str]) -> dict[str, WorkloadRow]:
         """The rows ``apply`` needs: those read this cycle, and the others read by id."""
-        rows = {wid: fed.rows[wid] for wid in need if wid in fed.rows}
+        rows = {wid: seen.rows[wid] for wid in need if wid in seen.rows}
         missing = need - rows.keys()
         if missing:
             with self.db.read() as conn:
@@ -322,7 +322,7 @@ class Controller:
         except Conflict:  # another controller inserted the lease first
             return False
         if led and now >= self._lease_until:  # it had lapsed: another may have led meanwhile, unseen here
-            self.feed.forget()
+            self.tracker.forget()
         if led:
             self._lease_until = now + self.lease_ttl_s
         return led

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
+
+from sqlalchemy import Connection
 
 from tensora.errors import TensoraError
 from tensora.placement.quotas import OwnerSettings, effective
@@ -15,13 +17,13 @@ class QuotaExceeded(TensoraError):
     """The owner already holds its quota of what it creates (the API answers 403 ``quota_exceeded``)."""
 
 
-def settings(conn: Any, defaults: OwnerSettings, owner: str) -> OwnerSettings:
+def settings(conn: Connection, defaults: OwnerSettings, owner: str) -> OwnerSettings:
     """The owner's effective quotas and limits: its stored overrides over the server's defaults."""
     row = owners_repo.get_owner(conn, owner)
-    return effective(defaults, row and row["quotas"], row and row["limits"])
+    return effective(defaults, row.quotas if row else None, row.limits if row else None)
 
 
-def check_quota(conn: Any, defaults: OwnerSettings, owner: str, what: Literal["keys", "workloads"]) -> None:
+def check_quota(conn: Connection, defaults: OwnerSettings, owner: str, what: Literal["keys", "workloads"]) -> None:
     """QuotaExceeded when ``owner`` already holds its quota of ``what``. Counted in the transaction that inserts,
     under the owner's quota lock: two creates cannot both take the last slot."""
     owners_repo.lock_owner_quota(conn, owner)

@@ -12,6 +12,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import Connection
+
 from tensora.control.spec import WorkloadSpec, check_against
 from tensora.errors import ModelFileError, SpecError, TensoraError
 from tensora.models.isolated import read_model
@@ -23,7 +25,7 @@ from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import events as events_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.ids import new_id
-from tensora.store.rows import ReplicaRow, WorkloadRecord
+from tensora.store.rows import ReplicaRow, WorkloadChanges, WorkloadRecord
 from tensora.store.tables import ACTIVE_REPLICA
 from tensora.units import format_clock
 
@@ -154,7 +156,7 @@ def authorize_create(spec: WorkloadSpec, given: Set[str], caller: Caller) -> tup
                          "owner's only; its operator may set isolation: none to run every owner's unsandboxed")
     return spec, owner
 
-def create(conn: Any, checked: Checked, now: float) -> WorkloadRecord:
+def create(conn: Connection, checked: Checked, now: float) -> WorkloadRecord:
     """Insert a queued workload of ``checked.owner`` and its first event; returns the row."""
     spec, owner = checked.spec, checked.owner
     row = WorkloadRecord(
@@ -173,11 +175,11 @@ def create(conn: Any, checked: Checked, now: float) -> WorkloadRecord:
     workloads_repo.insert_workload(conn, {**row._asdict(), "fallback": list(row.fallback)})
     policy = f"; fallback to {', '.join(spec.fallback)} after {spec.fallback_after_s:g}s" if spec.fallback else ""
     events_repo.add_event(conn, row.id, now, "transition", f"created: queued for {spec.gpu_class}{policy}",
-                   None, WorkloadState.QUEUED)
+                          None, WorkloadState.QUEUED)
     return row
 
 
-def stop(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER, *,
+def stop(conn: Connection, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER, *,
          deleting: bool = False) -> WorkloadRecord:
     """Ask the workload's replicas to stop. Its reason reads ``stopped by its owner`` (while
     ``stopping`` too: the state says how far it got) until a restart queues it again."""
@@ -186,7 +188,7 @@ def stop(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWN
     active = workloads_repo.replicas_of(conn, [w.id])
     target = WorkloadState.STOPPING if active else WorkloadState.STOPPED
     reason = f"{'deleted' if deleting else 'stopped'} by {by}"
-    values: dict[str, Any] = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
+    values: WorkloadChanges = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
     if not workloads_repo.update_workload(conn, w.id, values, expect_state=w.state):
         raise InvalidState("the workload changed meanwhile; try again")
     for r in active:
@@ -196,14 +198,14 @@ def stop(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWN
     return w._replace(**values)
 
 
-def restart(conn: Any, w: WorkloadRecord, now: float, placement: str) -> WorkloadRecord:
+def restart(conn: Connection, w: WorkloadRecord, now: float, placement: str) -> WorkloadRecord:
     """Stop what runs and queue again. ``placement="requested"``: only the requested class
     this time (the ADR's "restart on GPU"); ``"policy"``: the class, then the fallback list."""
     if w.state == WorkloadState.STOPPING:
         raise InvalidState("the workload is stopping; restart it once it has stopped")
     for r in workloads_repo.replicas_of(conn, [w.id]):
         workloads_repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
-    values: dict[str, Any] = {
+    values: WorkloadChanges = {
         "state": WorkloadState.QUEUED, "placement": placement, "placed_class": None, "queued_since": now,
         "updated_at": now, "restart_available": False, "restart_reason": "", "reason": f"queued for {w.gpu_class}",
         "fallback_eligible_at": None,
@@ -216,7 +218,7 @@ def restart(conn: Any, w: WorkloadRecord, now: float, placement: str) -> Workloa
     return w._replace(**values)
 
 
-def delete(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER) -> None:
+def delete(conn: Connection, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER) -> None:
     w = stop(conn, w, now, by, deleting=True)
     workloads_repo.update_workload(conn, w.id, {"deleted_at": now, "updated_at": now})
 

@@ -6,12 +6,14 @@ The store's reads and writes are one module per aggregate (``workloads`` with th
 ``files``, ``changes``, ``routes``): plain functions on a ``Connection`` inside a transaction from
 ``Database.write()``/``read()``, no business rules, typed rows out (``rows`` holds those a pure step of the
 controller reads; the others are defined beside their queries). A new aggregate is a new module of that shape.
+
+Statements run often are built once, with bound parameters, so that SQLAlchemy reuses their compiled form.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 from sqlalchemy import Connection, Table, func, select
@@ -38,6 +40,9 @@ from tensora.store.models import (
     Workload,
 )
 from tensora.store.rows import REPLICA_COLUMNS, WORKLOAD_COLUMNS, WORKLOAD_RECORD_COLUMNS
+
+Values = Mapping[str, object]
+"""Column values by column name: a row to insert, or the columns an update sets."""
 
 W = cast(Table, Workload.__table__)
 R = cast(Table, Replica.__table__)

@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import NamedTuple
 
 from sqlalchemy import Connection, func, insert, or_, select, update
 
-from tensora.store.rows import ReplicaRow, WorkloadRow
-from tensora.store.tables import T, U, upsert
+from tensora.store.rows import ReplicaRow, SegmentRow, WorkloadRow
+from tensora.store.tables import T, U, Values, upsert
+
+
+class TokenTotals(NamedTuple):
+    """The tokens the gateways served, summed for one (owner, endpoint, product, model, served_by)."""
+
+    owner: str
+    endpoint: str
+    product: str
+    model: str
+    served_by: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
 
 _INSERT_U = insert(U)
+_SEGMENT = [U.c[f.name] for f in fields(SegmentRow)]
 
 
 def open_segment(conn: Connection, replica: ReplicaRow, workload: WorkloadRow, at: float) -> None:
@@ -23,17 +40,17 @@ def close_segment(conn: Connection, replica_id: str, at: float) -> None:
 
 
 def segments(conn: Connection, owner: str | None, since: float, until: float,
-             region: str | None = None) -> list[dict[str, Any]]:
+             region: str | None = None) -> list[SegmentRow]:
     """Segments that overlap [since, until)."""
-    q = select(U).where(U.c.started_at < until, or_(U.c.ended_at.is_(None), U.c.ended_at > since))
+    q = select(*_SEGMENT).where(U.c.started_at < until, or_(U.c.ended_at.is_(None), U.c.ended_at > since))
     if owner is not None:
         q = q.where(U.c.owner == owner)
     if region is not None:
         q = q.where(U.c.region == region)
-    return [dict(r) for r in conn.execute(q).mappings()]
+    return [SegmentRow(*r) for r in conn.execute(q)]
 
 
-def insert_token_usage(conn: Connection, rows: list[dict[str, Any]]) -> int:
+def insert_token_usage(conn: Connection, rows: Sequence[Values]) -> int:
     """Insert the records not seen before (by id, which the gateway made); returns how many were new.
     ON CONFLICT DO NOTHING: a batch resent while its first send is still being written (the gateway timed
     out) is not an error either."""
@@ -47,7 +64,9 @@ def insert_token_usage(conn: Connection, rows: list[dict[str, Any]]) -> int:
     return len(new)
 
 
-def token_usage(conn: Connection, owner: str | None, since: float, until: float | None) -> list[dict[str, Any]]:
+def token_usage(conn: Connection, owner: str | None, since: float, until: float | None) -> list[TokenTotals]:
+    """The tokens served at or after ``since`` (and before ``until``), summed by owner, endpoint, product, model
+    and what served them."""
     cols = (T.c.owner, T.c.endpoint, T.c.product, T.c.model, T.c.served_by)
     q = (select(*cols, func.count().label("requests"), func.sum(T.c.prompt_tokens).label("prompt_tokens"),
                 func.sum(T.c.completion_tokens).label("completion_tokens"))
@@ -56,4 +75,4 @@ def token_usage(conn: Connection, owner: str | None, since: float, until: float 
         q = q.where(T.c.at < until)
     if owner is not None:
         q = q.where(T.c.owner == owner)
-    return [dict(r) for r in conn.execute(q).mappings()]
+    return [TokenTotals._make(r) for r in conn.execute(q)]

@@ -8,14 +8,14 @@ from typing import Any
 from sqlalchemy import Connection, and_, bindparam, delete, func, insert, or_, select, update
 
 from tensora.placement.kinds import WorkloadState
-from tensora.store.rows import HeldReplica, ReplicaRow, WorkloadRecord, WorkloadRow
-from tensora.store.tables import ACTIVE_REPLICA, R_ROW, W_RECORD, W_ROW, E, R, W, chunks
+from tensora.store.rows import HeldReplica, ReplicaRow, Spec, WorkloadRecord, WorkloadRow
+from tensora.store.tables import ACTIVE_REPLICA, R_ROW, W_RECORD, W_ROW, E, R, Values, W, chunks
 
 _INSERT_W = insert(W)
 _INSERT_R = insert(R)
 
 
-def insert_workload(conn: Connection, row: dict[str, Any]) -> None:
+def insert_workload(conn: Connection, row: Values) -> None:
     conn.execute(_INSERT_W, row)
 
 
@@ -55,7 +55,7 @@ def list_workloads(conn: Connection, owner: str | None, kind: str | None = None,
     return [WorkloadRecord.of(r) for r in conn.execute(q.order_by(W.c.id).limit(limit))]
 
 
-def update_workload(conn: Connection, workload_id: str, values: dict[str, Any],
+def update_workload(conn: Connection, workload_id: str, values: Values,
                     expect_state: str | Sequence[str] | None = None, live_only: bool = False) -> bool:
     """Update a workload; with ``expect_state``, only if it is still in that state (True if it was);
     with ``live_only``, only if it is not deleted."""
@@ -159,7 +159,7 @@ def mark_released(conn: Connection, workload_ids: Sequence[str], at: float) -> N
                      .values(released_at=at))
 
 
-def update_replica(conn: Connection, replica_id: str, values: dict[str, Any],
+def update_replica(conn: Connection, replica_id: str, values: Values,
                    expect_state: Sequence[str] | None = None) -> bool:
     q = update(R).where(R.c.id == replica_id)
     if expect_state is not None:
@@ -180,7 +180,7 @@ def held_replicas(conn: Connection, owners: Iterable[str] | None = None) -> list
     return [HeldReplica._make(r) for part in chunks(owners) for r in conn.execute(q, {"owners": part})]
 
 
-def workload_specs(conn: Connection, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+def workload_specs(conn: Connection, ids: Iterable[str]) -> dict[str, Spec]:
     """The ``spec`` of each workload in ``ids``: read only for those being started, never for a whole queue."""
     q = select(W.c.id, W.c.spec).where(W.c.id.in_(bindparam("ids", expanding=True)))
     return {wid: spec or {} for wid, spec in conn.execute(q, {"ids": list(ids)})}

@@ -1,4 +1,4 @@
-"""Feed: the admission state a region's controller keeps between cycles, told the store's changes.
+"""AdmissionTracker: the admission state a region's controller keeps between cycles, told the store's changes.
 
 ``decide`` from a snapshot reads every live workload of the region each cycle, so an idle region with a
 long queue costs a read of the whole queue per tick. Here the controller keeps
@@ -8,7 +8,7 @@ come due there). Something new, and only the rows changed since are read and tol
 (``snapshot.changes``, which shares ``snapshot.admit`` with the full snapshot, so they cannot disagree).
 
 There is no state on a first cycle, after a restart, and after a lost lease or a failed cycle (the
-controller calls :meth:`Feed.forget`): it is rebuilt from a full snapshot once, with the watermark read
+controller calls :meth:`AdmissionTracker.forget`): it is rebuilt from a full snapshot once, with the watermark read
 before it in the same read transaction (a change after the mark is read again next cycle: saying a
 workload's truth twice is harmless, missing it is not).
 
@@ -66,7 +66,7 @@ WaitMark = tuple[str, float | None]
 
 
 @dataclass
-class Fed:
+class CycleRead:
     """One cycle's read: the events for the state, the rows read, the workloads to fail."""
 
     events: list[Event]
@@ -93,7 +93,7 @@ class Cycle:
 
 
 @dataclass
-class Feed:
+class AdmissionTracker:
     """The kept state and what it was last told; ``read`` then ``step`` then ``applied``, once a cycle."""
 
     catalog: Catalog
@@ -123,7 +123,7 @@ class Feed:
 
     # -- 4. read ------------------------------------------------------------------------
 
-    def read(self, conn: Connection, nodes: Sequence[Node]) -> Fed:
+    def read(self, conn: Connection, nodes: Sequence[Node]) -> CycleRead:
         """What changed since the last cycle, as events (everything, when there is no state)."""
         mine = {n.name: n for n in nodes if n.region == self.region}
         if self.admission is None:
@@ -146,9 +146,9 @@ class Feed:
             events += [OwnerHeld(o, *held.get(o, (0.0, 0.0))) for o in sorted(owners)]  # after the others
         self.seen_rev = moved.mark
         self._remember(rows)
-        return Fed(events, {w.id: w for w in rows}, gone, rebuilt=False)
+        return CycleRead(events, {w.id: w for w in rows}, gone, rebuilt=False)
 
-    def _rebuild(self, conn: Connection, nodes: dict[str, Node]) -> Fed:
+    def _rebuild(self, conn: Connection, nodes: dict[str, Node]) -> CycleRead:
         mark = changes_repo.watermark(conn)  # first: a change committed during the reads below is read again
         replicas = workloads_repo.active_replicas(conn, self.region)
         live = workloads_repo.workloads_in(conn, self.region, snapshot.LIVE)
@@ -162,7 +162,7 @@ class Feed:
         self._remember(snap.workloads.values())
         events: list[Event] = [*(Submitted(q) for q in snap.queue), *(Started(r) for r in snap.running)]
         events += [OwnerHeld(o, gpus, cpu) for o, (gpus, cpu) in sorted(held.items())]
-        return Fed(events, dict(snap.workloads), snap.gone, rebuilt=True)
+        return CycleRead(events, dict(snap.workloads), snap.gone, rebuilt=True)
 
     def _node_events(self, nodes: dict[str, Node]) -> list[Event]:
         events: list[Event] = [NodeRemoved(name) for name in sorted(self.nodes.keys() - nodes.keys())]
@@ -222,7 +222,7 @@ class Feed:
     def _refreshed(self, already: set[str]) -> list[Decision]:
         """The standing waits whose figures (free GPUs, requesters waiting, the owner's use) moved since their
         row was written: a wait is decided again only when its decision could change, so a count alone is
-        brought up to date here, every ``REFRESH_S`` (a pass over the waits: ~5 us each)."""
+        brought up to date here, every ``REFRESH_S`` (a pass over the waits)."""
         assert self.admission is not None
         return [d for d in self.admission.decisions()
                 if type(d) is Wait and d.workload.id not in already and self._changes_a_row(d)]

@@ -25,7 +25,7 @@ def keys(db: Database) -> tuple[str, str]:
     with db.write() as conn:
         _, a = create_key(conn, "alice", "a", ["workloads:read"], T0)
         _, b = create_key(conn, "alice", "b", ["workloads:read", "usage:read"], T0)
-    return a["id"], b["id"]
+    return a.id, b.id
 
 
 def test_a_session_is_found_with_its_keys_scopes(db: Database) -> None:

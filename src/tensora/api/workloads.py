@@ -27,7 +27,7 @@ router = APIRouter()
 
 
 def _out(w: WorkloadRecord, replicas: Sequence[ReplicaRow], svc: Services) -> dict[str, Any]:
-    v = workloads.view(w, replicas, svc.catalog)
+    v: dict[str, Any] = dict(workloads.view(w, replicas, svc.catalog))
     for k in ("created_at", "updated_at", "queued_since", "fallback_eligible_at"):
         v[k] = iso(v[k])
     return v

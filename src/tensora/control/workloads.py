@@ -10,7 +10,7 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from sqlalchemy import Connection
 
@@ -25,7 +25,7 @@ from tensora.storage import NOT_FOUND, NotFound, Storage
 from tensora.store import events as events_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.ids import new_id
-from tensora.store.rows import ReplicaRow, WorkloadChanges, WorkloadRecord
+from tensora.store.rows import ReplicaRow, Spec, WorkloadChanges, WorkloadRecord
 from tensora.store.tables import ACTIVE_REPLICA
 from tensora.units import format_clock
 
@@ -223,12 +223,70 @@ def delete(conn: Connection, w: WorkloadRecord, now: float, by: StoppedBy = Stop
     workloads_repo.update_workload(conn, w.id, {"deleted_at": now, "updated_at": now})
 
 
-def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> list[dict[str, Any]]:
+class Condition(TypedDict):
+    """A visible condition of a workload (``conditions``)."""
+
+    type: str
+    reason: str
+    message: str
+    count: NotRequired[int]
+
+
+ReplicaView = TypedDict("ReplicaView", {"id": str, "class": str, "node": str, "state": ReplicaState,
+                                        "url": str | None, "role": ReplicaRole})
+"""An endpoint's replica as the API shows it."""
+
+
+class Access(TypedDict):
+    """Where a notebook or VM is reached: its primary replica's URL and node (None until it runs)."""
+
+    url: str | None
+    node: str | None
+
+
+class WorkloadView(TypedDict):
+    """The API shape of a workload (``view``), timestamps as epoch seconds (the API writes them ISO 8601)."""
+
+    id: str
+    name: str
+    kind: WorkloadKind
+    owner: str
+    region: str
+    state: WorkloadState
+    gpu_class: str
+    requested_class: str
+    placed_class: str | None
+    fallback: list[str]
+    fallback_after_s: float
+    placement: str
+    conditions: list[Condition]
+    reason: str
+    fallback_eligible_at: float | None
+    restart_available: bool
+    restart_reason: str | None
+    created_at: float
+    updated_at: float
+    queued_since: float | None
+    spec: Spec
+    warning: NotRequired[str]
+    model: NotRequired[str | None]
+    """Endpoints only, as the four keys below."""
+    model_params: NotRequired[int | None]
+    replicas: NotRequired[list[ReplicaView]]
+    fallback_models: NotRequired[list[str]]
+    allow_cross_region: NotRequired[bool]
+    access: NotRequired[Access]
+    """Notebooks and VMs only."""
+    image: NotRequired[str | None]
+    """VMs only."""
+
+
+def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> list[Condition]:
     """Visible conditions: ``degraded`` (cpu_fallback / class_fallback), ``moving`` and ``crash_loop``
     (its replicas failed ``count`` times in a row; the next try waits out the back-off).
 
     A ``cpu_fallback`` message says what CPU means for the kind (:data:`ON_CPU`)."""
-    out: list[dict[str, Any]] = []
+    out: list[Condition] = []
     placed = w.placed_class
     if placed and placed != w.gpu_class and w.state in (WorkloadState.STARTING, WorkloadState.RUNNING):
         # cpu_fallback: a GPU class asked for, a CPU class placed; else a class fallback
@@ -250,10 +308,10 @@ def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catal
     return out
 
 
-def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> dict[str, Any]:
+def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> WorkloadView:
     """The API shape of a workload."""
     spec = w.spec or {}
-    out: dict[str, Any] = {
+    out: WorkloadView = {
         "id": w.id, "name": w.name, "kind": w.kind, "owner": w.owner, "region": w.region, "state": w.state,
         "gpu_class": w.gpu_class, "requested_class": w.requested_class, "placed_class": w.placed_class,
         "fallback": list(w.fallback), "fallback_after_s": w.fallback_after_s, "placement": w.placement,
@@ -267,10 +325,11 @@ def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) ->
         out["warning"] = warning
     active = [r for r in replicas if r.state in ACTIVE_REPLICA]
     if w.kind == WorkloadKind.ENDPOINT:
-        out.update(model=w.model, model_params=w.model_params, replicas=[
-            {"id": r.id, "class": r.cls, "node": r.node, "state": r.state, "url": r.url, "role": r.role}
-            for r in active],
-            fallback_models=spec.get("fallback_models", []), allow_cross_region=spec.get("allow_cross_region", False))
+        out["model"], out["model_params"] = w.model, w.model_params
+        out["replicas"] = [{"id": r.id, "class": r.cls, "node": r.node, "state": r.state, "url": r.url, "role": r.role}
+                           for r in active]
+        out["fallback_models"] = spec.get("fallback_models", [])
+        out["allow_cross_region"] = spec.get("allow_cross_region", False)
     else:
         primary = next((r for r in active if r.role == ReplicaRole.PRIMARY), None)
         out["access"] = {"url": primary.url if primary else None, "node": primary.node if primary else None}

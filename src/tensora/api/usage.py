@@ -49,4 +49,4 @@ def usage_tokens(svc: Svc, p: UsageReader,
     start = since or 0.0
     with svc.db.read() as conn:  # no until: everything metered so far (a gateway's clock may run ahead)
         rows = usage_repo.token_usage(conn, p.owner_filter(), start, until)
-    return {"since": iso(start), "until": iso(until if until is not None else now), "data": rows}
+    return {"since": iso(start), "until": iso(until if until is not None else now), "data": [r._asdict() for r in rows]}

@@ -5,8 +5,8 @@ a Connection (no Session, no identity map, no lazy loads), a cycle reads hundred
 none, and a value can be handed to a pure step (snapshot, apply) and compared in a test. A step that
 changes a row makes a new one (``_replace``); the store is written by its own statements, never by
 mutating a row. The rows a cycle reads by the hundred (workloads, replicas, held replicas) are
-``NamedTuple``s, built straight from the result's tuple because a cycle reads them by the hundred; the others
-are frozen dataclasses.
+``NamedTuple``s, built straight from the result's tuple, the cheapest record to make; the others are frozen
+dataclasses. Rows a pure step reads live here; those only the API reads live beside their queries.
 """
 
 from __future__ import annotations

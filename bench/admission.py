@@ -166,8 +166,8 @@ def step_figures(n: int, n_nodes: int, runs: int, catalog: Catalog, regions: int
     if regions > 1:
         nodes = [replace(node, region=f"r{i % regions}") for i, node in enumerate(nodes)]
         queue = [replace(w, region=f"r{i % regions}") for i, w in enumerate(queue)]
-    # the events are the cycle's input, made by the caller (the controller's feed from its rows); a collection
-    # the earlier rows' garbage has made due is theirs, not the cycle's: both before the clock starts
+    # the events are the cycle's input, made by the caller (the controller's admission tracker from its rows); a
+    # collection the earlier rows' garbage has made due is theirs, not the cycle's: both before the clock starts
     events = [Submitted(w) for w in queue]
     gc.collect()
     t0 = time.perf_counter()

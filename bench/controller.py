@@ -12,7 +12,7 @@ An idle region (``--idle``): the controller's CPU time per cycle with 10,000, 30
 notebooks and nothing changing, two ways in the same run: *before*, every cycle from a full snapshot (the
 kept admission state dropped before each: all live workloads read, all decided); *after*, the kept state told
 what changed since the watermark (nothing). Also shown: the full-snapshot path's read and ``decide`` alone
-(``feed.from_scratch``), the least a full-snapshot cycle costs.
+(``tracker.from_scratch``), the least a full-snapshot cycle costs.
 
 Run:  python bench/controller.py              (SQLite, 500 queued, 16 KiB specs, 20 cycles)
       python bench/controller.py --quick      (a smoke run, the idle figure at 2,000 queued too)
@@ -34,12 +34,13 @@ from pathlib import Path
 
 from tensora.clock import FakeClock
 from tensora.config.catalog import default_catalog
-from tensora.control import feed, snapshot
+from tensora.control import snapshot, tracker
 from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
-from tensora.store import repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
+from tensora.store.ids import new_id
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.support
 from tests.support.services import pg_cluster
@@ -53,8 +54,8 @@ def fill(db: Database, queued: int, spec_kib: int) -> None:
     pad = "x" * max(0, spec_kib * 1024 - 200)
     with db.write() as conn:
         for i in range(queued + 1):
-            repo.insert_workload(conn, {
-                "id": repo.new_id("wl_"), "owner": f"owner-{i % 50}", "kind": "notebook", "name": f"nb-{i}",
+            workloads_repo.insert_workload(conn, {
+                "id": new_id("wl_"), "owner": f"owner-{i % 50}", "kind": "notebook", "name": f"nb-{i}",
                 "region": "local", "gpu_class": "l40s-48gb", "requested_class": "l40s-48gb", "placed_class": None,
                 "fallback": [], "fallback_after_s": 0.0, "placement": "policy", "state": "queued",
                 "reason": "queued for l40s-48gb", "fallback_eligible_at": None, "restart_available": False,
@@ -82,7 +83,7 @@ def measure(db_url: str, queued: int, spec_kib: int, cycles: int) -> dict[str, f
         cpu.append(time.process_time() - began_cpu)
         assert report.leader and report.waiting == queued and report.placed == 0, report
     with db.read() as conn:
-        got = repo.workloads_in(conn, "local", snapshot.LIVE)  # the snapshot's read (its rows hold no spec)
+        got = workloads_repo.workloads_in(conn, "local", snapshot.LIVE)  # the snapshot's read (its rows hold no spec)
     spec_bytes = sum(len(str(getattr(w, "spec", None) or "")) for w in got)
     db.dispose()
     return {"median_ms": statistics.median(times) * 1000, "min_ms": min(times) * 1000,
@@ -121,7 +122,7 @@ def idle(db_url: str, queued: int, cycles: int) -> dict[str, float]:
     for _ in range(cycles):
         began = time.process_time()
         with db.read() as conn:
-            _, decisions = feed.from_scratch(conn, nodes, c.catalog, c.region, c.policy, c.owner_defaults.quotas,
+            _, decisions = tracker.from_scratch(conn, nodes, c.catalog, c.region, c.policy, c.owner_defaults.quotas,
                                              clock.now())
         spent.append(time.process_time() - began)
         assert len(decisions) == queued

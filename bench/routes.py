@@ -2,7 +2,7 @@
 
 Every gateway polls ``GET /v1/gateway/routes`` every second, and most polls find nothing changed. Building the
 whole document (endpoints with their specs, replicas, every live key, owners), serializing and hashing it to
-answer 304 is the peer; a poll reads the store's marker (``repo.route_marker``) instead and answers from the
+answer 304 is the peer; a poll reads the store's marker (``store.routes.route_marker``) instead and answers from the
 document cached at that marker. Measured in process, on a store filled with ``--endpoints`` serving
 endpoints (2 routable replicas each, a 2 KiB spec), ``--keys`` live keys and ``--owners`` owners with
 limit overrides:
@@ -43,7 +43,8 @@ from tests.support.stack import stack
 
 from tensora.api import gatewayroutes
 from tensora.api.auth import create_key
-from tensora.store import repo
+from tensora.store import owners as owners_repo
+from tensora.store.tables import O, R, W
 
 
 def fill(st: Any, endpoints: int, keys: int, owners: int) -> None:
@@ -64,13 +65,13 @@ def fill(st: Any, endpoints: int, keys: int, owners: int) -> None:
                 "detail": "", "created_at": now, "updated_at": now, "served_model": None} for s in range(2)]
     with st.services.db.write() as conn:
         if ws:
-            conn.execute(insert(repo.W), ws)
-            conn.execute(insert(repo.R), rs)
+            conn.execute(insert(W), ws)
+            conn.execute(insert(R), rs)
         for i in range(keys):
             create_key(conn, f"owner-{i % max(owners, 1):05d}", "app", ["inference"], now)
         for i in range(owners):
-            repo.set_owner(conn, f"owner-{i:05d}", False, now)
-        conn.execute(update(repo.O).values(limits={"requests_per_minute": 100}))
+            owners_repo.set_owner(conn, f"owner-{i:05d}", False, now)
+        conn.execute(update(O).values(limits={"requests_per_minute": 100}))
 
 
 def median_ms(runs: int, fn: Callable[[], Any]) -> float:

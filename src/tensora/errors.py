@@ -14,7 +14,7 @@ once, where they arise, into these; the rest of the code never catches a foreign
     ├── ImageRefused           a VM's disk image: not raw or qcow2, a backing or data file outside the owner's
     │                          files, or qemu-img could not read it (drivers.vmdisk)
     ├── StorageError           owners' files (storage): BadName, NotFound (one message), OverQuota, NameTaken
-    ├── UidsExhausted          no sandbox uid left in the sandbox_uids range (store.repo)
+    ├── UidsExhausted          no sandbox uid left in the sandbox_uids range (store.uids)
     ├── QuotaExceeded          an owner already holds its quota of keys or workloads (control.owners)
     ├── Occupied               tensora up: already running, or its port taken by another program (serving.ports)
     └── StoreError             the database

@@ -52,7 +52,8 @@ from tensora.serving.supervision import die_with_parent, start_gateway, stop_gat
 from tensora.serving.uplock import claim_up
 from tensora.serving.workers import WorkerBrief, worker_settings_json
 from tensora.storage import Storage
-from tensora.store import repo
+from tensora.store import keys as keys_repo
+from tensora.store import owners as owners_repo
 from tensora.store.db import Database, private_dir
 from tensora.telemetry.tracing import setup as setup_tracing
 from tensora.units import parse_memory
@@ -133,8 +134,8 @@ def ensure_admin_key(db: Database, data_dir: Path, now: float) -> Path:
         secret = path.read_text().strip()
         if well_formed(secret):
             with db.read() as conn:
-                row = repo.key_by_digest(conn, digest(secret))
-            if row is not None and row["revoked_at"] is None:
+                row = keys_repo.key_by_digest(conn, digest(secret))
+            if row is not None and row.revoked_at is None:
                 return path
     data_dir.mkdir(parents=True, exist_ok=True)
     with db.write() as conn:
@@ -412,8 +413,8 @@ def admin_runs_the_node(db: Database, node: Node, now: float) -> bool:
     if node.gpus:  # none: the GPU quota is left as it is (``quotas.for_node``)
         whole["running_gpus"] = sum(node.gpus.values())
     with db.write() as conn:
-        row = repo.owner_for_update(conn, ADMIN_OWNER, now)
-        if any(name in (row["quotas"] or {}) for name in whole):
+        row = owners_repo.owner_for_update(conn, ADMIN_OWNER, now)
+        if any(name in (row.quotas or {}) for name in whole):
             return False
-        repo.write_owner(conn, ADMIN_OWNER, {"quotas": overlay(row["quotas"], whole), "updated_at": now})
+        owners_repo.write_owner(conn, ADMIN_OWNER, {"quotas": overlay(row.quotas, whole), "updated_at": now})
     return True

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tensora.sdk import Client
-from tensora.store import repo
+from tensora.store import keys as keys_repo
 from tests.e2e.test_dashboard import browser
 from tests.support.dashboard import CSRF, live, signed_in
 from tests.support.stack import Stack
@@ -103,7 +103,7 @@ def test_revoking_the_key_ends_its_sessions(browser: Any, live: tuple[Stack, str
             sdk.revoke_key(made.id)
         else:  # another path (an operator's SQL, another server): the check at use joins the key
             with s.services.db.write() as conn:
-                assert repo.revoke_key(conn, made.id, None, s.clock.now())
+                assert keys_repo.revoke_key(conn, made.id, None, s.clock.now())
     page.goto(url + "/")
     assert page.url.endswith("/login")
     page.context.close()

@@ -27,7 +27,7 @@ from tensora.control.controller import Controller
 from tensora.control.metrics import ControllerCollector
 from tensora.control.spec import parse_spec
 from tensora.drivers.simulated import SimulatedDriver
-from tensora.store import repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tensora.store.rows import WorkloadRecord
 from tensora.telemetry.scrape import Listener
@@ -67,7 +67,7 @@ def submit(s: Stack, owner: str, **body: Any) -> str:
 
 def get(s: Stack, wid: str) -> WorkloadRecord:
     with s.services.db.read() as conn:
-        w = repo.get_workload(conn, wid)
+        w = workloads_repo.get_workload(conn, wid)
         assert w is not None
         return w
 

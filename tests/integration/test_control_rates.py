@@ -15,7 +15,7 @@ from sqlalchemy import text
 
 from tensora.config.quotas import Limits
 from tensora.control.housekeeping import housekeep
-from tensora.store import repo
+from tensora.store import rates as rates_repo
 from tensora.store.db import Database
 from tests.integration.test_api import Api, assert_error, created
 from tests.integration.test_api import api as api  # the fixture, re-exported under its name
@@ -115,9 +115,9 @@ def test_the_count_holds_across_api_processes(api: Api, second: Api) -> None:
 def test_housekeeping_forgets_calls_past_the_window(db: Database) -> None:
     with db.write() as conn:
         for owner, at in (("alice", 0.0), ("alice", 30.0), ("bob", 59.0)):
-            assert repo.take_call(conn, owner, "create", at, 10, 60.0) is None
-        assert repo.take_call(conn, "alice", "create", 61.0, 1, 60.0) == 29.0  # prunes the first: 1 left
-        assert repo.take_call(conn, "alice", "create", 61.0, 3, 60.0) is None
+            assert rates_repo.take_call(conn, owner, "create", at, 10, 60.0) is None
+        assert rates_repo.take_call(conn, "alice", "create", 61.0, 1, 60.0) == 29.0  # prunes the first: 1 left
+        assert rates_repo.take_call(conn, "alice", "create", 61.0, 3, 60.0) is None
         housekeep(conn, cycle=1, now=100.0, region="local", released=[])
         left = conn.execute(text("SELECT owner, at FROM owner_calls ORDER BY at")).all()
     assert [tuple(r) for r in left] == [("bob", 59.0), ("alice", 61.0)]

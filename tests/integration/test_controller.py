@@ -16,9 +16,13 @@ from tensora.control.controller import Controller
 from tensora.control.spec import parse_spec
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
-from tensora.store import repo
+from tensora.store import events as events_repo
+from tensora.store import leases as leases_repo
+from tensora.store import usage as usage_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
-from tensora.store.rows import WORKLOAD_COLUMNS, ReplicaRow, WorkloadRecord
+from tensora.store.rows import WORKLOAD_COLUMNS, ReplicaRow, SegmentRow, WorkloadRecord
+from tensora.store.tables import O
 from tests.support.doubles import Crash, CrashingDriver, FlakyRelease
 from tests.support.stack import GI, T0, fleet
 
@@ -41,28 +45,28 @@ def submit(db: Database, clock: FakeClock, owner: str = "alice", **body: Any) ->
 
 def get(db: Database, wid: str) -> WorkloadRecord:
     with db.read() as conn:
-        w = repo.get_workload(conn, wid, include_deleted=True)
+        w = workloads_repo.get_workload(conn, wid, include_deleted=True)
         assert w is not None
         return w
 
 
 def events(db: Database, wid: str) -> list[str]:
     with db.read() as conn:
-        return [e.reason for e in repo.list_events(conn, wid)]
+        return [e.reason for e in events_repo.list_events(conn, wid)]
 
 
 def replicas(db: Database, wid: str, active_only: bool = True) -> list[ReplicaRow]:
     with db.read() as conn:
-        return repo.replicas_of(conn, [wid], active_only=active_only)
+        return workloads_repo.replicas_of(conn, [wid], active_only=active_only)
 
 
 def view(db: Database, wid: str) -> dict[str, Any]:
     return workloads.view(get(db, wid), replicas(db, wid), CATALOG)
 
 
-def segments(db: Database) -> list[dict[str, Any]]:
+def segments(db: Database) -> list[SegmentRow]:
     with db.read() as conn:
-        return sorted(repo.segments(conn, None, 0, 1e12), key=lambda s: (s["started_at"], s["id"]))
+        return sorted(usage_repo.segments(conn, None, 0, 1e12), key=lambda s: (s.started_at, s.id))
 
 
 def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) -> None:
@@ -133,8 +137,8 @@ def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) ->
         "drained: stopping the cpu-16c-64g replica at cpu-1",
     ]
     # usage by placed_class: the move split the endpoint's time in two segments
-    mine = [(s["placed_class"], s["started_at"] - T0, None if s["ended_at"] is None else s["ended_at"] - T0)
-            for s in segments(db) if s["workload_id"] == ep]
+    mine = [(s.placed_class, s.started_at - T0, None if s.ended_at is None else s.ended_at - T0)
+            for s in segments(db) if s.workload_id == ep]
     assert mine == [("cpu-16c-64g", 600.0, 665.0), ("l40s-48gb", 630.0, None)]
     assert get(db, a100_user).state == "running"
 
@@ -186,7 +190,7 @@ def test_notebook_on_cpu_is_offered_restart_on_gpu_and_never_moves_by_itself(db:
     w = get(db, nb)
     assert (w.state, w.placed_class, w.restart_available) == ("running", "l40s-48gb", False)
     assert [r.cls for r in replicas(db, nb)] == ["l40s-48gb"]
-    assert [s["placed_class"] for s in segments(db) if s["workload_id"] == nb] == ["cpu-16c-64g", "l40s-48gb"]
+    assert [s.placed_class for s in segments(db) if s.workload_id == nb] == ["cpu-16c-64g", "l40s-48gb"]
 
 
 @dataclass
@@ -279,7 +283,7 @@ def test_failed_replica_fails_a_notebook_and_requeues_an_endpoint(db: Database) 
     c.run_once()
     assert get(db, ep).state == "starting"
     with db.read() as conn:  # placed again, identically: the first placement's event counts it
-        assert [(e.reason, e.count) for e in repo.list_events(conn, ep) if e.reason.startswith("placed")] == [
+        assert [(e.reason, e.count) for e in events_repo.list_events(conn, ep) if e.reason.startswith("placed")] == [
             ("placed on cpu-2c-8g", 2)]
     c.run_once()
     assert get(db, ep).state == "running"
@@ -302,8 +306,8 @@ def test_stop_and_delete_release_capacity_and_close_usage(db: Database) -> None:
     c.run_once()  # sees it stopped: a is stopped, the A100 is free, b is placed
     assert get(db, a).state == "stopped" and get(db, a).deleted_at is not None
     assert (get(db, b).state, get(db, b).placed_class) == ("starting", "a100-80gb")
-    seg = [s for s in segments(db) if s["workload_id"] == a]
-    assert [(s["started_at"] - T0, s["ended_at"] - T0) for s in seg] == [(0.0, 120.0)]
+    seg = [s for s in segments(db) if s.workload_id == a]
+    assert [(s.started_at - T0, s.ended_at - T0) for s in seg] == [(0.0, 120.0)]
     assert all(s.state.value == "stopped" for s in driver.observe() if s.workload_id == a)
 
 
@@ -341,8 +345,8 @@ def test_storage_is_given_back_round_robin_across_owners(db: Database) -> None:
             clock.advance(1)
             workloads.delete(conn, get(db, wid), clock.now())
     with db.read() as conn:
-        first = repo.unreleased(conn, "local", limit=8)
-        assert repo.unreleased(conn, "local", limit=50)[:6] == [mallory[0], bob[0], mallory[1], bob[1],
+        first = workloads_repo.unreleased(conn, "local", limit=8)
+        assert workloads_repo.unreleased(conn, "local", limit=50)[:6] == [mallory[0], bob[0], mallory[1], bob[1],
                                                                  mallory[2], bob[2]]
     assert first == [mallory[0], bob[0], mallory[1], bob[1], mallory[2], bob[2], mallory[3], mallory[4]]
     c, _ = make(db, clock)
@@ -383,7 +387,7 @@ def test_a_crash_mid_cycle_loses_nothing_and_places_nothing_twice(db: Database, 
     clock = FakeClock(T0)
     sim = SimulatedDriver(fleet(), clock)
     if crash_at == "inside the transaction":
-        real = repo.open_segment
+        real = usage_repo.open_segment
         calls = {"n": 0}
 
         def dying(*args: Any) -> None:
@@ -392,7 +396,7 @@ def test_a_crash_mid_cycle_loses_nothing_and_places_nothing_twice(db: Database, 
                 raise Crash("killed while writing the second placement")
             real(*args)
 
-        monkeypatch.setattr(repo, "open_segment", dying)
+        monkeypatch.setattr(usage_repo, "open_segment", dying)
         a, _ = make(db, clock, sim, holder="a")
     else:
         a, _ = make(db, clock, CrashingDriver(sim), holder="a")
@@ -457,7 +461,7 @@ def test_a_new_workload_is_placed_at_once_not_at_the_next_tick(db: Database) -> 
     finally:
         c.stop()
     with db.read() as conn:
-        assert repo.lease_holder(conn, "controller/local", clock.now()) is None  # released on a clean stop
+        assert leases_repo.lease_holder(conn, "controller/local", clock.now()) is None  # released on a clean stop
 
 
 # -- a cycle reads no queue's specs; owners' running quotas -------------------------------
@@ -475,18 +479,18 @@ def test_a_cycle_reads_the_spec_only_of_what_it_starts(db: Database, monkeypatch
     c, sim = make(db, clock)
     ids = [_endpoint(db, clock, f"e{i}", f"owner{i}", f"/models/m{i}") for i in range(3)]  # one L40S for three
     read: list[set[str]] = []
-    real = repo.workload_specs
+    real = workloads_repo.workload_specs
 
     def spy(conn: Any, wids: Any) -> dict[str, dict[str, Any]]:
         read.append(set(wids))
         return real(conn, wids)
 
-    monkeypatch.setattr(repo, "workload_specs", spy)
+    monkeypatch.setattr(workloads_repo, "workload_specs", spy)
     c.run_once()
     c.run_once()
     assert read == [{ids[0]}]  # the placed one, once; never the two still queued (nor anything, starting nothing)
     with db.read() as conn:  # what the snapshot reads: rows that cannot hold a spec
-        rows = repo.workloads_in(conn, "local", snapshot.LIVE)
+        rows = workloads_repo.workloads_in(conn, "local", snapshot.LIVE)
     assert {w.id for w in rows} == set(ids) and "spec" not in WORKLOAD_COLUMNS
     assert [(s.workload_id, s.model) for s in sim.specs()] == [(ids[0], "/models/m0")]
 
@@ -507,7 +511,7 @@ def test_a_start_redone_after_a_crash_reads_its_spec(db: Database) -> None:
 
 def _quotas(db: Database, owner: str, quotas: dict[str, Any]) -> None:
     with db.write() as conn:  # what PUT /v1/owners/{owner} stores: a partial dict over the defaults
-        conn.execute(repo.O.insert().values(owner=owner, trusted=False, updated_at=T0, quotas=quotas))
+        conn.execute(O.insert().values(owner=owner, trusted=False, updated_at=T0, quotas=quotas))
 
 
 def test_owners_running_quotas_come_from_the_store_and_starting_replicas_count(db: Database) -> None:

@@ -23,12 +23,13 @@ from tensora.clock import FakeClock
 from tensora.config.catalog import default_catalog
 from tensora.control import workloads
 from tensora.control.controller import Controller
-from tensora.control.feed import Cycle, Feed, from_scratch
 from tensora.control.spec import parse_spec
+from tensora.control.tracker import AdmissionTracker, Cycle, from_scratch
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.admission import Decision, Place, Promote, RestartAvailable, Wait
 from tensora.placement.admission_state import Event
-from tensora.store import repo
+from tensora.store import owners as owners_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tensora.store.rows import WorkloadRecord
 from tests.support.stack import T0, fleet
@@ -62,8 +63,8 @@ def checked(db: Database, clock: FakeClock, driver: SimulatedDriver | None = Non
     sim = driver or SimulatedDriver(fleet(), clock)
     c = Controller(db, sim, CATALOG, clock=clock, holder=holder, lease_ttl_s=lease_ttl_s)
     out = Checked(c, sim)
-    feed: Feed = c.feed
-    real_step, real_read = feed.step, feed.read
+    tracker: AdmissionTracker = c.tracker
+    real_step, real_read = tracker.step, tracker.read
 
     def read(conn: Any, nodes: Any) -> Any:
         fed = real_read(conn, nodes)
@@ -81,13 +82,13 @@ def checked(db: Database, clock: FakeClock, driver: SimulatedDriver | None = Non
             _, want = from_scratch(conn, sim.nodes(), CATALOG, c.region, c.policy, c.owner_defaults.quotas, now)
         got = real_step(events, now)
         assert _moves(got.decisions) == _moves(want)
-        assert feed.admission is not None
-        standing = {_key(d): _settled(d) for d in feed.admission.decisions()}
+        assert tracker.admission is not None
+        standing = {_key(d): _settled(d) for d in tracker.admission.decisions()}
         assert standing == {_key(d): _settled(d) for d in want if isinstance(d, Wait | RestartAvailable)}
         assert got.waiting == sum(1 for d in want if isinstance(d, Wait))
         return got
 
-    feed.read, feed.step = read, step  # type: ignore[method-assign]
+    tracker.read, tracker.step = read, step  # type: ignore[method-assign]
     return out
 
 
@@ -111,15 +112,15 @@ def submit(db: Database, clock: FakeClock, owner: str = "alice", **body: Any) ->
 
 def get(db: Database, wid: str) -> WorkloadRecord:
     with db.read() as conn:
-        w = repo.get_workload(conn, wid, include_deleted=True)
+        w = workloads_repo.get_workload(conn, wid, include_deleted=True)
         assert w is not None
         return w
 
 
 def set_quotas(db: Database, owner: str, quotas: dict[str, Any] | None, at: float) -> None:
     with db.write() as conn:  # as PUT /v1/owners/{owner} does
-        repo.owner_for_update(conn, owner, at)
-        repo.write_owner(conn, owner, {"quotas": quotas, "updated_at": at})
+        owners_repo.owner_for_update(conn, owner, at)
+        owners_repo.write_owner(conn, owner, {"quotas": quotas, "updated_at": at})
 
 
 @dataclass
@@ -157,7 +158,7 @@ def _stop(w: World, name: str) -> None:
 
 def _fail_primary(w: World, name: str) -> None:
     with w.db.read() as conn:
-        r = repo.replicas_of(conn, [w.ids[name]])[0]
+        r = workloads_repo.replicas_of(conn, [w.ids[name]])[0]
     w.run.driver.fail(r.id, "OOM killed")
 
 
@@ -259,7 +260,7 @@ def test_a_lost_lease_drops_the_state_and_leading_again_rebuilds_it(db: Database
     w.clock.advance(16)  # a's lease expires; b takes it
     assert other.c.run_once().leader
     assert not w.run.c.run_once().leader
-    assert w.run.c.feed.admission is None
+    assert w.run.c.tracker.admission is None
     mine = submit(db, w.clock, kind="notebook", name="meanwhile", gpu_class="cpu-2c-8g")
     other.c.stop(release=True)
     w.run.cycle()
@@ -287,7 +288,7 @@ def test_a_failed_cycle_drops_the_state(db: Database, monkeypatch: pytest.Monkey
     submit(db, w.clock, kind="notebook", name="x", gpu_class="cpu-2c-8g")  # a start: _specs is asked
     with pytest.raises(RuntimeError):
         w.run.c.run_once()
-    assert w.run.c.feed.admission is None
+    assert w.run.c.tracker.admission is None
     monkeypatch.undo()
     w.run.cycle()
     assert w.run.rebuilds == 2
@@ -360,9 +361,9 @@ def _history(db: Database, history: list[tuple[str, int]]) -> None:
     for n, (what, r) in enumerate(history):
         owner = "abc"[r % 3]
         with db.read() as conn:
-            live = [w for w in repo.workloads_in(conn, "local", ["queued", "starting", "running"])
+            live = [w for w in workloads_repo.workloads_in(conn, "local", ["queued", "starting", "running"])
                     if w.deleted_at is None]
-            held = repo.active_replicas(conn, "local")
+            held = workloads_repo.active_replicas(conn, "local")
         if what in ("create", "endpoint"):
             body: dict[str, Any] = {"kind": "notebook" if what == "create" else "endpoint", "name": f"w{n}",
                                     "gpu_class": classes[r % 3], "fallback": fallbacks[r % 4],

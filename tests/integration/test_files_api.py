@@ -30,7 +30,7 @@ from tensora.config.quotas import OwnerSettings, Quotas
 from tensora.models.validator import read_model
 from tensora.sdk import Client, UnprocessableError
 from tensora.storage import NOT_FOUND, NotFound, Storage, owner_dir
-from tensora.store import repo
+from tensora.store import files as files_repo
 from tests.integration.test_api import tiny_model
 from tests.support import services
 from tests.support.stack import Stack, stack
@@ -348,7 +348,7 @@ def test_uploads_in_flight_count_against_the_quota(files: Files, declared: bool)
         assert alice.get("/v1/files").json()["used"] == len(stored) * size
     assert len(files.on_disk("alice")) == len(stored)
     with files.stack.services.db.read() as conn:  # every reservation went with its upload
-        assert repo.reserved(conn, "alice", 0.0) == 0
+        assert files_repo.reserved(conn, "alice", 0.0) == 0
 
 
 def test_an_uploaded_model_resolves_and_is_sized_by_the_validator(files: Files) -> None:

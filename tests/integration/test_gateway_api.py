@@ -13,7 +13,7 @@ import pytest
 from tensora.gateway.routes import table_from_json
 from tensora.keys import apikeys, replicakeys
 from tensora.models.tinymodel import MAX_POSITIONS, write_tiny_model
-from tensora.store import repo
+from tensora.store import workloads as workloads_repo
 from tests.support import services
 from tests.support.stack import T0, Stack, stack
 
@@ -58,8 +58,8 @@ def test_routes_are_for_admin_keys_name_ready_replicas_and_only_key_digests(s: t
     st.controller.run_once()
     st.controller.run_once()
     with st.services.db.write() as conn:  # the simulated driver has no URLs; give its replica one
-        for r in repo.replicas_of(conn, [made.json()["id"]]):
-            repo.update_replica(conn, r.id, {"url": "http://127.0.0.1:9/v1"})
+        for r in workloads_repo.replicas_of(conn, [made.json()["id"]]):
+            workloads_repo.update_replica(conn, r.id, {"url": "http://127.0.0.1:9/v1"})
     table = admin.get("/v1/gateway/routes", headers={"If-None-Match": first.headers["etag"]})
     assert table.status_code == 200 and table.headers["etag"] != first.headers["etag"]
     (ep,) = table.json()["endpoints"]
@@ -91,8 +91,8 @@ def test_an_endpoints_known_context_reaches_the_gateway(s: tuple[Stack, str], tm
     st.controller.run_once()
     st.controller.run_once()
     with st.services.db.write() as conn:
-        for r in repo.replicas_of(conn, [made.json()["id"]]):
-            repo.update_replica(conn, r.id, {"url": "http://127.0.0.1:9/v1"})
+        for r in workloads_repo.replicas_of(conn, [made.json()["id"]]):
+            workloads_repo.update_replica(conn, r.id, {"url": "http://127.0.0.1:9/v1"})
     (ep,) = admin.get("/v1/gateway/routes").json()["endpoints"]
     assert ep["context"] == MAX_POSITIONS
     assert table_from_json(admin.get("/v1/gateway/routes").json()).endpoints[0].context == MAX_POSITIONS
@@ -105,8 +105,8 @@ def test_on_the_local_driver_each_replica_carries_its_own_key_for_the_gateway(s:
     st.controller.run_once()
     st.controller.run_once()
     with st.services.db.write() as conn:
-        for r in repo.replicas_of(conn, ids):
-            repo.update_replica(conn, r.id, {"url": "http://127.0.0.1:9/v1"})
+        for r in workloads_repo.replicas_of(conn, ids):
+            workloads_repo.update_replica(conn, r.id, {"url": "http://127.0.0.1:9/v1"})
 
     def replicas() -> list[dict[str, Any]]:
         return [r for e in admin.get("/v1/gateway/routes").json()["endpoints"] for r in e["replicas"]]

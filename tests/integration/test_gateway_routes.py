@@ -22,7 +22,11 @@ from tensora.config.quotas import Limits, OwnerSettings
 from tensora.gateway.routedoc import RouteDocument
 from tensora.gateway.routes import table_from_json
 from tensora.keys import apikeys
-from tensora.store import repo
+from tensora.store import keys as keys_repo
+from tensora.store import owners as owners_repo
+from tensora.store import routes as routes_repo
+from tensora.store import workloads as workloads_repo
+from tensora.store.tables import O
 from tests.support import services
 from tests.support.stack import Stack, stack
 
@@ -97,21 +101,22 @@ def _start(r: Routes) -> None:
 
 def _serve(r: Routes) -> None:
     """The endpoint's replica gets its URL: a write that sets no timestamp at all."""
-    (w,) = r.write(lambda c: repo.serving_endpoints(c, "local"))
-    for x in r.write(lambda c: repo.replicas_of(c, [w.id])):
-        r.write(lambda c, x=x: repo.update_replica(c, x.id, {"url": "http://127.0.0.1:9/v1", "state": "running"}))
+    (w,) = r.write(lambda c: routes_repo.serving_endpoints(c, "local"))
+    for x in r.write(lambda c: workloads_repo.replicas_of(c, [w.id])):
+        r.write(lambda c, x=x: workloads_repo.update_replica(c, x.id, {"url": "http://127.0.0.1:9/v1",
+                                                                       "state": "running"}))
 
 
 def _second_replica(r: Routes) -> None:
-    (w,) = r.write(lambda c: repo.serving_endpoints(c, "local"))
-    (x,) = r.write(lambda c: repo.replicas_of(c, [w.id]))
+    (w,) = r.write(lambda c: routes_repo.serving_endpoints(c, "local"))
+    (x,) = r.write(lambda c: workloads_repo.replicas_of(c, [w.id]))
     now = r.st.clock.now()
     second = x._replace(id="rp_second", slot=1, url="http://127.0.0.1:8/v1", created_at=now, updated_at=now)
-    r.write(lambda c: repo.insert_replica(c, second))
+    r.write(lambda c: workloads_repo.insert_replica(c, second))
 
 
 def _replica_gone(r: Routes) -> None:
-    r.write(lambda c: repo.update_replica(c, "rp_second", {"state": "stopping"}))
+    r.write(lambda c: workloads_repo.update_replica(c, "rp_second", {"state": "stopping"}))
 
 
 def _key(r: Routes) -> None:
@@ -119,21 +124,21 @@ def _key(r: Routes) -> None:
 
 
 def _revoke(r: Routes) -> None:
-    (k,) = [k for k in r.write(lambda c: repo.list_keys(c, "carol"))]
-    assert r.write(lambda c: repo.revoke_key(c, k["id"], None, r.st.clock.now()))
+    (k,) = [k for k in r.write(lambda c: keys_repo.list_keys(c, "carol"))]
+    assert r.write(lambda c: keys_repo.revoke_key(c, k.id, None, r.st.clock.now()))
 
 
 def _limits(rpm: int) -> Callable[[Routes], None]:
     def change(r: Routes) -> None:
-        r.write(lambda c: repo.set_owner(c, "alice", False, r.st.clock.now()))
-        r.write(lambda c: c.execute(update(repo.O).where(repo.O.c.owner == "alice")
+        r.write(lambda c: owners_repo.set_owner(c, "alice", False, r.st.clock.now()))
+        r.write(lambda c: c.execute(update(O).where(O.c.owner == "alice")
                                     .values(limits={"requests_per_minute": rpm})))
     return change
 
 
 def _stop(r: Routes) -> None:
-    (w,) = r.write(lambda c: repo.serving_endpoints(c, "local"))
-    r.write(lambda c: repo.update_workload(c, w.id, {"state": "stopping"}))
+    (w,) = r.write(lambda c: routes_repo.serving_endpoints(c, "local"))
+    r.write(lambda c: workloads_repo.update_workload(c, w.id, {"state": "stopping"}))
 
 
 def _alice(doc: dict[str, Any]) -> dict[str, Any]:

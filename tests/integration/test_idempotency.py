@@ -20,7 +20,10 @@ from tensora.api.idempotency import IN_FLIGHT_S, KEEP_S, MAX_KEY_LEN, fingerprin
 from tensora.control import workloads
 from tensora.control.spec import parse_spec
 from tensora.keys import apikeys
-from tensora.store import repo
+from tensora.store import idempotency as idempotency_repo
+from tensora.store import keys as keys_repo
+from tensora.store import workloads as workloads_repo
+from tensora.store.idempotency import IdempotencyRow
 from tensora.store.rows import WorkloadRecord
 from tests.support.services import LiveServer, serving
 from tests.support.stack import Stack, stack
@@ -39,7 +42,7 @@ class Live:
 
     def workloads(self, owner: str | None = None) -> list[WorkloadRecord]:
         with self.stack.services.db.read() as conn:
-            return list(repo.list_workloads(conn, owner, None, None, 1000, None))
+            return list(workloads_repo.list_workloads(conn, owner, None, None, 1000, None))
 
 
 @pytest.fixture
@@ -62,9 +65,9 @@ def manual(db_url: str, tmp_path: Any) -> Iterator[Live]:
 
 def key_id(secret: str, live: Live) -> str:
     with live.stack.services.db.read() as conn:
-        row = repo.key_by_digest(conn, apikeys.digest(secret))
+        row = keys_repo.key_by_digest(conn, apikeys.digest(secret))
     assert row is not None
-    return str(row["id"])
+    return str(row.id)
 
 
 def idem(key: str) -> dict[str, str]:
@@ -336,7 +339,7 @@ def test_a_crashed_claim_expires_and_is_taken_over(manual: Live) -> None:
     body = parse_spec(NB).model_dump(mode="json")  # what the route fingerprints (region defaulted)
     now = s.clock.now()
     with s.services.db.write() as conn:  # a server that claimed the key, then died
-        repo.claim_idempotency(conn, {"key_id": key_id(s.alice, manual), "method": "POST",
+        idempotency_repo.claim_idempotency(conn, {"key_id": key_id(s.alice, manual), "method": "POST",
                                       "path": "/v1/workloads", "key": "k-crash",
                                       "fingerprint": fingerprint("POST", "/v1/workloads", body),
                                       "state": "in_flight", "status": None, "body": None,
@@ -359,9 +362,9 @@ def test_a_stored_response_is_kept_24h_then_forgotten(manual: Live) -> None:
     s = manual.stack
     pk = {"key_id": key_id(s.alice, manual), "method": "POST", "path": "/v1/workloads", "key": "k-day"}
 
-    def record() -> dict[str, Any] | None:
+    def record() -> IdempotencyRow | None:
         with s.services.db.read() as conn:
-            return repo.get_idempotency(conn, pk)
+            return idempotency_repo.get_idempotency(conn, pk)
 
     def expire_step() -> None:
         """Housekeeping runs on the first cycle and every 30th after: run a full round of cycles."""

@@ -210,9 +210,10 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
     assert svc.controller is not None
     try:
         with svc.db.write() as conn:
-            from tensora.store import repo
+            from tensora.store import owners as owners_repo
+            from tensora.store import workloads as workloads_repo
 
-            repo.set_owner(conn, "tom", True, svc.clock.now())  # as PUT /v1/owners/tom {"trusted": true} does
+            owners_repo.set_owner(conn, "tom", True, svc.clock.now())  # as PUT /v1/owners/tom {"trusted": true} does
             w = workloads.create(conn, workloads.validate(parse_spec(
                 {"kind": "notebook", "name": "nb", "region": "eu-west", "gpu_class": "l40s-48gb"}), svc.catalog,
                 "alice", svc.storage), svc.clock.now())
@@ -230,7 +231,7 @@ def test_the_controller_places_through_it(cluster: tuple[ApiServerDouble, Path],
         double.set_status(PODS, NS, pod_name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
         svc.controller.run_once()
         with svc.db.read() as conn:
-            got = repo.get_workload(conn, w.id)
+            got = workloads_repo.get_workload(conn, w.id)
         assert got is not None and got.state == "running" and got.placed_class == "l40s-48gb"
     finally:
         svc.controller.driver.close()  # type: ignore[attr-defined]
@@ -390,7 +391,8 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
     from tensora.control.spec import parse_spec
     from tensora.models.tinymodel import write_tiny_model
     from tensora.serve import build
-    from tensora.store import repo
+    from tensora.store import events as events_repo
+    from tensora.store import workloads as workloads_repo
 
     double, kubeconfig = cluster
     double.seed(PODS, {"metadata": {"name": "gpu-hog", "namespace": "ml"},
@@ -418,7 +420,7 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
 
     def state() -> WorkloadRecord:
         with svc.db.read() as conn:
-            w = repo.get_workload(conn, ep.id)
+            w = workloads_repo.get_workload(conn, ep.id)
         assert w is not None
         return w
 
@@ -445,7 +447,7 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
         assert runtimes() == ["tensora-vllm"], runtimes()
         assert state().placed_class == "l40s-48gb" and set(seen_states) == {"running"}
         with svc.db.read() as conn:
-            reasons = [e.reason for e in repo.list_events(conn, ep.id)]
+            reasons = [e.reason for e in events_repo.list_events(conn, ep.id)]
         assert any("l40s-48gb" in r and ("move" in r or "promot" in r) for r in reasons), reasons
     finally:
         svc.controller.driver.close()  # type: ignore[attr-defined]

@@ -30,8 +30,10 @@ from tensora.models import runtimes
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import ReplicaState, WorkloadKind
-from tensora.store import repo
+from tensora.store import events as events_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
+from tensora.store.tables import U
 from tests.integration.test_api import Api, api, created, iso, own_model, settle
 from tests.integration.test_controller import CATALOG, events, get, make, replicas, submit, view
 from tests.support.stack import GI, T0, fleet
@@ -319,7 +321,7 @@ def test_a_crash_loop_over_30_minutes_leaves_few_events(db: Database) -> None:
                 attempts += 1
         clock.advance(2)
     with db.read() as conn:
-        rows = repo.list_events(conn, ep)
+        rows = events_repo.list_events(conn, ep)
     assert attempts >= 8  # 10 s, 20 s ... then every 5 min
     assert len(rows) < 20, [e.reason for e in rows]
     assert sum(e.count for e in rows) > 3 * attempts - 3  # placed, running, failed: each counted, not added
@@ -425,9 +427,9 @@ def test_deleted_workloads_and_their_replicas_go_after_the_retention_and_their_u
     clock.advance(1)
     c.run_once()
     with db.read() as conn:
-        assert repo.get_workload(conn, gone, include_deleted=True) is None
-        assert repo.replicas_of(conn, [gone], active_only=False) == []
-        usage = conn.execute(repo.U.select().where(repo.U.c.workload_id == gone)).all()
+        assert workloads_repo.get_workload(conn, gone, include_deleted=True) is None
+        assert workloads_repo.replicas_of(conn, [gone], active_only=False) == []
+        usage = conn.execute(U.select().where(U.c.workload_id == gone)).all()
     assert len(usage) == 2 and all(u.ended_at is not None and u.ended_at <= deleted_at + 60 for u in usage)
     assert get(db, kept).deleted_at is None and len(replicas(db, kept)) == 1  # a live workload stays whole
     c.run_once()  # and the controller goes on without the rows
@@ -439,13 +441,13 @@ def test_a_deleted_workload_whose_storage_is_not_given_back_is_kept(db: Database
     wid = submit(db, clock, kind="notebook", name="nb", gpu_class="cpu-2c-8g")
     with db.write() as conn:
         workloads.delete(conn, get(db, wid), clock.now())
-        assert repo.purge_workloads(conn, clock.now() + 3600) == 0  # its home not given back yet: kept
+        assert workloads_repo.purge_workloads(conn, clock.now() + 3600) == 0  # its home not given back yet: kept
     assert get(db, wid).deleted_at is not None
     with db.write() as conn:
-        repo.mark_released(conn, [wid], clock.now())
-        assert repo.purge_workloads(conn, clock.now() - 1) == 0  # deleted after the cutoff: kept
-        assert repo.purge_workloads(conn, clock.now()) == 1
-        assert repo.get_workload(conn, wid, include_deleted=True) is None
+        workloads_repo.mark_released(conn, [wid], clock.now())
+        assert workloads_repo.purge_workloads(conn, clock.now() - 1) == 0  # deleted after the cutoff: kept
+        assert workloads_repo.purge_workloads(conn, clock.now()) == 1
+        assert workloads_repo.get_workload(conn, wid, include_deleted=True) is None
 
 
 def test_the_local_driver_forgets_ended_replicas_after_the_retention(db: Database, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import func, select
 
 from tensora.api.auth import create_key
 from tensora.gateway.app import GatewaySettings, build
@@ -24,8 +25,11 @@ from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.metering import Meter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.keys import apikeys
-from tensora.store import repo
+from tensora.store import routes as routes_repo
+from tensora.store import usage as usage_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
+from tensora.store.tables import T
 from tests.support import services
 from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.stack import Stack, stack
@@ -44,11 +48,11 @@ class Plane:
 
     def metered(self, owner: str) -> int:
         with self.st.services.db.read() as conn:
-            return sum(r["requests"] for r in repo.token_usage(conn, owner, 0, None))
+            return sum(r.requests for r in usage_repo.token_usage(conn, owner, 0, None))
 
     def records(self, owner: str) -> list[dict[str, Any]]:
         with self.st.services.db.read() as conn:
-            return [dict(r) for r in conn.execute(repo.select(repo.T).where(repo.T.c.owner == owner)).mappings()]
+            return [dict(r) for r in conn.execute(select(T).where(T.c.owner == owner)).mappings()]
 
 
 @pytest.fixture
@@ -68,8 +72,8 @@ def plane(db_url: str, tmp_path: Path, backends: Backends) -> Iterator[Plane]:
         st.controller.run_once()
         st.controller.run_once()
         with st.services.db.write() as conn:
-            for r in repo.replicas_of(conn, ids):
-                repo.update_replica(conn, r.id, {"url": backends.url("r1")})
+            for r in workloads_repo.replicas_of(conn, ids):
+                workloads_repo.update_replica(conn, r.id, {"url": backends.url("r1")})
         try:
             yield Plane(st, live.url, keys)
         finally:
@@ -166,8 +170,8 @@ def test_a_batch_resent_after_a_crash_is_counted_once(plane: Plane, tmp_path: Pa
 
 def table_for(plane: Plane) -> Any:
     with plane.st.services.db.read() as conn:
-        eps = repo.serving_endpoints(conn, "local")
-        reps = repo.replicas_of(conn, [e.id for e in eps])
+        eps = routes_repo.serving_endpoints(conn, "local")
+        reps = workloads_repo.replicas_of(conn, [e.id for e in eps])
     keys = {plane.keys["alice"]: ("alice", ["inference"])}
     return make_table([{"id": e.id, "name": e.name, "owner": e.owner,
                         "replicas": [replica(r.id, r.url) for r in reps if r.workload_id == e.id]}
@@ -192,7 +196,7 @@ def inproc(backends: Backends, tmp_path_factory: pytest.TempPathFactory) -> Iter
         batch = UsageBatch.model_validate({"records": [orjson.loads(x) for x in records]})
         rows = [r.model_dump() for r in batch.records]
         with db.write() as conn:
-            repo.insert_token_usage(conn, rows)
+            usage_repo.insert_token_usage(conn, rows)
         return True
 
     meter = Meter(tmp_path_factory.mktemp("spool"), send)
@@ -238,7 +242,7 @@ def test_metered_requests_equal_requests_answered_whatever_the_client_ids(
         inproc: tuple[Gateway, Meter, Database], rids: list[str | bytes | None]) -> None:
     gw, meter, db = inproc
     with db.read() as conn:
-        before = conn.execute(repo.select(repo.func.count()).select_from(repo.T)).scalar_one()
+        before = conn.execute(select(func.count()).select_from(T)).scalar_one()
 
     async def run() -> list[tuple[int, bytes | None]]:
         out = [await call(gw, r.encode("utf-8", "surrogatepass") if isinstance(r, str) else r) for r in rids]
@@ -249,7 +253,7 @@ def test_metered_requests_equal_requests_answered_whatever_the_client_ids(
     answers = asyncio.run(run())
     answered = sum(1 for status, _ in answers if status == 200)
     with db.read() as conn:
-        rows = conn.execute(repo.select(repo.T.c.client_request_id).order_by(repo.T.c.at)).scalars().all()
+        rows = conn.execute(select(T.c.client_request_id).order_by(T.c.at)).scalars().all()
     assert len(rows) - before == answered == len(rids)
     echoed = sorted(e.decode() for _, e in answers if e is not None)
     assert sorted(rows[before:]) == echoed  # stored as it was echoed: the client's when sane, else the gateway's

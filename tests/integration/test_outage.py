@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from tensora import serve
-from tensora.store import repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tests.support.services import LiveServer, PgCluster, serving
 from tests.support.stack import Stack, stack
@@ -64,7 +64,7 @@ def poll(call: Callable[[], httpx.Response], until: Callable[[httpx.Response], b
 
 def workload_count(s: Stack) -> int:
     with s.services.db.read() as conn:
-        return len(repo.list_workloads(conn, None, None, None, 1000, None))
+        return len(workloads_repo.list_workloads(conn, None, None, None, 1000, None))
 
 
 @pytest.fixture

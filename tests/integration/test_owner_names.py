@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import text
 
 from tensora.storage import NOT_FOUND, Storage, owner_dir
-from tensora.store import repo
+from tensora.store import workloads as workloads_repo
 from tests.integration.test_api import WRITTEN_TABLES, tiny_model
 from tests.support import services
 from tests.support.stack import Stack, stack
@@ -53,12 +53,12 @@ class World:
         for _ in range(2):
             self.stack.controller.run_once()
         with self.stack.services.db.write() as conn:
-            for r in repo.active_replicas(conn, "local"):
-                repo.update_replica(conn, r.id, {"url": f"http://127.0.0.1:9/{r.id}/v1"})
+            for r in workloads_repo.active_replicas(conn, "local"):
+                workloads_repo.update_replica(conn, r.id, {"url": f"http://127.0.0.1:9/{r.id}/v1"})
 
     def row_spec(self, wid: str) -> dict[str, Any]:
         with self.stack.services.db.read() as conn:
-            w = repo.get_workload(conn, wid, None)
+            w = workloads_repo.get_workload(conn, wid, None)
         assert w is not None
         spec: dict[str, Any] = dict(w.spec)
         return spec

@@ -40,7 +40,7 @@ from tensora.sdk import (
 )
 from tensora.sdk.errors import APIError, for_status
 from tensora.sdk.retry import Retry, Stop, decide, retryable, server_wait
-from tensora.store import repo
+from tensora.store import keys as keys_repo
 from tests.support import services
 from tests.support.doubles import Sleeps
 from tests.support.flaky import DROP, LOST, FlakyProxy, flaky, stall, status
@@ -276,9 +276,9 @@ def test_a_real_in_flight_idempotency_conflict_is_retried_then_raised(sqlite_api
     body = {"kind": "notebook", "name": "nb", "gpu_class": "l40s-48gb", "fallback": [], "region": "local"}
     dumped = WorkloadSpec.model_validate(body).model_dump(mode="json")
     with api.stack.services.db.read() as conn:
-        alice_key = repo.key_by_digest(conn, digest(api.stack.alice))
+        alice_key = keys_repo.key_by_digest(conn, digest(api.stack.alice))
     assert alice_key is not None
-    claim = Claim({"key_id": alice_key["id"], "method": "POST", "path": "/v1/workloads", "key": "mine-1"},
+    claim = Claim({"key_id": alice_key.id, "method": "POST", "path": "/v1/workloads", "key": "mine-1"},
                   fingerprint("POST", "/v1/workloads", dumped))
     assert api.stack.services.idempotency._claim(claim) is None  # in flight now, for 60 s
     with flaky(api.url) as proxy, client(proxy.url, api.stack.alice, sleeps) as c:

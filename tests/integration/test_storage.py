@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import text
 
 from tensora.storage import NOT_FOUND, BadName, NotFound, Storage, check_name, owner_dir, resolve
-from tensora.store import repo
+from tensora.store import uids as uids_repo
 from tensora.store.db import Database
 
 # -- names -------------------------------------------------------------------------------
@@ -225,12 +225,12 @@ def test_sweep_removes_only_stale_temp_files(tmp_path: Path) -> None:
 
 def uid(db: Database, owner: str, **kw: Any) -> int:
     with db.write() as conn:
-        return repo.owner_uid(conn, owner, 1.0, **kw)
+        return uids_repo.owner_uid(conn, owner, 1.0, **kw)
 
 
 def test_an_owners_uid_is_allocated_once_and_kept(db: Database) -> None:
     a = uid(db, "alice")
-    assert repo.UID_FIRST <= a <= repo.UID_LAST and a not in (0, os.getuid(), os.getgid())
+    assert uids_repo.UID_FIRST <= a <= uids_repo.UID_LAST and a not in (0, os.getuid(), os.getgid())
     b = uid(db, "bob")
     assert b != a
     assert [uid(db, "alice"), uid(db, "bob")] == [a, b]
@@ -240,8 +240,8 @@ def test_an_owners_uid_is_allocated_once_and_kept(db: Database) -> None:
 
 
 def test_never_zero_nor_the_processes_own_uid_or_gid(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(repo.os, "getuid", lambda: 500)
-    monkeypatch.setattr(repo.os, "getgid", lambda: 501)
+    monkeypatch.setattr(uids_repo.os, "getuid", lambda: 500)
+    monkeypatch.setattr(uids_repo.os, "getgid", lambda: 501)
     assert uid(db, "alice", first=500, last=600) == 502
     assert uid(db, "bob", first=500, last=600, avoid=[503]) == 504
     with pytest.raises(ValueError, match=r"range 0\.\.10"):
@@ -251,7 +251,7 @@ def test_never_zero_nor_the_processes_own_uid_or_gid(db: Database, monkeypatch: 
 def test_a_full_range_is_a_clear_error(db: Database) -> None:
     taken = {uid(db, o, first=70000, last=70001) for o in ("alice", "bob")}
     assert taken == {70000, 70001}
-    with pytest.raises(repo.UidsExhausted, match=r"no free sandbox uid for owner 'carol'.*2 owners hold the range "
+    with pytest.raises(uids_repo.UidsExhausted, match=r"no free sandbox uid for owner 'carol'.*2 owners hold the range "
                                                  r"70000\.\.70001; widen it"):
         uid(db, "carol", first=70000, last=70001)
     assert uid(db, "alice", first=70000, last=70001) in taken  # those allocated still read back
@@ -273,7 +273,7 @@ def test_a_first_call_racing_an_uncommitted_one(db: Database, who: str) -> None:
 
     thread = threading.Thread(target=call)
     with db.write() as conn:
-        first = repo.owner_uid(conn, "alice", 1.0)
+        first = uids_repo.owner_uid(conn, "alice", 1.0)
         thread.start()
         if db.engine.dialect.name == "postgresql":
             with db.engine.connect() as watch:

@@ -14,9 +14,17 @@ from hypothesis import strategies as st
 from sqlalchemy import func, inspect, select, text
 
 from tensora.errors import Conflict
-from tensora.store import repo
+from tensora.store import files as files_repo
+from tensora.store import idempotency as idempotency_repo
+from tensora.store import keys as keys_repo
+from tensora.store import leases as leases_repo
+from tensora.store import owners as owners_repo
 from tensora.store.db import Database, normalize_url
+from tensora.store.ids import Ids
+from tensora.store.keys import KeyRow
 from tensora.store.models import Base
+from tensora.store.rows import OwnerRow
+from tensora.store.tables import UR
 
 
 def test_migrations_create_exactly_the_models(db: Database) -> None:
@@ -47,12 +55,12 @@ def test_lease(db: Database, case: tuple[list[tuple[str, float]], tuple[str, flo
     before, (holder, now), want = case
     for who, at in before:
         with db.write() as conn:
-            assert repo.acquire_lease(conn, "controller/local", who, at, 15.0)
+            assert leases_repo.acquire_lease(conn, "controller/local", who, at, 15.0)
     with db.write() as conn:
-        got = repo.acquire_lease(conn, "controller/local", holder, now, 15.0)
+        got = leases_repo.acquire_lease(conn, "controller/local", holder, now, 15.0)
     assert got is want
     with db.read() as conn:
-        assert repo.lease_holder(conn, "controller/local", now) == (holder if want else before[-1][0])
+        assert leases_repo.lease_holder(conn, "controller/local", now) == (holder if want else before[-1][0])
 
 
 RESERVATION_CASES = {
@@ -67,37 +75,37 @@ RESERVATION_CASES = {
 def test_upload_reservations(db: Database, case: tuple[float, str | None, int]) -> None:
     at, besides, want = case
     with db.write() as conn:
-        repo.reserve(conn, "u1", "alice", 3, 100.0, 300.0)
-        repo.reserve(conn, "u2", "alice", 5, 100.0, 300.0)
-        repo.reserve(conn, "u3", "bob", 7, 100.0, 300.0)
+        files_repo.reserve(conn, "u1", "alice", 3, 100.0, 300.0)
+        files_repo.reserve(conn, "u2", "alice", 5, 100.0, 300.0)
+        files_repo.reserve(conn, "u3", "bob", 7, 100.0, 300.0)
     with db.read() as conn:
-        assert repo.reserved(conn, "alice", at, besides=besides) == want
+        assert files_repo.reserved(conn, "alice", at, besides=besides) == want
 
 
 def test_a_reservation_is_changed_renewed_released_and_expired_ones_deleted(db: Database) -> None:
     with db.write() as conn:
-        repo.reserve(conn, "u1", "alice", 3, 100.0, 300.0)
-        repo.reserve(conn, "u1", "alice", 4, 350.0, 300.0)  # grown and renewed: counts past its first expiry
-        repo.reserve(conn, "old", "alice", 9, 0.0, 300.0)  # a crashed worker's, expired at 300
+        files_repo.reserve(conn, "u1", "alice", 3, 100.0, 300.0)
+        files_repo.reserve(conn, "u1", "alice", 4, 350.0, 300.0)  # grown and renewed: counts past its first expiry
+        files_repo.reserve(conn, "old", "alice", 9, 0.0, 300.0)  # a crashed worker's, expired at 300
     with db.read() as conn:
-        assert repo.reserved(conn, "alice", 600.0) == 4
+        assert files_repo.reserved(conn, "alice", 600.0) == 4
     with db.write() as conn:
-        repo.reserve(conn, "u2", "alice", 1, 610.0, 300.0)  # the owner's expired ones go on the way
-        assert conn.execute(select(func.count()).select_from(repo.UR)).scalar_one() == 2
-        repo.unreserve(conn, "u1")
-        repo.unreserve(conn, "u1")  # again: nothing there, done
+        files_repo.reserve(conn, "u2", "alice", 1, 610.0, 300.0)  # the owner's expired ones go on the way
+        assert conn.execute(select(func.count()).select_from(UR)).scalar_one() == 2
+        files_repo.unreserve(conn, "u1")
+        files_repo.unreserve(conn, "u1")  # again: nothing there, done
     with db.read() as conn:
-        assert repo.reserved(conn, "alice", 611.0) == 1
+        assert files_repo.reserved(conn, "alice", 611.0) == 1
 
 
 def test_lease_is_per_region_and_released_on_request(db: Database) -> None:
     with db.write() as conn:
-        assert repo.acquire_lease(conn, "controller/eu", "a", 0.0, 15.0)
-        assert repo.acquire_lease(conn, "controller/us", "b", 0.0, 15.0)
-        repo.release_lease(conn, "controller/eu", "a")
+        assert leases_repo.acquire_lease(conn, "controller/eu", "a", 0.0, 15.0)
+        assert leases_repo.acquire_lease(conn, "controller/us", "b", 0.0, 15.0)
+        leases_repo.release_lease(conn, "controller/eu", "a")
     with db.write() as conn:
-        assert repo.acquire_lease(conn, "controller/eu", "c", 1.0, 15.0)
-        assert not repo.acquire_lease(conn, "controller/us", "c", 1.0, 15.0)
+        assert leases_repo.acquire_lease(conn, "controller/eu", "c", 1.0, 15.0)
+        assert not leases_repo.acquire_lease(conn, "controller/us", "c", 1.0, 15.0)
 
 
 def test_idempotency_claim_is_an_atomic_insert(db: Database) -> None:
@@ -105,22 +113,22 @@ def test_idempotency_claim_is_an_atomic_insert(db: Database) -> None:
     row = {**pk, "fingerprint": "f", "state": "in_flight", "status": None, "body": None, "created_at": 0.0,
            "expires_at": 60.0}
     with db.write() as conn:
-        repo.claim_idempotency(conn, row)
+        idempotency_repo.claim_idempotency(conn, row)
     with pytest.raises(Conflict), db.write() as conn:
-        repo.claim_idempotency(conn, row)
+        idempotency_repo.claim_idempotency(conn, row)
     with db.write() as conn:
-        assert not repo.take_over_expired(conn, pk, row, now=30.0)
-        assert repo.take_over_expired(conn, pk, {**row, "created_at": 61.0, "expires_at": 121.0}, now=61.0)
-        assert repo.expire_idempotency(conn, now=200.0) == 1
+        assert not idempotency_repo.take_over_expired(conn, pk, row, now=30.0)
+        assert idempotency_repo.take_over_expired(conn, pk, {**row, "created_at": 61.0, "expires_at": 121.0}, now=61.0)
+        assert idempotency_repo.expire_idempotency(conn, now=200.0) == 1
 
 
 def test_a_failed_transaction_leaves_no_row(db: Database) -> None:
     with pytest.raises(RuntimeError), db.write() as conn:
-        repo.insert_key(conn, {"id": "key_x", "digest": "d" * 64, "hint": "h", "owner": "o", "name": "n",
-                               "scopes": [], "created_at": 0.0, "revoked_at": None})
+        keys_repo.insert_key(conn, KeyRow(id="key_x", digest="d" * 64, hint="h", owner="o", name="n", scopes=[],
+                                          created_at=0.0, revoked_at=None))
         raise RuntimeError("crash before commit")
     with db.read() as conn:
-        assert repo.list_keys(conn, None) == []
+        assert keys_repo.list_keys(conn, None) == []
 
 
 def test_two_first_sets_of_an_owner_at_once_both_succeed(db: Database) -> None:
@@ -132,13 +140,13 @@ def test_two_first_sets_of_an_owner_at_once_both_succeed(db: Database) -> None:
     def set_again() -> None:
         try:
             with db.write() as conn:
-                second["row"] = repo.set_owner(conn, "dave", False, 2.0)
+                second["row"] = owners_repo.set_owner(conn, "dave", False, 2.0)
         except Exception as exc:  # kept for the assertion below
             second["error"] = exc
 
     other = threading.Thread(target=set_again)
     with db.write() as conn:
-        repo.set_owner(conn, "dave", True, 1.0)
+        owners_repo.set_owner(conn, "dave", True, 1.0)
         other.start()
         if db.engine.dialect.name == "postgresql":
             with db.engine.connect() as watch:
@@ -151,8 +159,8 @@ def test_two_first_sets_of_an_owner_at_once_both_succeed(db: Database) -> None:
     other.join(timeout=10)
     assert "error" not in second, second.get("error")
     with db.read() as conn:
-        assert repo.list_owners(conn) == [{"owner": "dave", "trusted": False, "updated_at": 2.0, "quotas": None,
-                                           "limits": None}]
+        assert owners_repo.list_owners(conn) == [OwnerRow(owner="dave", trusted=False, updated_at=2.0, quotas=None,
+                                                          limits=None)]
 
 
 def test_migration_0006_keeps_no_owner_trusted_that_an_admin_did_not_mark_trusted(db_url: str) -> None:
@@ -178,14 +186,14 @@ def test_migration_0006_keeps_no_owner_trusted_that_an_admin_did_not_mark_truste
                               "('mallory', :t, 1.0), ('dave', :f, 2.0)"), {"t": True, "f": False})
         to("head")
         with database.read() as conn:
-            assert repo.list_owners(conn) == [
-                {"owner": "dave", "trusted": False, "updated_at": 2.0, "quotas": None, "limits": None},
-                {"owner": "mallory", "trusted": False, "updated_at": 1.0, "quotas": None, "limits": None}]
-            assert repo.trusted_owners(conn) == set()  # nobody: "erin", with no row, neither
+            assert owners_repo.list_owners(conn) == [
+                OwnerRow(owner="dave", trusted=False, updated_at=2.0, quotas=None, limits=None),
+                OwnerRow(owner="mallory", trusted=False, updated_at=1.0, quotas=None, limits=None)]
+            assert owners_repo.trusted_owners(conn) == set()  # nobody: "erin", with no row, neither
         with database.write() as conn:
-            repo.set_owner(conn, "dave", True, 3.0)  # an admin means it now
+            owners_repo.set_owner(conn, "dave", True, 3.0)  # an admin means it now
         with database.read() as conn:
-            assert repo.trusted_owners(conn) == {"dave"}
+            assert owners_repo.trusted_owners(conn) == {"dave"}
         to("0005", down=True)
         with database.engine.connect() as conn:
             rows = conn.execute(text("SELECT owner, untrusted FROM owners ORDER BY owner")).all()
@@ -207,7 +215,7 @@ ID_CASES = {  # clock readings (s) -> the 9-digit stamps of the ids made at them
 def test_ids_carry_their_creation_millisecond(case: tuple[list[float], list[str]]) -> None:
     readings, want = case
     clock = iter(readings)
-    ids = repo.Ids(lambda: next(clock))
+    ids = Ids(lambda: next(clock))
     made = [ids.new("wl_") for _ in readings]
     assert [m[3:12] for m in made] == want
     assert all(len(m) == 3 + 9 + 10 and m[12:].isalnum() for m in made)
@@ -216,7 +224,7 @@ def test_ids_carry_their_creation_millisecond(case: tuple[list[float], list[str]
 @given(st.lists(st.floats(min_value=0, max_value=1e11, allow_nan=False), min_size=1, max_size=50))
 def test_ids_sort_in_the_order_they_were_made_whatever_the_clock_does(readings: list[float]) -> None:
     clock = iter(readings)
-    ids = repo.Ids(lambda: next(clock))
+    ids = Ids(lambda: next(clock))
     made = [ids.new("rp_") for _ in readings]
     assert made == sorted(made) and len(set(made)) == len(made)
     assert all(int(m[3:12], 36) >= int(r * 1000) for m, r in zip(made, readings, strict=True))  # never early

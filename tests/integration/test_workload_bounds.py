@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tensora.placement.capacity import Node
-from tensora.store import repo
+from tensora.store.tables import O
 from tests.integration.test_api import WRITTEN_TABLES, Api, assert_error, created, settle
 from tests.support import services
 from tests.support.stack import GI, stack
@@ -112,7 +112,7 @@ def api_room(db_url: str, tmp_path: Path) -> Iterator[Api]:
 
 def test_an_owner_at_its_gpu_quota_waits_and_another_owner_still_runs(api_room: Api) -> None:
     with api_room.stack.services.db.write() as conn:  # an admin's override, as PUT /v1/owners/{owner} stores it
-        conn.execute(repo.O.insert().values(owner="alice", trusted=False, updated_at=0, quotas={"running_gpus": 1}))
+        conn.execute(O.insert().values(owner="alice", trusted=False, updated_at=0, quotas={"running_gpus": 1}))
     alice, bob = api_room.as_(api_room.stack.alice), api_room.as_(api_room.stack.bob)
     first = created(alice, **{**NB, "name": "a1"})
     second = created(alice, **{**NB, "name": "a2"})

@@ -39,7 +39,7 @@ from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.admission import decide
 from tensora.placement.kinds import ReplicaRole, ReplicaState, SlotRef, WorkloadKind, WorkloadState
-from tensora.store import repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tensora.store.rows import WORKLOAD_COLUMNS, HeldReplica, ReplicaRow, WorkloadRow
 from tests.support.builders import CATALOG
@@ -182,11 +182,11 @@ def test_the_memory_ledger_writes_as_the_store_does(sqlite: Database) -> None:
     memory = MemoryLedger({w.id: w for w in rows})
     with sqlite.write() as conn:
         for w in rows:
-            repo.insert_workload(conn, _store_row(w))
+            workloads_repo.insert_workload(conn, _store_row(w))
         stored = _ledger_script(StoreLedger(conn))
         waits = [("a", "waiting", None), ("gone", "waiting", T0)]
         StoreLedger(conn).set_wait_reasons(waits)
-        read = {w.id: w for w in repo.workloads_by_id_or_state(conn, ["a", "gone"], "local", ())}
+        read = {w.id: w for w in workloads_repo.workloads_by_id_or_state(conn, ["a", "gone"], "local", ())}
     assert _ledger_script(memory) == stored == [False, True, True, False, True, False]
     memory.set_wait_reasons(waits)
     assert read == memory.workloads

@@ -9,13 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tensora.control.usage import DAY, summarize
+from tensora.store.rows import SegmentRow
 
 D0 = 1_800_000_000.0 - (1_800_000_000.0 % DAY)  # a UTC midnight
 
 
-def seg(cls: str, start: float, end: float | None, owner: str = "alice", kind: str = "endpoint") -> dict[str, Any]:
-    return {"placed_class": cls, "started_at": D0 + start, "ended_at": None if end is None else D0 + end,
-            "owner": owner, "kind": kind}
+def seg(cls: str, start: float, end: float | None, owner: str = "alice", kind: str = "endpoint") -> SegmentRow:
+    return SegmentRow(id=0, workload_id="wl", replica_id="rp", owner=owner, region="local", kind=kind, placed_class=cls,
+                      started_at=D0 + start, ended_at=None if end is None else D0 + end)
 
 
 CASES = {

@@ -17,8 +17,10 @@ from fastapi import Request
 from tensora.api.errors import ApiError
 from tensora.api.principal import Principal
 from tensora.keys import apikeys
-from tensora.store import repo
+from tensora.store import keys as keys_repo
 from tensora.store.db import Database
+from tensora.store.ids import new_id
+from tensora.store.keys import KeyRow
 
 
 class KeyChecker:
@@ -64,10 +66,10 @@ class KeyChecker:
         if hit and hit[0] > now:
             return hit[1]
         with self.db.read() as conn:
-            row = repo.key_by_digest(conn, d)
-        if row is None or not apikeys.same_digest(row["digest"], d) or row["revoked_at"] is not None:
+            row = keys_repo.key_by_digest(conn, d)
+        if row is None or not apikeys.same_digest(row.digest, d) or row.revoked_at is not None:
             raise ApiError(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        p = Principal(row["id"], row["owner"], tuple(row["scopes"]))
+        p = Principal(row.id, row.owner, tuple(row.scopes))
         with self._lock:
             if len(self._cache) > 10_000:
                 self._cache.clear()
@@ -82,11 +84,10 @@ class KeyChecker:
 
 
 def create_key(conn: Any, owner: str, name: str, scopes: list[str], now: float, *, rpm: int | None = None,
-               tpm: int | None = None) -> tuple[str, dict[str, Any]]:
+               tpm: int | None = None) -> tuple[str, KeyRow]:
     """A new key: (the secret, shown once; the stored row)."""
     secret = apikeys.generate()
-    row = {"id": repo.new_id("key_"), "digest": apikeys.digest(secret), "hint": apikeys.hint(secret),
-           "owner": owner, "name": name, "scopes": list(scopes), "created_at": now, "revoked_at": None,
-           "rpm": rpm, "tpm": tpm}
-    repo.insert_key(conn, row)
+    row = KeyRow(id=new_id("key_"), digest=apikeys.digest(secret), hint=apikeys.hint(secret), owner=owner, name=name,
+                 scopes=list(scopes), created_at=now, revoked_at=None, rpm=rpm, tpm=tpm)
+    keys_repo.insert_key(conn, row)
     return secret, row

@@ -9,7 +9,8 @@ from fastapi import APIRouter
 from tensora.api.deps import ERRORS, Reader, Svc
 from tensora.api.schemas import CatalogOut
 from tensora.placement.capacity import Capacity, Placed
-from tensora.store import repo
+from tensora.store import nodes as nodes_repo
+from tensora.store import workloads as workloads_repo
 from tensora.units import format_memory
 
 router = APIRouter()
@@ -18,8 +19,8 @@ router = APIRouter()
 @router.get("/v1/catalog", response_model=CatalogOut, responses=ERRORS, tags=["catalog"])
 def catalog(svc: Svc, _: Reader) -> dict[str, Any]:
     with svc.db.read() as conn:
-        node_rows = repo.nodes_in(conn, svc.region)
-        placed = [Placed(r.node, r.cls, r.workload_id) for r in repo.active_replicas(conn, svc.region)]
+        node_rows = nodes_repo.nodes_in(conn, svc.region)
+        placed = [Placed(r.node, r.cls, r.workload_id) for r in workloads_repo.active_replicas(conn, svc.region)]
     nodes = [n.node() for n in node_rows]
     free = {c.cls: c.fits for c in Capacity(nodes, placed, svc.catalog, svc.reserves).summary(svc.region)}
     total = {c.cls: c.fits for c in Capacity(nodes, [], svc.catalog, svc.reserves).summary(svc.region)}

@@ -46,7 +46,7 @@ from tensora.storage import (
     check_name,
     parents_of,
 )
-from tensora.store import repo
+from tensora.store import files as files_repo
 
 router = APIRouter(tags=["files"])
 
@@ -93,7 +93,7 @@ def _name(value: str, field: str = "path") -> str:
         raise ApiError(422, str(exc), field=field) from None
 
 
-def _out(f: repo.FileRow) -> dict[str, Any]:
+def _out(f: files_repo.FileRow) -> dict[str, Any]:
     return {"path": f.path, "size": f.size, "sha256": f.sha256, "created_at": iso(f.created_at)}
 
 
@@ -159,16 +159,16 @@ def _reserve(svc: Services, owner: str, name: str, ticket: str, need: int, want:
     own size) and the other uploads in flight. Returns the bytes held."""
     now = svc.clock.now()
     with svc.db.write() as conn:
-        repo.lock_owner_files(conn, owner)  # the check and the hold are one step for every worker
-        old = repo.get_file(conn, owner, name)
-        used = repo.storage_used(conn, owner) - (old.size if old else 0)
-        others = repo.reserved(conn, owner, now, besides=ticket)
+        files_repo.lock_owner_files(conn, owner)  # the check and the hold are one step for every worker
+        old = files_repo.get_file(conn, owner, name)
+        used = files_repo.storage_used(conn, owner) - (old.size if old else 0)
+        others = files_repo.reserved(conn, owner, now, besides=ticket)
         quota = _quota(conn, svc, owner)
         room = quota - used - others
         if need > room:  # refused: what it held goes at once, in this step, so a rival can go on
-            repo.unreserve(conn, ticket)
+            files_repo.unreserve(conn, ticket)
         else:
-            repo.reserve(conn, ticket, owner, min(want, room), now, RESERVATION_TTL_S)
+            files_repo.reserve(conn, ticket, owner, min(want, room), now, RESERVATION_TTL_S)
     if need > room:
         raise _over(quota, used, others)
     return min(want, room)
@@ -176,7 +176,7 @@ def _reserve(svc: Services, owner: str, name: str, ticket: str, need: int, want:
 
 def _unreserve(svc: Services, ticket: str) -> None:
     with svc.db.write() as conn:
-        repo.unreserve(conn, ticket)
+        files_repo.unreserve(conn, ticket)
 
 
 def _over(quota: int, used: int, in_flight: int = 0) -> ApiError:
@@ -184,23 +184,23 @@ def _over(quota: int, used: int, in_flight: int = 0) -> ApiError:
 
 
 def _commit(svc: Services, storage: Storage, owner: str, name: str, upload: Upload,
-            ticket: str) -> tuple[repo.FileRow, bool]:
+            ticket: str) -> tuple[files_repo.FileRow, bool]:
     with svc.db.write() as conn:
-        repo.lock_owner_files(conn, owner)
-        blocker = repo.blocking_file(conn, owner, name, parents_of(name))
+        files_repo.lock_owner_files(conn, owner)
+        blocker = files_repo.blocking_file(conn, owner, name, parents_of(name))
         if blocker is not None:
             raise ApiError(409, f"{name!r} is a directory (it holds {blocker!r}): delete it first"
                            if blocker.startswith(name + "/") else
                            f"{blocker!r} is a file, so {name!r} cannot be inside it", field="path")
-        old = repo.get_file(conn, owner, name)
-        used = repo.storage_used(conn, owner) - (old.size if old else 0)
-        others = repo.reserved(conn, owner, svc.clock.now(), besides=ticket)
+        old = files_repo.get_file(conn, owner, name)
+        used = files_repo.storage_used(conn, owner) - (old.size if old else 0)
+        others = files_repo.reserved(conn, owner, svc.clock.now(), besides=ticket)
         quota = _quota(conn, svc, owner)  # as of now: an admin may have lowered it during the upload
         if used + others + upload.size > quota:
             raise _over(quota, used, others)
-        row = repo.FileRow(owner, name, upload.size, upload.sha256, svc.clock.now())
-        replaced = repo.put_file(conn, row)
-        repo.unreserve(conn, ticket)  # its bytes now count as a file, in the same step
+        row = files_repo.FileRow(owner, name, upload.size, upload.sha256, svc.clock.now())
+        replaced = files_repo.put_file(conn, row)
+        files_repo.unreserve(conn, ticket)  # its bytes now count as a file, in the same step
         try:
             upload.publish(storage.path_of(owner, name))  # last: a failure here rolls the row back
         except NameTaken as exc:
@@ -218,8 +218,8 @@ def list_files(svc: Svc, p: Reader,
     if prefix is not None:
         _name(prefix, "prefix")
     with svc.db.read() as conn:
-        files = repo.list_files(conn, p.owner, prefix)
-        used = repo.storage_used(conn, p.owner)
+        files = files_repo.list_files(conn, p.owner, prefix)
+        used = files_repo.storage_used(conn, p.owner)
         quota = _quota(conn, svc, p.owner)
     return {"data": [_out(f) for f in files], "used": used, "quota": quota}
 
@@ -232,12 +232,12 @@ def delete_file(path: str, svc: Svc, p: Writer) -> dict[str, Any]:
     name = _name(path)
     storage = _storage(svc)
     with svc.db.write() as conn:
-        repo.lock_owner_files(conn, p.owner)
-        files = repo.list_files(conn, p.owner, name)
+        files_repo.lock_owner_files(conn, p.owner)
+        files = files_repo.list_files(conn, p.owner, name)
         if not files:
             raise ApiError(404, f"no file or directory {name!r} in your files")
-        repo.delete_files(conn, p.owner, [f.path for f in files])
+        files_repo.delete_files(conn, p.owner, [f.path for f in files])
         storage.remove(p.owner, [f.path for f in files])
-        used = repo.storage_used(conn, p.owner)
+        used = files_repo.storage_used(conn, p.owner)
         quota = _quota(conn, svc, p.owner)
     return {"data": [_out(f) for f in files], "used": used, "quota": quota}

@@ -2,7 +2,7 @@
 
 Every gateway polls ``GET /v1/gateway/routes`` every second with If-None-Match. The document (endpoints,
 routable replicas, key digests, owners' limits) is built once per change: a poll first reads the store's
-cheap marker (``repo.route_marker``) and, when it equals the one the cached document was built from,
+cheap marker (``store.routes.route_marker``) and, when it equals the one the cached document was built from,
 answers from the cache (304, or the stored bytes) with no rebuild, no serialization and no hashing. The
 cache is per process (each worker of ``serve --workers`` has its own); the version is a hash of the
 content, so every worker gives the same document the same ETag.
@@ -28,7 +28,11 @@ from tensora.keys import replicakeys
 from tensora.placement.fallback import uses_cpu
 from tensora.placement.kinds import ReplicaRole, ReplicaState
 from tensora.storage import SHARED
-from tensora.store import repo
+from tensora.store import keys as keys_repo
+from tensora.store import owners as owners_repo
+from tensora.store import routes as routes_repo
+from tensora.store import usage as usage_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.rows import ReplicaRow, WorkloadRecord
 
 router = APIRouter()
@@ -55,7 +59,7 @@ class RouteCache:
         than its marker (at worst newer, and the next poll builds once more)."""
         with self.lock:
             marker = (svc.region, svc.replica_secret, svc.owner_defaults, id(svc.catalog),
-                      repo.route_marker(conn, svc.region))
+                      routes_repo.route_marker(conn, svc.region))
             if self.doc is None or marker != self.marker:
                 table = routes_table(conn, svc)
                 self.doc = Document(table["version"], orjson.dumps(table))
@@ -90,15 +94,15 @@ def gateway_routes(request: Request, svc: Svc, _: Admin) -> Response:
 def gateway_usage(svc: Svc, _: Admin, body: Annotated[UsageBatch, Body()]) -> dict[str, Any]:
     rows = [r.model_dump() for r in body.records]
     with svc.db.write() as conn:
-        new = repo.insert_token_usage(conn, rows)
+        new = usage_repo.insert_token_usage(conn, rows)
     return {"received": len(rows), "new": new}
 
 
 def routes_table(conn: Any, svc: Services) -> RouteDocument:
     """The gateway's route table, built whole: endpoints serving in this region with their routable
     replicas, live keys, and the effective limits of every owner with a live key."""
-    endpoints = repo.serving_endpoints(conn, svc.region)
-    replicas = repo.replicas_of(conn, [w.id for w in endpoints])
+    endpoints = routes_repo.serving_endpoints(conn, svc.region)
+    replicas = workloads_repo.replicas_of(conn, [w.id for w in endpoints])
     by_w: dict[str, list[tuple[ReplicaRow, str]]] = {}  # a routable replica and its url
     for r in replicas:
         if r.state == ReplicaState.RUNNING and r.role == ReplicaRole.PRIMARY and r.url:
@@ -123,9 +127,9 @@ def routes_table(conn: Any, svc: Services) -> RouteDocument:
             "stream_idle_s": kind_spec.get("stream_idle_s"), "context": spec.get("context"),
             "replicas": [_replica(svc, r, url, is_cpu(r.cls), r.served_model or upstream)
                          for r, url in sorted(by_w.get(w.id, []), key=_slot)]}))
-    keys = [KeyDoc(id=k["id"], digest=k["digest"], owner=k["owner"], scopes=k["scopes"], rpm=k["rpm"], tpm=k["tpm"])
-            for k in repo.gateway_keys(conn)]
-    overrides = repo.owner_limits(conn)
+    keys = [KeyDoc(id=k.id, digest=k.digest, owner=k.owner, scopes=k.scopes, rpm=k.rpm, tpm=k.tpm)
+            for k in keys_repo.gateway_keys(conn)]
+    overrides = owners_repo.owner_limits(conn)
     owners: list[OwnerDoc] = []
     for owner in sorted({k["owner"] for k in keys}):
         limits = effective(svc.owner_defaults, None, overrides.get(owner)).limits

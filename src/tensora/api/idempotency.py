@@ -27,7 +27,7 @@ from tensora.api import metrics
 from tensora.api.errors import QUOTA_EXCEEDED, ApiError
 from tensora.clock import Clock
 from tensora.errors import Conflict
-from tensora.store import repo
+from tensora.store import idempotency as idempotency_repo
 from tensora.store.db import Database
 
 IN_FLIGHT_S = 60.0
@@ -75,7 +75,7 @@ class Idempotency:
                 text = orjson.dumps(payload).decode()
                 if 200 <= status < 300:
                     kept = orjson.dumps(replay(payload)).decode() if replay else text
-                    repo.complete_idempotency(conn, claim.pk, status, kept, self.clock.now() + self.keep_s)
+                    idempotency_repo.complete_idempotency(conn, claim.pk, status, kept, self.clock.now() + self.keep_s)
         except ApiError as exc:
             if (exc.status in (422, 400) or exc.status >= 500 or "Retry-After" in exc.headers
                     or exc.type == QUOTA_EXCEEDED):
@@ -98,37 +98,38 @@ class Idempotency:
                "created_at": now, "expires_at": now + self.in_flight_s}
         try:
             with self.db.write() as conn:
-                repo.claim_idempotency(conn, row)
+                idempotency_repo.claim_idempotency(conn, row)
             return None
         except Conflict:
             pass
         with self.db.write() as conn:
-            if repo.take_over_expired(conn, claim.pk, row, now):
+            if idempotency_repo.take_over_expired(conn, claim.pk, row, now):
                 return None
-            existing = repo.get_idempotency(conn, claim.pk)
+            existing = idempotency_repo.get_idempotency(conn, claim.pk)
         if existing is None:  # released between our insert and read: try once more
             return self._claim(claim)
-        if existing["fingerprint"] != claim.fingerprint:
+        if existing.fingerprint != claim.fingerprint:
             metrics.idempotency("mismatch")
             raise ApiError(422, "this Idempotency-Key was used with a different request body",
                            field="Idempotency-Key")
-        if existing["state"] != "done":
+        if existing.state != "done":
             # The first request usually ends within milliseconds: ask for a short wait.
             metrics.idempotency("conflict")
             raise ApiError(409, "a request with this Idempotency-Key is still in progress", retry_after=1,
                            headers={"x-should-retry": "true", "retry-after-ms": "100"})
         metrics.idempotency("replayed")
-        return Response(existing["body"], status_code=existing["status"], media_type="application/json",
+        assert existing.status is not None  # a done record holds its response
+        return Response(existing.body, status_code=existing.status, media_type="application/json",
                         headers={"Idempotent-Replayed": "true"})
 
     def _release(self, claim: Claim) -> None:
         try:
             with self.db.write() as conn:
-                repo.drop_idempotency(conn, claim.pk)
+                idempotency_repo.drop_idempotency(conn, claim.pk)
         except Exception:  # the claim expires by itself in in_flight_s
             pass
 
     def _store_error(self, claim: Claim, exc: ApiError) -> None:
         with self.db.write() as conn:
-            repo.complete_idempotency(conn, claim.pk, exc.status, orjson.dumps(exc.body()).decode(),
+            idempotency_repo.complete_idempotency(conn, claim.pk, exc.status, orjson.dumps(exc.body()).decode(),
                                       self.clock.now() + self.keep_s)

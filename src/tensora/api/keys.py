@@ -13,15 +13,17 @@ from tensora.api.errors import ApiError
 from tensora.api.owners import check_quota
 from tensora.api.schemas import KeyCreate, KeyList, KeyOut
 from tensora.keys.apikeys import DEFAULT_SCOPES, allows
-from tensora.store import repo
+from tensora.store import keys as keys_repo
+from tensora.store import sessions as sessions_repo
+from tensora.store.keys import KeyRow
 
 router = APIRouter()
 
 
-def _key_out(row: dict[str, Any], secret: str | None = None) -> dict[str, Any]:
-    return {"id": row["id"], "name": row["name"], "owner": row["owner"], "scopes": row["scopes"],
-            "hint": row["hint"], "created_at": iso(row["created_at"]), "key": secret,
-            "requests_per_minute": row.get("rpm"), "tokens_per_minute": row.get("tpm"), "secret_withheld": False}
+def _key_out(row: KeyRow, secret: str | None = None) -> dict[str, Any]:
+    return {"id": row.id, "name": row.name, "owner": row.owner, "scopes": row.scopes,
+            "hint": row.hint, "created_at": iso(row.created_at), "key": secret,
+            "requests_per_minute": row.rpm, "tokens_per_minute": row.tpm, "secret_withheld": False}
 
 
 def _withheld(payload: dict[str, Any]) -> dict[str, Any]:
@@ -65,14 +67,14 @@ def create_api_key(svc: Svc, p: KeyAdmin, body: Annotated[KeyCreate | None, Body
 @router.get("/v1/keys", response_model=KeyList, responses=ERRORS, tags=["keys"])
 def list_api_keys(svc: Svc, p: KeyAdmin) -> dict[str, Any]:
     with svc.db.read() as conn:
-        return {"data": [_key_out(r) for r in repo.list_keys(conn, p.owner_filter())]}
+        return {"data": [_key_out(r) for r in keys_repo.list_keys(conn, p.owner_filter())]}
 
 
 @router.delete("/v1/keys/{key_id}", status_code=204, responses=ERRORS, tags=["keys"])
 def revoke_api_key(key_id: str, svc: Svc, p: KeyAdmin) -> Response:
     with svc.db.write() as conn:
-        if not repo.revoke_key(conn, key_id, p.owner_filter(), svc.clock.now()):
+        if not keys_repo.revoke_key(conn, key_id, p.owner_filter(), svc.clock.now()):
             raise ApiError(404, f"no key {key_id!r}")
-        repo.revoke_sessions_of_key(conn, key_id, svc.clock.now())  # its dashboard sessions end with it
+        sessions_repo.revoke_sessions_of_key(conn, key_id, svc.clock.now())  # its dashboard sessions end with it
     svc.keys.forget(key_id)
     return Response(status_code=204)

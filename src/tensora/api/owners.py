@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body
@@ -12,7 +13,9 @@ from tensora.api.schemas import OwnerList, OwnerOut, OwnerUpdate
 from tensora.api.services import Services
 from tensora.config import quotas
 from tensora.control import owners
-from tensora.store import repo
+from tensora.store import owners as owners_repo
+from tensora.store.owners import Holdings
+from tensora.store.rows import OwnerRow
 
 router = APIRouter()
 
@@ -31,13 +34,13 @@ def check_quota(conn: Any, svc: Services, owner: str, what: Literal["keys", "wor
         raise ApiError(403, str(exc), type_=QUOTA_EXCEEDED) from None
 
 
-def _owner_out(svc: Services, owner: str, row: dict[str, Any] | None, held: dict[str, int]) -> dict[str, Any]:
+def _owner_out(svc: Services, owner: str, row: OwnerRow | None, held: Holdings) -> dict[str, Any]:
     """An owner never set is untrusted, has the defaults and no ``updated_at``."""
-    row = row or {"trusted": False, "updated_at": None, "quotas": None, "limits": None}
-    eff = quotas.effective(svc.owner_defaults, row["quotas"], row["limits"])
-    return {"owner": owner, "trusted": bool(row["trusted"]), "updated_at": iso(row["updated_at"]),
+    q, lim = (row.quotas, row.limits) if row else (None, None)
+    eff = quotas.effective(svc.owner_defaults, q, lim)
+    return {"owner": owner, "trusted": bool(row and row.trusted), "updated_at": iso(row.updated_at if row else None),
             "quotas": eff.quotas.model_dump(), "limits": eff.limits.model_dump(),
-            "overridden": quotas.overridden(row["quotas"], row["limits"]), "in_use": held}
+            "overridden": quotas.overridden(q, lim), "in_use": asdict(held)}
 
 
 @router.get("/v1/owners", response_model=OwnerList, responses=ERRORS, tags=["owners"],
@@ -45,9 +48,9 @@ def _owner_out(svc: Services, owner: str, row: dict[str, Any] | None, held: dict
                         "effective quotas and limits and what they hold. Admin keys only.")
 def list_owners(svc: Svc, _: Admin) -> dict[str, Any]:
     with svc.db.read() as conn:
-        rows = repo.list_owners(conn)
-        held = repo.holdings(conn, [r["owner"] for r in rows])
-    return {"data": [_owner_out(svc, r["owner"], r, held[r["owner"]]) for r in rows]}
+        rows = owners_repo.list_owners(conn)
+        held = owners_repo.holdings(conn, [r.owner for r in rows])
+    return {"data": [_owner_out(svc, r.owner, r, held[r.owner]) for r in rows]}
 
 
 @router.get("/v1/owners/{owner}", response_model=OwnerOut, responses=ERRORS, tags=["owners"],
@@ -58,7 +61,7 @@ def get_owner(owner: OwnerName, svc: Svc, p: Reader) -> dict[str, Any]:
     if owner != p.owner and not p.is_admin:
         raise ApiError(404, f"no owner {owner!r}")
     with svc.db.read() as conn:
-        return _owner_out(svc, owner, repo.get_owner(conn, owner), repo.holdings(conn, [owner])[owner])
+        return _owner_out(svc, owner, owners_repo.get_owner(conn, owner), owners_repo.holdings(conn, [owner])[owner])
 
 
 @router.put("/v1/owners/{owner}", response_model=OwnerOut, responses=ERRORS, tags=["owners"],
@@ -72,7 +75,7 @@ def set_owner(owner: OwnerName, svc: Svc, _: Admin, body: Annotated[OwnerUpdate,
         raise ApiError(422, "nothing to set: give trusted, quotas or limits")
     now = svc.clock.now()
     with svc.db.write() as conn:
-        row = repo.owner_for_update(conn, owner, now)
+        row = owners_repo.owner_for_update(conn, owner, now)
         values: dict[str, Any] = {"updated_at": now}
         if body.trusted is not None:
             values["trusted"] = body.trusted
@@ -80,6 +83,7 @@ def set_owner(owner: OwnerName, svc: Svc, _: Admin, body: Annotated[OwnerUpdate,
             if part in body.model_fields_set:
                 patch = getattr(body, part)
                 values[part] = (None if patch is None else
-                                quotas.overlay(row[part], {f: getattr(patch, f) for f in patch.model_fields_set}))
-        repo.write_owner(conn, owner, values)
-        return _owner_out(svc, owner, {**row, **values}, repo.holdings(conn, [owner])[owner])
+                                quotas.overlay(getattr(row, part),
+                                               {f: getattr(patch, f) for f in patch.model_fields_set}))
+        owners_repo.write_owner(conn, owner, values)
+        return _owner_out(svc, owner, replace(row, **values), owners_repo.holdings(conn, [owner])[owner])

@@ -18,7 +18,8 @@ from tensora.api.errors import ApiError
 from tensora.api.owners import owner_settings
 from tensora.api.services import Services
 from tensora.config.quotas import RATE_WINDOW_S as WINDOW_S
-from tensora.store import repo
+from tensora.store import idempotency as idempotency_repo
+from tensora.store import rates as rates_repo
 
 
 class Action(StrEnum):
@@ -40,10 +41,10 @@ def take(svc: Services, owner: str, action: Action, retry_of: dict[str, str] | N
     key); a call whose record exists is not counted."""
     field, what = _LIMIT[action]
     with svc.db.write() as conn:
-        if retry_of is not None and repo.get_idempotency(conn, retry_of) is not None:
+        if retry_of is not None and idempotency_repo.get_idempotency(conn, retry_of) is not None:
             return
         limit = getattr(owner_settings(conn, svc, owner).limits, field)
-        wait = repo.take_call(conn, owner, action.value, svc.clock.now(), limit, WINDOW_S)
+        wait = rates_repo.take_call(conn, owner, action.value, svc.clock.now(), limit, WINDOW_S)
     if wait is not None:
         retry = max(1, math.ceil(wait))
         raise ApiError(429, f"too many {what}: at most {limit} a minute for this owner (limits.{field}); "

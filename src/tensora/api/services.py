@@ -17,7 +17,7 @@ from tensora.names import controller_lease
 from tensora.placement.capacity import GpuReserve
 from tensora.placement.catalog import Catalog
 from tensora.storage import Storage
-from tensora.store import repo
+from tensora.store import leases as leases_repo
 from tensora.store.db import Database
 
 
@@ -69,7 +69,7 @@ class Services:
             return "not in this server"
         try:
             with self.db.read() as conn:
-                current = repo.lease_holder(conn, controller_lease(self.region), self.clock.now())
+                current = leases_repo.lease_holder(conn, controller_lease(self.region), self.clock.now())
         except Exception:
             return "unknown"
         return "leader" if current == holder else "standby"

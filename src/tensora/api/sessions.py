@@ -16,7 +16,7 @@ import secrets
 from tensora.api.auth import KeyChecker
 from tensora.api.principal import Principal
 from tensora.clock import Clock
-from tensora.store import repo
+from tensora.store import sessions as sessions_repo
 from tensora.store.db import Database
 from tensora.store.rows import SessionRow
 
@@ -45,9 +45,9 @@ class Sessions:
             return None
         session_id, now = secrets.token_urlsafe(32), self.clock.now()
         with self.db.write() as conn:
-            repo.prune_sessions(conn, now)
-            repo.insert_session(conn, SessionRow(digest(session_id), p.key_id, p.owner, now, now + self.lifetime_s,
-                                                 now))
+            sessions_repo.prune_sessions(conn, now)
+            row = SessionRow(digest(session_id), p.key_id, p.owner, now, now + self.lifetime_s, now)
+            sessions_repo.insert_session(conn, row)
         return session_id
 
     def principal(self, session_id: str, *, active: bool = True) -> Principal | None:
@@ -57,17 +57,17 @@ class Sessions:
             return None
         d, now = digest(session_id), self.clock.now()
         with self.db.read() as conn:
-            found = repo.live_session(conn, d)
+            found = sessions_repo.live_session(conn, d)
         if found is None or not found[0].live(now, self.idle_s):
             return None
         row, scopes = found
         if active and now - row.last_seen_at >= TOUCH_S:
             with self.db.write() as conn:
-                repo.touch_session(conn, d, now)
+                sessions_repo.touch_session(conn, d, now)
         return Principal(row.key_id, row.owner, scopes)
 
     def end(self, session_id: str) -> None:
         """Sign out: the session id is worth nothing from now on, wherever it was copied."""
         if session_id and len(session_id) <= MAX_ID_LEN:
             with self.db.write() as conn:
-                repo.revoke_session(conn, digest(session_id), self.clock.now())
+                sessions_repo.revoke_session(conn, digest(session_id), self.clock.now())

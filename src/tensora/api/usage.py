@@ -10,7 +10,7 @@ from tensora.api.deps import ERRORS, Svc, UsageReader, iso
 from tensora.api.errors import ApiError
 from tensora.api.schemas import TokenUsageOut, UsageOut
 from tensora.control.usage import summarize
-from tensora.store import repo
+from tensora.store import usage as usage_repo
 
 router = APIRouter()
 
@@ -32,7 +32,7 @@ def usage(svc: Svc, p: UsageReader,
     who = owner if owner is not None else p.owner_filter()
     keys = list(dict.fromkeys(group_by.split(",")))
     with svc.db.read() as conn:
-        segments = repo.segments(conn, who, start, end)
+        segments = usage_repo.segments(conn, who, start, end)
     rows = summarize(segments, keys, start, end)
     return {"since": iso(start), "until": iso(end), "group_by": keys, "data": rows,
             "total_seconds": round(sum(r["seconds"] for r in rows), 3)}
@@ -48,5 +48,5 @@ def usage_tokens(svc: Svc, p: UsageReader,
     now = svc.clock.now()
     start = since or 0.0
     with svc.db.read() as conn:  # no until: everything metered so far (a gateway's clock may run ahead)
-        rows = repo.token_usage(conn, p.owner_filter(), start, until)
-    return {"since": iso(start), "until": iso(until if until is not None else now), "data": rows}
+        rows = usage_repo.token_usage(conn, p.owner_filter(), start, until)
+    return {"since": iso(start), "until": iso(until if until is not None else now), "data": [r._asdict() for r in rows]}

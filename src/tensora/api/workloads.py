@@ -19,14 +19,15 @@ from tensora.api.services import Services
 from tensora.control import workloads
 from tensora.control.spec import WorkloadSpec
 from tensora.placement.kinds import WorkloadKind, WorkloadState
-from tensora.store import repo
+from tensora.store import events as events_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.rows import ReplicaRow, WorkloadRecord
 
 router = APIRouter()
 
 
 def _out(w: WorkloadRecord, replicas: Sequence[ReplicaRow], svc: Services) -> dict[str, Any]:
-    v = workloads.view(w, replicas, svc.catalog)
+    v: dict[str, Any] = dict(workloads.view(w, replicas, svc.catalog))
     for k in ("created_at", "updated_at", "queued_since", "fallback_eligible_at"):
         v[k] = iso(v[k])
     return v
@@ -43,7 +44,7 @@ def _retry_of(p: Principal, path: str, idem: str | None) -> dict[str, str] | Non
 
 
 def _own(conn: Any, p: Principal, workload_id: str) -> WorkloadRecord:
-    w = repo.get_workload(conn, workload_id, p.owner_filter())
+    w = workloads_repo.get_workload(conn, workload_id, p.owner_filter())
     if w is None:
         raise ApiError(404, f"no workload {workload_id!r}")
     return w
@@ -82,9 +83,9 @@ def list_workloads(svc: Svc, p: Reader,
                    limit: Annotated[int, Query(ge=1, le=500)] = 100,
                    after: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
     with svc.db.read() as conn:
-        rows = repo.list_workloads(conn, p.owner_filter(), kind, state, limit + 1, after)
+        rows = workloads_repo.list_workloads(conn, p.owner_filter(), kind, state, limit + 1, after)
         page = rows[:limit]
-        replicas = repo.replicas_of(conn, [w.id for w in page])
+        replicas = workloads_repo.replicas_of(conn, [w.id for w in page])
     by: dict[str, list[ReplicaRow]] = {}
     for r in replicas:
         by.setdefault(r.workload_id, []).append(r)
@@ -96,7 +97,7 @@ def list_workloads(svc: Svc, p: Reader,
 def get_workload(workload_id: str, svc: Svc, p: Reader) -> dict[str, Any]:
     with svc.db.read() as conn:
         w = _own(conn, p, workload_id)
-        return _out(w, repo.replicas_of(conn, [w.id]), svc)
+        return _out(w, workloads_repo.replicas_of(conn, [w.id]), svc)
 
 
 @router.get("/v1/workloads/{workload_id}/events", response_model=EventList, responses=ERRORS, tags=["workloads"])
@@ -104,7 +105,7 @@ def workload_events(workload_id: str, svc: Svc, p: Reader,
                     ) -> dict[str, Any]:
     with svc.db.read() as conn:
         _own(conn, p, workload_id)
-        events = repo.list_events(conn, workload_id)
+        events = events_repo.list_events(conn, workload_id)
     return {"data": [{**asdict(e), "at": iso(e.at), "last_at": None if e.last_at is None else iso(e.last_at),
                       "workload_id": None} for e in events]}
 
@@ -119,7 +120,7 @@ def stop_workload(workload_id: str, svc: Svc, p: Writer, idem: IdemKey = None,
             w = workloads.stop(conn, w, svc.clock.now(), _stopper(p, w))
         except workloads.InvalidState as exc:
             raise ApiError(409, str(exc), retry_after=1) from None
-        return 200, _out(w, repo.replicas_of(conn, [w.id]), svc)
+        return 200, _out(w, workloads_repo.replicas_of(conn, [w.id]), svc)
 
     return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/stop", idem, {}, action, svc.wake)
 
@@ -140,7 +141,7 @@ def restart_workload(workload_id: str, svc: Svc, p: Writer, body: Annotated[Rest
             w = workloads.restart(conn, w, svc.clock.now(), placement)
         except workloads.InvalidState as exc:
             raise ApiError(409, str(exc), retry_after=2) from None
-        return 200, _out(w, repo.replicas_of(conn, [w.id]), svc)
+        return 200, _out(w, workloads_repo.replicas_of(conn, [w.id]), svc)
 
     return svc.idempotency.run(p.key_id, "POST", f"/v1/workloads/{workload_id}/restart", idem,
                                {"placement": placement}, action, svc.wake)

@@ -2,7 +2,7 @@
 
 The controller holds no decisions of its own (admission makes them) and no state of its own
 (the store has it) but a cache: the admission state, kept between cycles and told the store's
-changes since a watermark (``feed``), dropped on any failure or lost lease and rebuilt from a
+changes since a watermark (``tracker``), dropped on any failure or lost lease and rebuilt from a
 full snapshot. One controller per region leads, by a lease in the store; every write
 transaction of a cycle renews that lease first, so a controller that lost it cannot write
 (a fence), and a workload moves ``queued -> starting`` only by a conditional update, so no
@@ -13,7 +13,7 @@ crash between the two loses nothing: the next cycle (of this or the next leader)
 replica recorded ``starting`` that the driver does not know and starts it, or one recorded
 ``stopping`` that still runs and stops it. Driver calls are idempotent by replica id.
 
-The steps are units of ``tensora.control``: ``snapshot`` and ``feed`` (admission's inputs), ``reconcile``
+The steps are units of ``tensora.control``: ``snapshot`` and ``tracker`` (admission's inputs), ``reconcile``
 (observed against recorded), ``apply`` (admission's decisions recorded), ``housekeeping`` and
 ``events`` (sentences rendered from values); this module is the loop that runs them in order,
 leads, fences and calls the driver. ``tensora plan`` runs the same reconcile and apply.
@@ -40,10 +40,10 @@ from tensora.clock import Clock, SystemClock
 from tensora.config.quotas import OwnerSettings
 from tensora.control import housekeeping
 from tensora.control.apply import apply
-from tensora.control.feed import Fed, Feed
 from tensora.control.metrics import ControllerMetrics
 from tensora.control.reconcile import DRAIN_S, reconcile
 from tensora.control.store_ledger import StoreLedger
+from tensora.control.tracker import AdmissionTracker, CycleRead
 from tensora.drivers.base import Driver, ReplicaSpec
 from tensora.errors import Conflict, StoreUnavailable
 from tensora.names import controller_lease
@@ -51,7 +51,11 @@ from tensora.placement.admission import Decision, Policy
 from tensora.placement.capacity import GpuReserve, Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import WorkloadState
-from tensora.store import repo
+from tensora.store import leases as leases_repo
+from tensora.store import nodes as nodes_repo
+from tensora.store import owners as owners_repo
+from tensora.store import uids as uids_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tensora.store.rows import NodeRow, ReplicaRow, WorkloadRow
 from tensora.telemetry.tracing import Tracing
@@ -105,7 +109,7 @@ class CycleReport:
     """False: admission re-decided nothing this cycle; the waits and offers of the last one stand."""
     backing_off: int = 0
     """Queued replicas waiting out a crash-loop back-off (admission does not see them until then), as the
-    admission state was told them (``Feed.backoff``), not a count read from the store."""
+    admission state was told them (``AdmissionTracker.backoff``), not a count read from the store."""
     pruned: int = 0
     """Ended replicas the driver forgot this cycle (past the retention)."""
 
@@ -128,7 +132,7 @@ class Controller:
                  drain_s: float = DRAIN_S, reserves: dict[str, GpuReserve] | None = None,
                  release_every: int = housekeeping.RELEASE_EVERY,
                  retention_s: float = housekeeping.RETENTION_S, prune_every: int = housekeeping.PRUNE_EVERY,
-                 sandbox_uids: tuple[int, int] = (repo.UID_FIRST, repo.UID_LAST),
+                 sandbox_uids: tuple[int, int] = (uids_repo.UID_FIRST, uids_repo.UID_LAST),
                  owner_defaults: OwnerSettings | None = None, metrics: ControllerMetrics | None = None) -> None:
         self.db, self.driver, self.catalog, self.region = db, driver, catalog, region
         self.owner_defaults = owner_defaults or OwnerSettings()  # quotas unless an admin set an owner's own
@@ -152,7 +156,7 @@ class Controller:
         self._released: list[str] = []  # given back by the driver, recorded in the next cycle's write
         self.retention_s, self.prune_every = retention_s, prune_every  # deleted workloads' events, ended replicas
         self._trusted: set[str] | None = None  # owners an admin marked trusted, read once a cycle when needed
-        self.feed = Feed(catalog, region, self.policy, self.owner_defaults.quotas, reserves)
+        self.tracker = AdmissionTracker(catalog, region, self.policy, self.owner_defaults.quotas, reserves)
         """The admission state kept between cycles, and the watermark of the changes it was told."""
         self._lease_until = 0.0  # when this controller's lease lapses unless renewed (as far as it knows)
 
@@ -176,7 +180,7 @@ class Controller:
         if release:
             try:
                 with self.db.write() as conn:
-                    repo.release_lease(conn, self.lease_name, self.holder)
+                    leases_repo.release_lease(conn, self.lease_name, self.holder)
             except StoreUnavailable:
                 pass
 
@@ -218,15 +222,15 @@ class Controller:
         try:
             report = self._cycle()
         except BaseException:
-            self.feed.forget()
+            self.tracker.forget()
             raise
         if not report.leader:
-            self.feed.forget()
+            self.tracker.forget()
         return report
 
     def forget(self) -> None:
         """Rebuild the admission state from a full snapshot next cycle (tests, the benchmark)."""
-        self.feed.forget()
+        self.tracker.forget()
 
     def _cycle(self) -> CycleReport:
         """One cycle. Each numbered step is named for what it does."""
@@ -249,11 +253,11 @@ class Controller:
             with self.db.write() as conn:
                 self._fence(conn, now)
                 self._sync_nodes(conn, nodes, now)
-                replicas = repo.active_replicas(conn, self.region)
+                replicas = workloads_repo.active_replicas(conn, self.region)
                 # the workloads that hold replicas (failed or deleted ones too: their replicas still drain),
                 # and those asked to stop; queued workloads have nothing to reconcile and are not read here
                 held = {r.workload_id for r in replicas}
-                workloads = repo.workloads_by_id_or_state(conn, held, self.region, _ASKED_TO_STOP)
+                workloads = workloads_repo.workloads_by_id_or_state(conn, held, self.region, _ASKED_TO_STOP)
                 done = reconcile(StoreLedger(conn), workloads, replicas, observed, now, self.drain_s)
                 for kind, role in done.failures:
                     self.metrics.replica_failed(self.region, kind, role)
@@ -270,10 +274,10 @@ class Controller:
         #    kept between cycles (all of it, from a full snapshot, when there is none); a snapshot read:
         #    no write lock is held while admission decides, and only this leader adds replicas
         with self.db.read() as conn:
-            fed = self.feed.read(conn, nodes)
+            seen = self.tracker.read(conn, nodes)
         self._step("decide")
         # 5. decide: the pure admission step over what changed (timers come due in it too)
-        cycle = self.feed.step(fed.events, now)
+        cycle = self.tracker.step(seen.events, now)
         report.decisions, report.decided = cycle.decisions, cycle.decided
         report.waiting, report.backing_off = cycle.waiting, cycle.backing_off
         self._step("apply")
@@ -281,12 +285,12 @@ class Controller:
         #    showed: a workload stopped meanwhile is left alone), then tell the driver; the rows of the
         #    workloads decided about are read for it, never the queue's
         # 7. housekeeping, in the same transaction
-        rows = self._rows(fed, cycle.need)
+        rows = self._rows(seen, cycle.need)
         effects = _Effects()
         try:
             with self.db.write() as conn:
                 self._fence(conn, now)
-                applied = apply(StoreLedger(conn), cycle.to_apply, rows, now, fed.gone)
+                applied = apply(StoreLedger(conn), cycle.to_apply, rows, now, seen.gone)
                 effects.start = self._specs(conn, applied.start) if applied.start else []
                 self._cycles += 1
                 effects.release = housekeeping.housekeep(conn, self._cycles, now, self.region, self._released,
@@ -296,19 +300,19 @@ class Controller:
                 self._released = []
         except LostLease:
             return CycleReport(leader=False)  # run_once drops the state
-        self.feed.applied(cycle, applied)
+        self.tracker.applied(cycle, applied)
         report.placed, report.promoted = applied.placed, applied.promoted
         self._apply_effects(effects, report)
         report.starting = done.busy + len(effects.start)
         return report
 
-    def _rows(self, fed: Fed, need: set[str]) -> dict[str, WorkloadRow]:
+    def _rows(self, seen: CycleRead, need: set[str]) -> dict[str, WorkloadRow]:
         """The rows ``apply`` needs: those read this cycle, and the others read by id."""
-        rows = {wid: fed.rows[wid] for wid in need if wid in fed.rows}
+        rows = {wid: seen.rows[wid] for wid in need if wid in seen.rows}
         missing = need - rows.keys()
         if missing:
             with self.db.read() as conn:
-                rows.update((w.id, w) for w in repo.workloads_by_id(conn, sorted(missing)))
+                rows.update((w.id, w) for w in workloads_repo.workloads_by_id(conn, sorted(missing)))
         return rows
 
     # -- 1. lead ------------------------------------------------------------------------
@@ -316,23 +320,23 @@ class Controller:
     def _lead(self, now: float) -> bool:
         try:
             with self.db.write() as conn:
-                led = repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s)
+                led = leases_repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s)
         except Conflict:  # another controller inserted the lease first
             return False
         if led and now >= self._lease_until:  # it had lapsed: another may have led meanwhile, unseen here
-            self.feed.forget()
+            self.tracker.forget()
         if led:
             self._lease_until = now + self.lease_ttl_s
         return led
 
     def _fence(self, conn: Connection, now: float) -> None:
-        if not repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s):
+        if not leases_repo.acquire_lease(conn, self.lease_name, self.holder, now, self.lease_ttl_s):
             raise LostLease(self.lease_name)
         self._lease_until = now + self.lease_ttl_s  # (renewed if the transaction commits; never later than this)
 
     def is_leader(self) -> bool:
         with self.db.read() as conn:
-            return repo.lease_holder(conn, self.lease_name, self.clock.now()) == self.holder
+            return leases_repo.lease_holder(conn, self.lease_name, self.clock.now()) == self.holder
 
     # -- 2. observe ---------------------------------------------------------------------
 
@@ -340,7 +344,7 @@ class Controller:
         rows = [NodeRow(n.name, n.region, n.cpu, n.memory, dict(n.gpus), dict(n.labels), n.schedulable)
                 for n in nodes if n.region == self.region]
         if rows != self._known_nodes:  # updated_at is left out of the comparison: it is 0 in both
-            repo.replace_nodes(conn, self.region, [replace(r, updated_at=now) for r in rows])
+            nodes_repo.replace_nodes(conn, self.region, [replace(r, updated_at=now) for r in rows])
             self._known_nodes = rows
 
     # -- the driver ---------------------------------------------------------------------
@@ -349,15 +353,15 @@ class Controller:
         """What the driver needs to start each replica: read only for those (never a queue's specs)."""
         # the host paths the API resolved the owner's names to (workloads.validate), never a client's value:
         # a row without them (made before names) starts with no model or image
-        specs = repo.workload_specs(conn, {w.id for w, _ in starts})
+        specs = workloads_repo.workload_specs(conn, {w.id for w, _ in starts})
         if starts and self._trusted is None:  # one read a cycle, not one a start: a flag set since applies
-            self._trusted = repo.trusted_owners(conn)
+            self._trusted = owners_repo.trusted_owners(conn)
         trusted = self._trusted or set()
         first, last = self.sandbox_uids  # the owner's sandbox uid, allocated on its first replica
         out = []
         for w, r in starts:
             spec = specs.get(w.id) or {}
-            uid = repo.owner_uid(conn, w.owner, self.clock.now(), first=first, last=last)
+            uid = uids_repo.owner_uid(conn, w.owner, self.clock.now(), first=first, last=last)
             out.append(ReplicaSpec(r.id, w.id, w.kind, r.cls, r.node, spec.get("model_path"), spec.get("image_path"),
                                    w.owner, trusted=w.owner in trusted, uid=uid, gid=uid))
         return out

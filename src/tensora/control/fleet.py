@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -87,7 +87,7 @@ _OFFSETS = TypeAdapter(list[_Offsets])
 _OFFSET_KEYS = frozenset(_Offsets.model_fields)
 
 
-def _read(path: Path, key: str) -> tuple[dict[str, Any], yamlsource.Lines]:
+def _read(path: Path, key: str) -> tuple[dict[str, object], yamlsource.Lines]:
     data, lines = yamlsource.load(path, FleetError)
     if not isinstance(data, dict):
         raise FleetError(f"expected a mapping with a '{key}' list", source=str(path), line=1)
@@ -122,7 +122,7 @@ def _nodes(path: Path) -> list[Node]:
     return out
 
 
-def _validated(data: dict[str, Any], path: Path, lines: yamlsource.Lines) -> list[tuple[WorkloadSpec, _Offsets]]:
+def _validated(data: dict[str, object], path: Path, lines: yamlsource.Lines) -> list[tuple[WorkloadSpec, _Offsets]]:
     """Each workload's create body and offsets, as the file's model (:class:`_WorkloadsFile`) validates them.
 
     One pass over all the bodies (the offsets set apart) and one over the offsets: the file's model would make

@@ -16,11 +16,14 @@ from collections.abc import Sequence
 from sqlalchemy import Connection
 
 from tensora.config.quotas import RATE_WINDOW_S
-from tensora.store import repo
+from tensora.store import events as events_repo
+from tensora.store import idempotency as idempotency_repo
+from tensora.store import rates as rates_repo
+from tensora.store import workloads as workloads_repo
 
 EXPIRE_IDEMPOTENCY_EVERY = 30
 """Cycles between sweeps of expired idempotency records: about a minute at the default tick. A claim
-takes over an expired record by itself (``repo.take_over_expired``): the sweep only bounds the table."""
+takes over an expired record by itself (``store.idempotency.take_over_expired``): the sweep only bounds the table."""
 
 PRUNE_EVERY = 300
 """Cycles between prunes of what outlived its retention (about 10 min at the default tick): deleted workloads
@@ -45,10 +48,10 @@ def housekeep(conn: Connection, cycle: int, now: float, region: str, released: S
               prune_every: int = PRUNE_EVERY) -> list[str]:
     """Sweep and record ``released`` (given back since the last cycle); the workloads to give back now."""
     if due(cycle, EXPIRE_IDEMPOTENCY_EVERY):
-        repo.expire_idempotency(conn, now)
-        repo.prune_calls(conn, now - RATE_WINDOW_S)
+        idempotency_repo.expire_idempotency(conn, now)
+        rates_repo.prune_calls(conn, now - RATE_WINDOW_S)
     if due(cycle, prune_every):
-        repo.prune_events(conn, now - retention_s)  # those of workloads whose storage is not given back yet too
-        repo.purge_workloads(conn, now - retention_s)
-    repo.mark_released(conn, released, now)
-    return repo.unreleased(conn, region) if due(cycle, release_every) else []
+        events_repo.prune_events(conn, now - retention_s)  # those of workloads whose storage is not given back yet too
+        workloads_repo.purge_workloads(conn, now - retention_s)
+    workloads_repo.mark_released(conn, released, now)
+    return workloads_repo.unreleased(conn, region) if due(cycle, release_every) else []

@@ -32,6 +32,9 @@ from tensora.units import parse_duration, parse_params
 
 _NAME = NAME_PATTERN
 SPEC_MAX_BYTES = 16 * 1024
+
+KindSettings = dict[str, Any]
+"""A kind's own settings (a workload's ``spec``), a JSON object kept as given: ``KIND_SPECS`` names its keys."""
 """The most ``spec`` may hold, as compact JSON: the controller and gateway read it back."""
 Label = Annotated[str, Field(pattern=_NAME)]
 """A DNS label: a class, a region, an endpoint's name."""
@@ -109,13 +112,13 @@ class WorkloadSpec(BaseModel):
         return data
 
     replicas: int = Field(default=1, ge=1, le=16, description="endpoints: how many replicas to run")
-    spec: dict[str, Any] = Field(default_factory=dict, description=(
+    spec: KindSettings = Field(default_factory=dict, description=(
         "kind-specific settings (kept as given), at most 16 KiB of JSON: endpoints take serverless, "
         "ttft_deadline_s and stream_idle_s; notebooks and vms take none"))
 
     @field_validator("spec")
     @classmethod
-    def _spec_size(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _spec_size(cls, value: KindSettings) -> KindSettings:
         try:
             size = len(orjson.dumps(value))
         except orjson.JSONEncodeError:  # JSON parses integers of any size; the store keeps 64 bits: refused here
@@ -143,7 +146,7 @@ class WorkloadSpec(BaseModel):
     @field_validator("model", "model_params", "model_bytes", "fallback_models", "allow_cross_region", "replicas")
     @classmethod
     def _endpoint_only(cls, value: Any, info: ValidationInfo) -> Any:
-        defaults: dict[str, Any] = {"fallback_models": [], "allow_cross_region": False, "replicas": 1}
+        defaults: dict[str, object] = {"fallback_models": [], "allow_cross_region": False, "replicas": 1}
         kind = info.data.get("kind")
         if kind is not None and kind != WorkloadKind.ENDPOINT and value != defaults.get(str(info.field_name)):
             raise ValueError(f"{info.field_name} is for endpoints only")
@@ -185,7 +188,7 @@ def check_against(spec: WorkloadSpec, catalog: Catalog) -> list[tuple[str, str]]
     return problems + check_kind_spec(spec.kind, spec.spec)
 
 
-def check_kind_spec(kind: WorkloadKind, spec: dict[str, Any]) -> list[tuple[str, str]]:
+def check_kind_spec(kind: WorkloadKind, spec: KindSettings) -> list[tuple[str, str]]:
     """Problems of a ``spec`` for ``kind`` as (field, message): ``spec.foo: unknown field for an endpoint``."""
     try:
         KIND_SPECS[kind].model_validate(spec)

@@ -8,7 +8,10 @@ from sqlalchemy import Connection
 
 from tensora.control.ledger import Values
 from tensora.placement.kinds import WorkloadState
-from tensora.store import repo
+from tensora.store import events as events_repo
+from tensora.store import usage as usage_repo
+from tensora.store import workloads as workloads_repo
+from tensora.store.ids import new_id
 from tensora.store.rows import EventRow, ReplicaRow, WorkloadRow
 
 
@@ -19,29 +22,29 @@ class StoreLedger:
         self.conn = conn
 
     def new_replica_id(self) -> str:
-        return repo.new_id("rp_")
+        return new_id("rp_")
 
     def update_workload(self, workload_id: str, values: Values, expect_state: WorkloadState | None = None,
                         live_only: bool = False) -> bool:
-        return repo.update_workload(self.conn, workload_id, dict(values), expect_state=expect_state,
+        return workloads_repo.update_workload(self.conn, workload_id, dict(values), expect_state=expect_state,
                                     live_only=live_only)
 
     def update_replica(self, replica_id: str, values: Values) -> None:
-        repo.update_replica(self.conn, replica_id, dict(values))
+        workloads_repo.update_replica(self.conn, replica_id, dict(values))
 
     def insert_replica(self, r: ReplicaRow, w: WorkloadRow, now: float) -> None:
-        repo.insert_replica(self.conn, r)
-        repo.open_segment(self.conn, r, w, now)
+        workloads_repo.insert_replica(self.conn, r)
+        usage_repo.open_segment(self.conn, r, w, now)
 
     def close_segment(self, replica_id: str, now: float) -> None:
-        repo.close_segment(self.conn, replica_id, now)
+        usage_repo.close_segment(self.conn, replica_id, now)
 
     def add_event(self, e: EventRow, coalesce: bool = False) -> None:
-        if not (coalesce and repo.repeat_event(self.conn, e)):
-            repo.add_event(self.conn, e.workload_id, e.at, e.type, e.reason, e.from_state, e.to_state)
+        if not (coalesce and events_repo.repeat_event(self.conn, e)):
+            events_repo.add_event(self.conn, e.workload_id, e.at, e.type, e.reason, e.from_state, e.to_state)
 
     def add_events(self, events: Sequence[EventRow]) -> None:
-        repo.add_events(self.conn, events)
+        events_repo.add_events(self.conn, events)
 
     def set_wait_reasons(self, waits: Sequence[tuple[str, str, float | None]]) -> None:
-        repo.set_wait_reasons(self.conn, waits)
+        workloads_repo.set_wait_reasons(self.conn, waits)

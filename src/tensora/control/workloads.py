@@ -10,7 +10,9 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
+
+from sqlalchemy import Connection
 
 from tensora.control.spec import WorkloadSpec, check_against
 from tensora.errors import ModelFileError, SpecError, TensoraError
@@ -20,8 +22,11 @@ from tensora.placement.catalog import Catalog
 from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
 from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadKind, WorkloadState
 from tensora.storage import NOT_FOUND, NotFound, Storage
-from tensora.store import repo
-from tensora.store.rows import ReplicaRow, WorkloadRecord
+from tensora.store import events as events_repo
+from tensora.store import workloads as workloads_repo
+from tensora.store.ids import new_id
+from tensora.store.rows import ReplicaRow, Spec, WorkloadChanges, WorkloadRecord
+from tensora.store.tables import ACTIVE_REPLICA
 from tensora.units import format_clock
 
 
@@ -151,11 +156,11 @@ def authorize_create(spec: WorkloadSpec, given: Set[str], caller: Caller) -> tup
                          "owner's only; its operator may set isolation: none to run every owner's unsandboxed")
     return spec, owner
 
-def create(conn: Any, checked: Checked, now: float) -> WorkloadRecord:
+def create(conn: Connection, checked: Checked, now: float) -> WorkloadRecord:
     """Insert a queued workload of ``checked.owner`` and its first event; returns the row."""
     spec, owner = checked.spec, checked.owner
     row = WorkloadRecord(
-        id=repo.new_id("wl_"), owner=owner, kind=spec.kind, region=spec.region, gpu_class=spec.gpu_class,
+        id=new_id("wl_"), owner=owner, kind=spec.kind, region=spec.region, gpu_class=spec.gpu_class,
         requested_class=spec.gpu_class, placed_class=None, fallback=tuple(spec.fallback),
         fallback_after_s=spec.fallback_after_s, placement="policy", state=WorkloadState.QUEUED,
         reason=f"queued for {spec.gpu_class}", fallback_eligible_at=None, restart_available=False,
@@ -167,62 +172,121 @@ def create(conn: Any, checked: Checked, now: float) -> WorkloadRecord:
               "allow_cross_region": spec.allow_cross_region, "model_path": checked.model_path,
               "image_path": checked.image_path, "context": checked.context},
     )
-    repo.insert_workload(conn, {**row._asdict(), "fallback": list(row.fallback)})
+    workloads_repo.insert_workload(conn, {**row._asdict(), "fallback": list(row.fallback)})
     policy = f"; fallback to {', '.join(spec.fallback)} after {spec.fallback_after_s:g}s" if spec.fallback else ""
-    repo.add_event(conn, row.id, now, "transition", f"created: queued for {spec.gpu_class}{policy}",
-                   None, WorkloadState.QUEUED)
+    events_repo.add_event(conn, row.id, now, "transition", f"created: queued for {spec.gpu_class}{policy}",
+                          None, WorkloadState.QUEUED)
     return row
 
 
-def stop(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER, *,
+def stop(conn: Connection, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER, *,
          deleting: bool = False) -> WorkloadRecord:
     """Ask the workload's replicas to stop. Its reason reads ``stopped by its owner`` (while
     ``stopping`` too: the state says how far it got) until a restart queues it again."""
     if w.state in (WorkloadState.STOPPED, WorkloadState.FAILED, WorkloadState.STOPPING):
         return w
-    active = repo.replicas_of(conn, [w.id])
+    active = workloads_repo.replicas_of(conn, [w.id])
     target = WorkloadState.STOPPING if active else WorkloadState.STOPPED
     reason = f"{'deleted' if deleting else 'stopped'} by {by}"
-    values: dict[str, Any] = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
-    if not repo.update_workload(conn, w.id, values, expect_state=w.state):
+    values: WorkloadChanges = {"state": target, "updated_at": now, "restart_available": False, "reason": reason}
+    if not workloads_repo.update_workload(conn, w.id, values, expect_state=w.state):
         raise InvalidState("the workload changed meanwhile; try again")
     for r in active:
-        repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
+        workloads_repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
     asked = "deleted" if deleting else "stop requested"
-    repo.add_event(conn, w.id, now, "transition", f"{target}: {asked} by {by}", w.state, target)
+    events_repo.add_event(conn, w.id, now, "transition", f"{target}: {asked} by {by}", w.state, target)
     return w._replace(**values)
 
 
-def restart(conn: Any, w: WorkloadRecord, now: float, placement: str) -> WorkloadRecord:
+def restart(conn: Connection, w: WorkloadRecord, now: float, placement: str) -> WorkloadRecord:
     """Stop what runs and queue again. ``placement="requested"``: only the requested class
     this time (the ADR's "restart on GPU"); ``"policy"``: the class, then the fallback list."""
     if w.state == WorkloadState.STOPPING:
         raise InvalidState("the workload is stopping; restart it once it has stopped")
-    for r in repo.replicas_of(conn, [w.id]):
-        repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
-    values: dict[str, Any] = {
+    for r in workloads_repo.replicas_of(conn, [w.id]):
+        workloads_repo.update_replica(conn, r.id, {"state": ReplicaState.STOPPING, "updated_at": now})
+    values: WorkloadChanges = {
         "state": WorkloadState.QUEUED, "placement": placement, "placed_class": None, "queued_since": now,
         "updated_at": now, "restart_available": False, "restart_reason": "", "reason": f"queued for {w.gpu_class}",
         "fallback_eligible_at": None,
         "failures": 0, "last_failure": "", "retry_at": None}  # an owner's restart ends a crash loop
-    if not repo.update_workload(conn, w.id, values, expect_state=w.state):
+    if not workloads_repo.update_workload(conn, w.id, values, expect_state=w.state):
         raise InvalidState("the workload changed meanwhile; try again")
     on = f"on {w.gpu_class} only" if placement == "requested" else "with its placement policy"
-    repo.add_event(conn, w.id, now, "transition", f"queued: restart requested {on}", w.state, WorkloadState.QUEUED)
+    events_repo.add_event(conn, w.id, now, "transition", f"queued: restart requested {on}", w.state,
+                          WorkloadState.QUEUED)
     return w._replace(**values)
 
 
-def delete(conn: Any, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER) -> None:
+def delete(conn: Connection, w: WorkloadRecord, now: float, by: StoppedBy = StoppedBy.OWNER) -> None:
     w = stop(conn, w, now, by, deleting=True)
-    repo.update_workload(conn, w.id, {"deleted_at": now, "updated_at": now})
+    workloads_repo.update_workload(conn, w.id, {"deleted_at": now, "updated_at": now})
 
 
-def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> list[dict[str, Any]]:
+class Condition(TypedDict):
+    """A visible condition of a workload (``conditions``)."""
+
+    type: str
+    reason: str
+    message: str
+    count: NotRequired[int]
+
+
+ReplicaView = TypedDict("ReplicaView", {"id": str, "class": str, "node": str, "state": ReplicaState,
+                                        "url": str | None, "role": ReplicaRole})
+"""An endpoint's replica as the API shows it."""
+
+
+class Access(TypedDict):
+    """Where a notebook or VM is reached: its primary replica's URL and node (None until it runs)."""
+
+    url: str | None
+    node: str | None
+
+
+class WorkloadView(TypedDict):
+    """The API shape of a workload (``view``), timestamps as epoch seconds (the API writes them ISO 8601)."""
+
+    id: str
+    name: str
+    kind: WorkloadKind
+    owner: str
+    region: str
+    state: WorkloadState
+    gpu_class: str
+    requested_class: str
+    placed_class: str | None
+    fallback: list[str]
+    fallback_after_s: float
+    placement: str
+    conditions: list[Condition]
+    reason: str
+    fallback_eligible_at: float | None
+    restart_available: bool
+    restart_reason: str | None
+    created_at: float
+    updated_at: float
+    queued_since: float | None
+    spec: Spec
+    warning: NotRequired[str]
+    model: NotRequired[str | None]
+    """Endpoints only, as the four keys below."""
+    model_params: NotRequired[int | None]
+    replicas: NotRequired[list[ReplicaView]]
+    fallback_models: NotRequired[list[str]]
+    allow_cross_region: NotRequired[bool]
+    access: NotRequired[Access]
+    """Notebooks and VMs only."""
+    image: NotRequired[str | None]
+    """VMs only."""
+
+
+def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> list[Condition]:
     """Visible conditions: ``degraded`` (cpu_fallback / class_fallback), ``moving`` and ``crash_loop``
     (its replicas failed ``count`` times in a row; the next try waits out the back-off).
 
     A ``cpu_fallback`` message says what CPU means for the kind (:data:`ON_CPU`)."""
-    out: list[dict[str, Any]] = []
+    out: list[Condition] = []
     placed = w.placed_class
     if placed and placed != w.gpu_class and w.state in (WorkloadState.STARTING, WorkloadState.RUNNING):
         # cpu_fallback: a GPU class asked for, a CPU class placed; else a class fallback
@@ -232,7 +296,7 @@ def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catal
             message += f": {ON_CPU[w.kind]}"
         out.append({"type": "degraded", "reason": "cpu_fallback" if on_cpu else "class_fallback",
                     "message": message})
-    movers = [r for r in replicas if r.role == ReplicaRole.CANDIDATE and r.state in repo.ACTIVE_REPLICA]
+    movers = [r for r in replicas if r.role == ReplicaRole.CANDIDATE and r.state in ACTIVE_REPLICA]
     if movers:
         out.append({"type": "moving", "reason": "move_back",
                     "message": f"starting a replica on {movers[0].cls}; traffic shifts when it is ready"})
@@ -244,10 +308,10 @@ def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catal
     return out
 
 
-def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> dict[str, Any]:
+def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> WorkloadView:
     """The API shape of a workload."""
     spec = w.spec or {}
-    out: dict[str, Any] = {
+    out: WorkloadView = {
         "id": w.id, "name": w.name, "kind": w.kind, "owner": w.owner, "region": w.region, "state": w.state,
         "gpu_class": w.gpu_class, "requested_class": w.requested_class, "placed_class": w.placed_class,
         "fallback": list(w.fallback), "fallback_after_s": w.fallback_after_s, "placement": w.placement,
@@ -259,12 +323,13 @@ def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) ->
     warning = cpu_warning(w.kind, w.gpu_class, w.fallback, catalog)
     if warning:
         out["warning"] = warning
-    active = [r for r in replicas if r.state in repo.ACTIVE_REPLICA]
+    active = [r for r in replicas if r.state in ACTIVE_REPLICA]
     if w.kind == WorkloadKind.ENDPOINT:
-        out.update(model=w.model, model_params=w.model_params, replicas=[
-            {"id": r.id, "class": r.cls, "node": r.node, "state": r.state, "url": r.url, "role": r.role}
-            for r in active],
-            fallback_models=spec.get("fallback_models", []), allow_cross_region=spec.get("allow_cross_region", False))
+        out["model"], out["model_params"] = w.model, w.model_params
+        out["replicas"] = [{"id": r.id, "class": r.cls, "node": r.node, "state": r.state, "url": r.url, "role": r.role}
+                           for r in active]
+        out["fallback_models"] = spec.get("fallback_models", [])
+        out["allow_cross_region"] = spec.get("allow_cross_region", False)
     else:
         primary = next((r for r in active if r.role == ReplicaRole.PRIMARY), None)
         out["access"] = {"url": primary.url if primary else None, "node": primary.node if primary else None}

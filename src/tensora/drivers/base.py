@@ -32,7 +32,7 @@ class ReplicaSpec:
     """An admin marked the owner trusted (``PUT /v1/owners/{owner}``). Every other owner is untrusted:
     Kubernetes runs its notebook and endpoint pods under Kata."""
     uid: int | None = None
-    """The owner's sandbox uid (``store.repo.owner_uid``, never 0): the local driver runs the replica as it."""
+    """The owner's sandbox uid (``store.uids.owner_uid``, never 0): the local driver runs the replica as it."""
     gid: int | None = None
     """The owner's sandbox gid (the same number as ``uid``)."""
 

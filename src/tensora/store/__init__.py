@@ -1,4 +1,5 @@
-"""The store: SQLAlchemy models, migrations and repositories (SQLite by default, PostgreSQL by URL).
+"""The store: SQLAlchemy models, migrations and repositories (SQLite by default, PostgreSQL by URL): one
+repository module per aggregate, typed rows out (``tables`` says how a new one is shaped).
 
 ``Database`` and ``normalize_url`` are imported when first asked for: the package's pure modules (``rows``) are
 imported by ``tensora plan`` and the controller's steps, which need no SQLAlchemy to start."""

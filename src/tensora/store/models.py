@@ -104,7 +104,7 @@ class Event(Base):
     to_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     reason: Mapped[str] = mapped_column(Text)
     count: Mapped[int] = mapped_column(Integer, default=1)
-    """How many times it happened in a row, identically (``repo.add_events`` coalesces repeats)."""
+    """How many times it happened in a row, identically (``store.events.repeat_event`` coalesces repeats)."""
     last_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     """When it last happened (null: once, at ``at``)."""
 

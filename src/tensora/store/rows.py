@@ -1,19 +1,19 @@
-"""Typed rows: what the control plane reads of workloads, replicas, events and nodes.
+"""Typed rows: what the control plane reads of workloads, replicas, events, nodes, owners and usage.
 
 Immutable values rather than the mapped classes of ``models``: the store speaks SQLAlchemy Core on
 a Connection (no Session, no identity map, no lazy loads), a cycle reads hundreds of rows and keeps
 none, and a value can be handed to a pure step (snapshot, apply) and compared in a test. A step that
 changes a row makes a new one (``_replace``); the store is written by its own statements, never by
 mutating a row. The rows a cycle reads by the hundred (workloads, replicas, held replicas) are
-``NamedTuple``s, built from the result's tuple at C speed (a frozen dataclass costs ~15 times as much
-per row, which a 500-workload cycle notices); events and nodes are frozen dataclasses.
+``NamedTuple``s, built straight from the result's tuple, the cheapest record to make; the others are frozen
+dataclasses. Rows a pure step reads live here; those only the API reads live beside their queries.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 from tensora.placement.capacity import Node
 from tensora.placement.kinds import ReplicaRole, ReplicaState, SlotRef, WorkloadKind, WorkloadState
@@ -23,9 +23,13 @@ COALESCE_WITHIN = 8
 a few events (placed, running, failed), each repeating the attempt before's."""
 
 
+Spec = Mapping[str, Any]
+"""A workload's kind-specific ``spec``, a JSON object as submitted (``tensora.control.spec`` checks it)."""
+
+
 class WorkloadRow(NamedTuple):
     """A workload as a cycle reads it: every column but ``name``, ``model``, ``restart_reason`` and
-    ``spec`` (up to 16 KiB; read only for the workloads that start, ``repo.workload_specs``)."""
+    ``spec`` (up to 16 KiB; read only for the workloads that start, ``store.workloads.workload_specs``)."""
 
     id: str
     owner: str
@@ -61,6 +65,24 @@ class WorkloadRow(NamedTuple):
                    _WSTATE[state], *rest)
 
 
+class WorkloadChanges(TypedDict, total=False):
+    """Columns of a workload that change after its creation, any subset: what an update sets."""
+
+    state: WorkloadState
+    reason: str
+    placement: str
+    placed_class: str | None
+    queued_since: float | None
+    updated_at: float
+    restart_available: bool
+    restart_reason: str
+    fallback_eligible_at: float | None
+    failures: int
+    last_failure: str
+    retry_at: float | None
+    deleted_at: float | None
+
+
 class WorkloadRecord(NamedTuple):
     """A whole workload row, as the API reads and shows one (a page at a time): ``WorkloadRow``'s fields,
     then what a cycle leaves unread (``name``, ``model``, ``restart_reason``, ``spec``)."""
@@ -93,7 +115,7 @@ class WorkloadRecord(NamedTuple):
     name: str
     model: str | None
     restart_reason: str
-    spec: Mapping[str, Any]
+    spec: Spec
 
     @classmethod
     def of(cls, row: Sequence[Any]) -> WorkloadRecord:
@@ -189,6 +211,37 @@ class SessionRow:
         return self.revoked_at is None and now < self.expires_at and now < self.last_seen_at + idle_s
 
 
+Overrides = Mapping[str, Any]
+"""An admin's partial overrides of an owner's quotas or gateway limits, a JSON object as stored
+(``tensora.placement.quotas.effective`` lays it over the defaults)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerRow:
+    """What the operator said of an owner (``owners``, but the controller's change stamp)."""
+
+    owner: str
+    trusted: bool
+    updated_at: float
+    quotas: Overrides | None = None
+    limits: Overrides | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRow:
+    """Time a replica held ``placed_class`` (``usage_segments``): open while ``ended_at`` is None."""
+
+    id: int
+    workload_id: str
+    replica_id: str
+    owner: str
+    region: str
+    kind: str
+    placed_class: str
+    started_at: float
+    ended_at: float | None
+
+
 class HeldReplica(NamedTuple):
     """A replica that holds capacity, with its workload's owner (running quotas)."""
 
@@ -206,7 +259,7 @@ WORKLOAD_COLUMNS = WorkloadRow._fields
 WORKLOAD_RECORD_COLUMNS = WorkloadRecord._fields
 REPLICA_COLUMNS = ReplicaRow._fields
 NODE_COLUMNS = ("name", "region", "cpu", "memory", "gpus", "labels", "schedulable", "updated_at")
-_KIND = {k.value: k for k in WorkloadKind}  # a dict lookup: Enum(value) costs more, once per row
+_KIND = {k.value: k for k in WorkloadKind}  # a dict lookup rather than Enum(value): once per row read
 _WSTATE = {s.value: s for s in WorkloadState}
 _RSTATE = {s.value: s for s in ReplicaState}
 _ROLE = {r.value: r for r in ReplicaRole}

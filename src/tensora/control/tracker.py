@@ -1,14 +1,14 @@
-"""Feed: the admission state a region's controller keeps between cycles, told the store's changes.
+"""AdmissionTracker: the admission state a region's controller keeps between cycles, told the store's changes.
 
 ``decide`` from a snapshot reads every live workload of the region each cycle, so an idle region with a
 long queue costs a read of the whole queue per tick. Here the controller keeps
 :class:`~tensora.placement.admission_state.AdmissionState` and reads, each cycle, one watermark
-(``repo.moved``, migration 0010): nothing new, and the cycle is ``step(state, [], now)`` (timers still
+(``store.changes.moved``, migration 0010): nothing new, and the cycle is ``step(state, [], now)`` (timers still
 come due there). Something new, and only the rows changed since are read and told as events
 (``snapshot.changes``, which shares ``snapshot.admit`` with the full snapshot, so they cannot disagree).
 
 There is no state on a first cycle, after a restart, and after a lost lease or a failed cycle (the
-controller calls :meth:`Feed.forget`): it is rebuilt from a full snapshot once, with the watermark read
+controller calls :meth:`AdmissionTracker.forget`): it is rebuilt from a full snapshot once, with the watermark read
 before it in the same read transaction (a change after the mark is read again next cycle: saying a
 workload's truth twice is harmless, missing it is not).
 
@@ -51,7 +51,9 @@ from tensora.placement.admission_state import (
 from tensora.placement.capacity import GpuReserve, Node
 from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import SlotRef, WorkloadState
-from tensora.store import repo
+from tensora.store import changes as changes_repo
+from tensora.store import owners as owners_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.rows import WorkloadRow
 
 REFRESH_S = 30.0
@@ -63,7 +65,7 @@ WaitMark = tuple[str, float | None]
 
 
 @dataclass
-class Fed:
+class CycleRead:
     """One cycle's read: the events for the state, the rows read, the workloads to fail."""
 
     events: list[Event]
@@ -90,7 +92,7 @@ class Cycle:
 
 
 @dataclass
-class Feed:
+class AdmissionTracker:
     """The kept state and what it was last told; ``read`` then ``step`` then ``applied``, once a cycle."""
 
     catalog: Catalog
@@ -120,38 +122,38 @@ class Feed:
 
     # -- 4. read ------------------------------------------------------------------------
 
-    def read(self, conn: Connection, nodes: Sequence[Node]) -> Fed:
+    def read(self, conn: Connection, nodes: Sequence[Node]) -> CycleRead:
         """What changed since the last cycle, as events (everything, when there is no state)."""
         mine = {n.name: n for n in nodes if n.region == self.region}
         if self.admission is None:
             return self._rebuild(conn, mine)
         events = self._node_events(mine)
-        moved = repo.moved(conn, self.region, self.seen_rev)
+        moved = changes_repo.moved(conn, self.region, self.seen_rev)
         rows: list[WorkloadRow] = []
         gone: list[WorkloadRow] = []
         if moved.quotas:
-            events += self._quota_events(snapshot.quotas_by_owner(self.defaults, repo.owner_quotas(conn)))
+            events += self._quota_events(snapshot.quotas_by_owner(self.defaults, owners_repo.owner_quotas(conn)))
         if moved.rows:
-            ids = repo.changed_workloads(conn, self.region, self.seen_rev)
-            owners = repo.owners_of_changed_replicas(conn, self.seen_rev)
-            rows = repo.workloads_by_id(conn, ids)
-            changed = snapshot.changes(rows, repo.replicas_of(conn, sorted(ids)), self.catalog)
+            ids = changes_repo.changed_workloads(conn, self.region, self.seen_rev)
+            owners = changes_repo.owners_of_changed_replicas(conn, self.seen_rev)
+            rows = workloads_repo.workloads_by_id(conn, ids)
+            changed = snapshot.changes(rows, workloads_repo.replicas_of(conn, sorted(ids)), self.catalog)
             events += changed.events
             gone = changed.gone
             owners |= {w.owner for w in rows}
-            held = snapshot.held_by_owner(repo.held_replicas(conn, sorted(owners)), self.catalog)
+            held = snapshot.held_by_owner(workloads_repo.held_replicas(conn, sorted(owners)), self.catalog)
             events += [OwnerHeld(o, *held.get(o, (0.0, 0.0))) for o in sorted(owners)]  # after the others
         self.seen_rev = moved.mark
         self._remember(rows)
-        return Fed(events, {w.id: w for w in rows}, gone, rebuilt=False)
+        return CycleRead(events, {w.id: w for w in rows}, gone, rebuilt=False)
 
-    def _rebuild(self, conn: Connection, nodes: dict[str, Node]) -> Fed:
-        mark = repo.watermark(conn)  # first: a change committed during the reads below is read again
-        replicas = repo.active_replicas(conn, self.region)
-        snap = snapshot.take(list(nodes.values()), replicas, repo.workloads_in(conn, self.region, snapshot.LIVE),
-                             self.catalog, self.reserves, self.region)
-        by_owner = snapshot.quotas_by_owner(self.defaults, repo.owner_quotas(conn))
-        held = snapshot.held_by_owner(repo.held_replicas(conn), self.catalog)
+    def _rebuild(self, conn: Connection, nodes: dict[str, Node]) -> CycleRead:
+        mark = changes_repo.watermark(conn)  # first: a change committed during the reads below is read again
+        replicas = workloads_repo.active_replicas(conn, self.region)
+        live = workloads_repo.workloads_in(conn, self.region, snapshot.LIVE)
+        snap = snapshot.take(list(nodes.values()), replicas, live, self.catalog, self.reserves, self.region)
+        by_owner = snapshot.quotas_by_owner(self.defaults, owners_repo.owner_quotas(conn))
+        held = snapshot.held_by_owner(workloads_repo.held_replicas(conn), self.catalog)
         self.admission = AdmissionState(nodes.values(), snapshot.placed(replicas), self.catalog, self.policy,
                                         snapshot.running_quotas(self.defaults, by_owner), self.reserves)
         self.seen_rev, self.nodes, self.quotas = mark, nodes, by_owner
@@ -159,7 +161,7 @@ class Feed:
         self._remember(snap.workloads.values())
         events: list[Event] = [*(Submitted(q) for q in snap.queue), *(Started(r) for r in snap.running)]
         events += [OwnerHeld(o, gpus, cpu) for o, (gpus, cpu) in sorted(held.items())]
-        return Fed(events, dict(snap.workloads), snap.gone, rebuilt=True)
+        return CycleRead(events, dict(snap.workloads), snap.gone, rebuilt=True)
 
     def _node_events(self, nodes: dict[str, Node]) -> list[Event]:
         events: list[Event] = [NodeRemoved(name) for name in sorted(self.nodes.keys() - nodes.keys())]
@@ -220,7 +222,7 @@ class Feed:
     def _refreshed(self, already: set[str]) -> list[Decision]:
         """The standing waits whose figures (free GPUs, requesters waiting, the owner's use) moved since their
         row was written: a wait is decided again only when its decision could change, so a count alone is
-        brought up to date here, every ``REFRESH_S`` (a pass over the waits: ~5 us each)."""
+        brought up to date here, every ``REFRESH_S`` (a pass over the waits)."""
         assert self.admission is not None
         return [d for d in self.admission.decisions()
                 if type(d) is Wait and d.workload.id not in already and self._changes_a_row(d)]
@@ -250,7 +252,9 @@ def from_scratch(conn: Connection, nodes: Sequence[Node], catalog: Catalog, regi
                  reserves: Mapping[str, GpuReserve] | None = None) -> tuple[snapshot.Snapshot, list[Decision]]:
     """What ``decide`` says from a full snapshot of the store: the answer the kept state must give (tests and
     the benchmark compare the two)."""
-    replicas = repo.active_replicas(conn, region)
-    snap = snapshot.take(nodes, replicas, repo.workloads_in(conn, region, snapshot.LIVE), catalog, reserves, region)
-    quotas = snapshot.owner_quotas(defaults, repo.owner_quotas(conn), repo.held_replicas(conn), catalog)
+    replicas = workloads_repo.active_replicas(conn, region)
+    live = workloads_repo.workloads_in(conn, region, snapshot.LIVE)
+    snap = snapshot.take(nodes, replicas, live, catalog, reserves, region)
+    held = workloads_repo.held_replicas(conn)
+    quotas = snapshot.owner_quotas(defaults, owners_repo.owner_quotas(conn), held, catalog)
     return snap, decide(snap.queue, snap.capacity, snap.running, now, policy, quotas)

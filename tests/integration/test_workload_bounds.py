@@ -40,6 +40,8 @@ VM = {"kind": "vm", "name": "vm", "gpu_class": "l40s-48gb"}
 NINE = ["a100-80gb", "h100-80gb", "h200-141gb", "apple-metal-16gb", "cpu-1c-4g", "cpu-2c-8g", "cpu-4c-16g",
         "cpu-8c-32g", "cpu-16c-64g"]
 
+LABEL_WORDS = "lowercase letters, digits and '-', 1-63 characters"  # a DNS label's rule, in words
+
 BAD = {  # name -> (body, the field the 422 names, a piece of its message)
     "spec over 16 KiB": ({**EP, "spec": {"ttft_deadline_s": 5, "x": "y" * 16_500}}, "spec", "16384"),
     "spec with an integer past 64 bits (a 422, never a 500)": (
@@ -55,15 +57,15 @@ BAD = {  # name -> (body, the field the 422 names, a piece of its message)
     "stream_idle_s of 0": ({**EP, "spec": {"stream_idle_s": 0}}, "spec.stream_idle_s", "0"),
     "stream_idle_s on a notebook": ({**NB, "spec": {"stream_idle_s": 5}}, "spec.stream_idle_s",
                                     "unknown field for a notebook"),
-    "name of 64 characters": ({**NB, "name": "n" * 64}, "name", "pattern"),
-    "name not a DNS label": ({**NB, "name": "My_Notebook"}, "name", "pattern"),
-    "gpu_class of 300 characters": ({**NB, "gpu_class": "x" * 300}, "gpu_class", "pattern"),
+    "name of 64 characters": ({**NB, "name": "n" * 64}, "name", LABEL_WORDS),
+    "name not a DNS label": ({**NB, "name": "My_Notebook"}, "name", LABEL_WORDS),
+    "gpu_class of 300 characters": ({**NB, "gpu_class": "x" * 300}, "gpu_class", LABEL_WORDS),
     "fallback of 9 classes": ({**NB, "fallback": NINE}, "fallback", "at most 8"),
-    "fallback entry not a label": ({**NB, "fallback": ["A100 80GB"]}, "fallback[0]", "pattern"),
-    "fallback entry of 64 characters": ({**NB, "fallback": ["cpu", "c" * 64]}, "fallback[1]", "pattern"),
-    "fallback_after past 30 days": ({**NB, "fallback_after_s": 1e12}, "fallback_after_s", "2592000"),
+    "fallback entry not a label": ({**NB, "fallback": ["A100 80GB"]}, "fallback[0]", LABEL_WORDS),
+    "fallback entry of 64 characters": ({**NB, "fallback": ["cpu", "c" * 64]}, "fallback[1]", LABEL_WORDS),
+    "fallback_after past 30 days": ({**NB, "fallback_after_s": 1e12}, "fallback_after_s", "at most 30 days"),
     "fallback_models of 5": ({**EP, "fallback_models": ["a", "b", "c", "d", "e"]}, "fallback_models", "at most 4"),
-    "fallback_models entry not a name": ({**EP, "fallback_models": ["../other"]}, "fallback_models[0]", "pattern"),
+    "fallback_models entry not a name": ({**EP, "fallback_models": ["../other"]}, "fallback_models[0]", LABEL_WORDS),
     "fallback_models twice the same": ({**EP, "fallback_models": ["a", "a"]}, "fallback_models", "twice"),
     "replicas 17": ({**EP, "replicas": 17}, "replicas", "16"),
     "replicas 0": ({**EP, "replicas": 0}, "replicas", "1"),

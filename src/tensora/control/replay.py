@@ -11,7 +11,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tensora.clock import FakeClock
 from tensora.control import snapshot
@@ -349,7 +348,7 @@ class PlanRow:
     node: str | None = None
     restart_available: bool = False
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, str | bool | None]:
         return {
             "name": self.name, "kind": self.kind, "requested_class": self.requested_class,
             "placed_class": self.placed_class, "state": self.state, "reason": self.reason,

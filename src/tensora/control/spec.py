@@ -33,7 +33,7 @@ from tensora.units import parse_duration, parse_params
 _NAME = NAME_PATTERN
 SPEC_MAX_BYTES = 16 * 1024
 
-KindSettings = dict[str, Any]
+KindSettings = dict[str, object]
 """A kind's own settings (a workload's ``spec``), a JSON object kept as given: ``KIND_SPECS`` names its keys."""
 """The most ``spec`` may hold, as compact JSON: the controller and gateway read it back."""
 Label = Annotated[str, Field(pattern=_NAME)]

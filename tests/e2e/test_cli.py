@@ -279,6 +279,11 @@ def test_login_takes_the_key_as_its_own_option_or_piped_in_over_the_admin_key(cl
     assert "admin key" not in r.stdout and json.loads(cfg.read_text())["profiles"]["piped"]["api_key"] == ada
     # the profile just made current is what later commands use: ada's key sees only ada's workloads
     assert cli.json("workloads", "list", TENSORA_API_KEY="", TENSORA_API_URL="", TENSORA_CONFIG=str(cfg))["data"] == []
+    # an admin's tables say whose each row is; an owner's do not
+    assert cli("workloads", "list").stdout.splitlines()[0].split()[:3] == ["id", "name", "owner"]
+    assert cli("usage", "--tokens").stdout.splitlines()[0].split()[:2] == ["owner", "endpoint"]
+    assert cli("workloads", "list", TENSORA_API_KEY=ada).stdout.splitlines()[0].split()[:3] == ["id", "name", "kind"]
+    assert cli("usage", "--tokens", TENSORA_API_KEY=ada).stdout.splitlines()[0].split()[0] == "endpoint"
     r = cli("login", "--api-key", "tsk_wrong", "--profile", "bad", code=1, **env)
     assert "refused the key" in r.stderr and "bad" not in json.loads(cfg.read_text())["profiles"]
 

@@ -424,6 +424,10 @@ def test_every_route_reads_back_typed(sqlite_api: Api) -> None:
         with pytest.raises(NotFoundError):
             c.get_workload(w.id)
         assert c.ready()["status"] == "ready"
+        me = c.current_key()
+        assert (me.owner, me.admin, "workloads:write" in me.scopes) == ("alice", False, True)
+    with Client(api.stack.admin, api.url) as admin:
+        assert admin.current_key().admin and admin.current_key().id != me.id
 
 
 def test_a_key_create_whose_answer_was_lost_is_replayed_without_its_secret(sqlite_api: Api) -> None:

@@ -45,7 +45,9 @@ async def services(request: Request) -> Services:
     return _services(request)
 
 
-def caller(scope: str) -> Callable[..., Any]:
+def caller(scope: str | None) -> Callable[..., Any]:
+    """The request's principal, which must hold ``scope`` (None: any valid key)."""
+
     async def dependency(request: Request) -> Principal:
         p = in_scope(request.scope)  # a dashboard page's in-process call, as its session (``api.principal``)
         if p is None:
@@ -53,7 +55,8 @@ def caller(scope: str) -> Callable[..., Any]:
             p = keys.cached(request)
             if p is None:
                 p = await run_in_threadpool(keys.check, request)
-        p.require(scope)
+        if scope is not None:
+            p.require(scope)
         return p
 
     return dependency
@@ -65,6 +68,7 @@ Writer = Annotated[Principal, Depends(caller("workloads:write"))]
 UsageReader = Annotated[Principal, Depends(caller("usage:read"))]
 KeyAdmin = Annotated[Principal, Depends(caller("keys:write"))]
 Admin = Annotated[Principal, Depends(caller("admin"))]
+AnyKey = Annotated[Principal, Depends(caller(None))]
 OwnerName = Annotated[str, Path(min_length=1, max_length=128, pattern=OWNER_PATTERN)]
 
 

@@ -8,10 +8,10 @@ from fastapi import APIRouter, Body
 from fastapi.responses import Response
 
 from tensora.api.auth import create_key
-from tensora.api.deps import ERRORS, IdemKey, KeyAdmin, Svc, iso
+from tensora.api.deps import ERRORS, AnyKey, IdemKey, KeyAdmin, Svc, iso
 from tensora.api.errors import ApiError
 from tensora.api.owners import check_quota
-from tensora.api.schemas import KeyCreate, KeyList, KeyOut
+from tensora.api.schemas import CurrentKeyOut, KeyCreate, KeyList, KeyOut
 from tensora.keys.apikeys import DEFAULT_SCOPES, allows
 from tensora.store import keys as keys_repo
 from tensora.store import sessions as sessions_repo
@@ -68,6 +68,13 @@ def create_api_key(svc: Svc, p: KeyAdmin, body: Annotated[KeyCreate | None, Body
 def list_api_keys(svc: Svc, p: KeyAdmin) -> dict[str, Any]:
     with svc.db.read() as conn:
         return {"data": [_key_out(r) for r in keys_repo.list_keys(conn, p.owner_filter())]}
+
+
+@router.get("/v1/keys/current", response_model=CurrentKeyOut, responses=ERRORS, tags=["keys"],
+            description="The key this request carries: its id, owner and scopes, and whether it is an admin key. "
+                        "Any valid key may ask (clients use it to show owners to admins).")
+def current_api_key(p: AnyKey) -> dict[str, Any]:
+    return {"id": p.key_id, "owner": p.owner, "scopes": list(p.scopes), "admin": p.is_admin}
 
 
 @router.delete("/v1/keys/{key_id}", status_code=204, responses=ERRORS, tags=["keys"])

@@ -197,6 +197,13 @@ class OwnerList(BaseModel):
     data: list[OwnerOut]
 
 
+class CurrentKeyOut(BaseModel):
+    id: str = Field(description="the key's id (key_...), or the dashboard session's key")
+    owner: str
+    scopes: list[str]
+    admin: bool = Field(description="whether the key holds the admin scope: it sees and manages every owner's")
+
+
 class KeyOut(BaseModel):
     id: str
     name: str

@@ -57,13 +57,15 @@ def usage_command(ctx: typer.Context,
     with session(ctx, USAGE_FLAGS) as c:
         if tokens:
             t = c.token_usage(since=start)
+            admin = output == "table" and c.current_key().admin
         else:
             u = c.usage([g.strip() for g in group_by.split(",") if g.strip()], since=start, owner=owner)
     if tokens:
         if output == "json":
             dump(t)
             return
-        columns = ["endpoint", "product", "model", "served_by", "requests", "prompt_tokens", "completion_tokens"]
+        columns = [*(["owner"] if admin else []), "endpoint", "product", "model", "served_by", "requests",
+                   "prompt_tokens", "completion_tokens"]
         rows = [[str(getattr(r, k)) for k in columns] for r in t.data]
     else:
         if output == "json":

@@ -40,11 +40,14 @@ def workloads_list(ctx: typer.Context, kind: Annotated[str | None, typer.Option(
     check_output(output)
     with session(ctx, LIST_FLAGS) as c:
         rows = sorted(c.iter_workloads(kind, state), key=lambda w: w.created_at)
+        admin = output == "table" and c.current_key().admin
     if output == "json":
         dump(rows)
         return
-    emit(table(["id", "name", "kind", "state", "requested", "placed", Col("reason", wrap=True)],
-               [(w.id, w.name, w.kind, w.state, w.requested_class, placed(w), w.reason) for w in rows]))
+    owner = ["owner"] if admin else []  # an admin sees every owner's: whose each one is
+    emit(table(["id", "name", *owner, "kind", "state", "requested", "placed", Col("reason", wrap=True)],
+               [(w.id, w.name, *([w.owner] if admin else []), w.kind, w.state, w.requested_class, placed(w),
+                 w.reason) for w in rows]))
 
 
 @workloads_app.command("get")

@@ -1,6 +1,6 @@
 """The Python SDK: ``Client``, ``AsyncClient``, the retry policy and the exception tree."""
 
-from tensora.sdk.calls import Catalog, Event, Key, Owner, TokenUsage, Usage, Workload
+from tensora.sdk.calls import Catalog, CurrentKey, Event, Key, Owner, TokenUsage, Usage, Workload
 from tensora.sdk.client import AsyncClient, Client
 from tensora.sdk.errors import (
     APIConnectionError,
@@ -29,6 +29,7 @@ __all__ = [
     "Catalog",
     "Client",
     "ConflictError",
+    "CurrentKey",
     "Event",
     "InternalServerError",
     "Key",

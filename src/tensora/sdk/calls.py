@@ -13,6 +13,7 @@ from urllib.parse import quote
 
 from tensora.api.schemas import (
     CatalogOut,
+    CurrentKeyOut,
     EventList,
     EventOut,
     KeyList,
@@ -30,6 +31,7 @@ T = TypeVar("T")
 Workload = WorkloadOut
 Event = EventOut
 Key = KeyOut
+CurrentKey = CurrentKeyOut
 Owner = OwnerOut
 Catalog = CatalogOut
 Usage = UsageOut
@@ -140,6 +142,10 @@ def create_key(name: str = "key", *, scopes: Sequence[str] | None = None, owner:
     body = _params(name=name, scopes=list(scopes) if scopes is not None else None, owner=owner,
                    requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute)
     return Call("POST", "/v1/keys", KeyOut.model_validate, json=body, idempotency_key=idempotency_key)
+
+
+def current_key() -> Call[CurrentKeyOut]:
+    return Call("GET", "/v1/keys/current", CurrentKeyOut.model_validate)
 
 
 def list_keys() -> Call[list[KeyOut]]:

@@ -30,7 +30,7 @@ import httpx
 from tensora import __version__
 from tensora.api.schemas import WorkloadList
 from tensora.sdk import calls
-from tensora.sdk.calls import Call, Catalog, Event, Key, Owner, TokenUsage, Usage, Workload
+from tensora.sdk.calls import Call, Catalog, CurrentKey, Event, Key, Owner, TokenUsage, Usage, Workload
 from tensora.sdk.errors import (
     APIConnectionError,
     APIError,
@@ -308,6 +308,10 @@ class Client(_Base):
         ``key`` None and ``secret_withheld`` True; the key exists, and only revoking it helps."""
         return self.run(calls.create_key(name, **more))
 
+    def current_key(self) -> CurrentKey:
+        """This client's key: its id, owner, scopes, and whether it is an admin key."""
+        return self.run(calls.current_key())
+
     def list_keys(self) -> list[Key]:
         return self.run(calls.list_keys())
 
@@ -531,6 +535,10 @@ class AsyncClient(_Base):
 
     async def create_key(self, name: str = "key", **more: Any) -> Key:
         return await self.run(calls.create_key(name, **more))
+
+    async def current_key(self) -> CurrentKey:
+        """This client's key: its id, owner, scopes, and whether it is an admin key."""
+        return await self.run(calls.current_key())
 
     async def list_keys(self) -> list[Key]:
         return await self.run(calls.list_keys())

@@ -31,8 +31,8 @@ from tensora.placement.quotas import OwnerSettings, Quotas
 from tensora.sdk import Client, UnprocessableError
 from tensora.storage import NOT_FOUND, NotFound, Storage, owner_dir
 from tensora.store import repo
-from tests.integration.test_api import tiny_model
 from tests.support import services
+from tests.support.api import tiny_model
 from tests.support.stack import Stack, stack
 
 MiB = 2**20

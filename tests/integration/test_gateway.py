@@ -20,9 +20,9 @@ from tensora.gateway.chain import Peer
 from tensora.gateway.limits import Caller, MemoryLimiter, Quota, RedisLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
+from tests.support.clock import FakeClock
 from tests.support.gateway_harness import (
     Backends,
-    FakeClock,
     backends_fixture,
     chat,
     make_table,
@@ -206,7 +206,7 @@ def test_streams_end_with_done_and_the_usage_chunk_only_when_asked(backends: Bac
 
 
 def test_the_breaker_opens_skips_the_backend_probes_after_the_cooldown_and_closes(backends: Backends) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     table = make_table([{"id": "wl_main", "name": "my-llm", "owner": "alice",
                          "replicas": [replica("r1", backends.url("r1")), replica("r2", backends.url("r2"))]}], KEYS)
     gw = gateway(table, clock=clock, breaker=Policy(consecutive=3, base_s=30, max_s=300))
@@ -219,12 +219,12 @@ def test_the_breaker_opens_skips_the_backend_probes_after_the_cooldown_and_close
         skipped = post(url, chat())
         assert "my-llm/r1:breaker_open" in skipped.headers["x-tensora-attempts"]
         assert backends.requests("r1") == hits  # skipped at once: nothing sent
-        clock.t += 30  # half-open: one probe; it fails: open again for 60 s
+        clock.advance(30)  # half-open: one probe; it fails: open again for 60 s
         probe = [post(url, chat()) for _ in range(2)]
         assert sum("r1:http_500" in r.headers["x-tensora-attempts"] for r in probe) == 1
-        assert gw.breakers["my-llm/r1"].open_until == pytest.approx(clock.t + 60)
+        assert gw.breakers["my-llm/r1"].open_until == pytest.approx(clock.now() + 60)
         backends.mode("r1", "ok")
-        clock.t += 60
+        clock.advance(60)
         healed = [post(url, chat()) for _ in range(4)]
         backends.mode("r2", "http_503")
         backends.mode("r1", "http_503")
@@ -234,13 +234,13 @@ def test_the_breaker_opens_skips_the_backend_probes_after_the_cooldown_and_close
 
 
 def test_a_503_waits_for_the_soonest_breaker(backends: Backends) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     table = make_table([{"id": "wl_main", "name": "my-llm", "owner": "alice",
                          "replicas": [replica("r1", backends.url("r1"))]}], KEYS)
     backends.mode("r1", "http_500")
     with serving(gateway(table, clock=clock, breaker=Policy(consecutive=1, base_s=30))) as url:
         first = post(url, chat())
-        clock.t += 12
+        clock.advance(12)
         second = post(url, chat())
     assert first.status_code == 503 and first.headers["retry-after"] == "30"
     assert second.status_code == 503 and second.headers["retry-after"] == "18"

@@ -28,7 +28,8 @@ from tensora.gateway.limits import MemoryLimiter, RedisLimiter
 from tensora.gateway.metering import Meter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
-from tests.support.gateway_harness import Backends, FakeClock, backends_fixture, chat, make_table, replica, serving
+from tests.support.clock import FakeClock
+from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import free_port, redis_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -244,10 +245,10 @@ def test_records_expire_after_keep_s(backends: Backends, tmp_path: Path) -> None
     gw, spool = gateway(backends, tmp_path, wall=wall)
     with serving(gw) as url:
         assert post(url, chat()).status_code == 200
-        wall.t += 24 * 3600 - 1
+        wall.advance(24 * 3600 - 1)
         assert post(url, chat(max_tokens=9)).status_code == 422  # still held: 24 h less a second
         assert post(url, chat()).headers[REPLAYED] == "true"
-        wall.t += 2
+        wall.advance(2)
         n = backends.requests("r1")
         fresh = post(url, chat(max_tokens=9))  # expired: the key is free for another body
         assert fresh.status_code == 200 and REPLAYED not in fresh.headers and backends.requests("r1") == n + 1
@@ -489,7 +490,7 @@ def test_two_gateways_share_records_through_redis(backends: Backends, tmp_path: 
 
 
 def test_a_redis_that_never_answers_costs_a_timeout_not_a_500(backends: Backends, tmp_path: Path) -> None:
-    from tests.integration.test_gateway_redis import Silent
+    from tests.support.doubles import Silent
 
     silent = Silent()
     try:

@@ -21,7 +21,8 @@ from tensora.gateway.app import GatewaySettings, build
 from tensora.gateway.limits import Caller, FailMode, MemoryLimiter, Quota, RedisLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
-from tests.support.doubles import HandClock, Silent
+from tests.support.clock import FakeClock
+from tests.support.doubles import Silent
 from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import free_port, redis_process
 
@@ -112,7 +113,7 @@ def test_redis_killed_under_load_and_back(backends: Backends, mode: FailMode,
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     proc = redis_process(port)
-    wall = HandClock(MINUTE)
+    wall = FakeClock(MINUTE)
     t = table(backends)
     # a killed Redis refuses at once, whatever the timeout; 0.5 s rather than 50 ms so that a healthy Redis on a
     # loaded test machine is never taken for a lost one (the 50 ms default is the silent Redis's test below)
@@ -127,12 +128,12 @@ def test_redis_killed_under_load_and_back(backends: Backends, mode: FailMode,
             proc.wait(10)
             until(lambda: all(lim.down_since is not None for lim in lims))
             load.served(200)
-            wall.next_minute()
+            wall.advance(60)
             down = carol(a, 5)
             proc = redis_process(port)  # back, on the same port, empty
             until(lambda: all(lim.down_since is None for lim in lims))  # the load's requests probe it
             load.served(100)
-            wall.next_minute()
+            wall.advance(60)
             back = carol(a, 7) + carol(b, 1)
     finally:
         proc.kill()
@@ -181,7 +182,7 @@ def test_over_http_a_silent_redis_is_no_hang_and_no_500(backends: Backends, sile
     caplog.set_level(logging.WARNING, logger="tensora.gateway")
     t = table(backends)
     gw = Gateway(Options(ttft_s=2, deadline_s=5), lambda: t, RedisLimiter(f"redis://127.0.0.1:{silent.port}/0"),
-                 None, wall=HandClock(MINUTE))
+                 None, wall=FakeClock(MINUTE))
     with serving(gw) as url:
         t0 = time.monotonic()
         codes = carol(url, 8)

@@ -482,7 +482,7 @@ def test_tensora_serve_starts_against_a_kubeconfig(cluster: tuple[ApiServerDoubl
     cluster's nodes, and a notebook created over HTTP becomes a Pod in the namespace."""
     import httpx
 
-    from tests.e2e.test_serve import served
+    from tests.support.serve import served
 
     double, kubeconfig = cluster
     env = {"TENSORA_KUBECONFIG": str(kubeconfig), "TENSORA_NAMESPACE": NS, "TENSORA_REGION": "eu-west"}

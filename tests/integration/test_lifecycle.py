@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tensora.clock import FakeClock, SystemClock
+from tensora.clock import SystemClock
 from tensora.control import workloads
 from tensora.control.controller import Controller
 from tensora.control.spec import parse_spec
@@ -31,8 +31,10 @@ from tensora.placement.catalog import Catalog
 from tensora.placement.kinds import ReplicaState, WorkloadKind
 from tensora.store import repo
 from tensora.store.db import Database
-from tests.integration.test_api import Api, api, created, iso, own_model, settle
-from tests.integration.test_controller import CATALOG, events, get, make, replicas, submit, view
+from tests.support.api import Api, created, iso, own_model, settle
+from tests.support.api import api as api  # the fixture, imported under its name
+from tests.support.clock import FakeClock
+from tests.support.controller import CATALOG, events, get, make, replicas, submit, view
 from tests.support.stack import GI, T0, fleet
 
 __all__ = ["api"]  # the fixture: a server over the store (the store itself: tests/conftest.py's db)

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from tensora import AsyncClient, Client
 from tensora.apikeys import digest
-from tensora.clock import FakeClock
 from tensora.control.spec import WorkloadSpec
 from tensora.sdk import (
     APIConnectionError,
@@ -41,6 +40,7 @@ from tensora.sdk.errors import APIError, for_status
 from tensora.sdk.retry import Retry, Stop, decide, retryable, server_wait
 from tensora.store import repo
 from tests.support import services
+from tests.support.clock import FakeClock
 from tests.support.doubles import Sleeps
 from tests.support.flaky import DROP, LOST, FlakyProxy, flaky, stall, status
 from tests.support.stack import T0, Stack, stack

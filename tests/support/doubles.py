@@ -10,10 +10,11 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tensora.clock import FakeClock
+from tensora.clock import Clock
 from tensora.drivers.base import Driver, ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
+from tests.support.clock import FakeClock
 
 
 class Crash(BaseException):
@@ -60,19 +61,6 @@ class FlakyRelease(SimulatedDriver):
         if len(self.calls) == 1:
             raise RuntimeError("the storage API is down")
         super().release(workload_id)
-
-
-class HandClock:
-    """A clock a test moves by hand (``t``), called where Tensora calls ``time.time`` or ``time.monotonic``."""
-
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def next_minute(self) -> None:
-        self.t += 60
 
 
 class Sleeps:
@@ -122,6 +110,7 @@ class Silent:
 if TYPE_CHECKING:
     _driver: type[Driver] = CrashingDriver
     _flaky: type[Driver] = FlakyRelease
-    _clock: Callable[[], float] = HandClock()  # the gateway's clock and wall, the walk's clock
+    _clock: Clock = FakeClock()  # a loop's clock
+    _clock_callable: Callable[[], float] = FakeClock()  # the gateway's clock and wall, the walk's clock
     _sleep: Callable[[float], None] = Sleeps()  # Client(sleep=...)
     _async_sleep: Callable[[float], Awaitable[None]] = Sleeps().async_  # AsyncClient(sleep=...)

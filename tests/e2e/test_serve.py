@@ -22,7 +22,7 @@ from tensora.drivers.base import ReplicaStatus
 from tensora.errors import ConfigError
 from tensora.placement.kinds import ReplicaState
 from tensora.serve import build, left_running
-from tests.support.serve import EXIT_DEADLINE_S, START_DEADLINE_S, Proc, launch_serve, served
+from tests.support.serve import START_DEADLINE_S, Proc, launch_serve, served
 from tests.support.services import PgCluster, free_port
 
 PLACE_DEADLINE_S = 20.0
@@ -240,9 +240,7 @@ def test_first_start_admin_key_loopback_and_clean_sigterm(tmp_path: Path) -> Non
         assert _refused("127.0.0.2", proc.port)
         _wait_leader(proc)
         assert [name for name, _ in _leases(data_dir / "tensora.db")] == ["controller/local"]
-        started = time.monotonic()
-        rc = proc.terminate()
-        assert time.monotonic() - started < EXIT_DEADLINE_S
+        rc = proc.terminate()  # it waits EXIT_DEADLINE_S at most
         assert rc == 0, proc.output()
         output = proc.output()
     assert key not in output

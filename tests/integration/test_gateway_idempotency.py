@@ -466,9 +466,13 @@ def test_two_gateways_share_records_through_redis(backends: Backends, tmp_path: 
                 assert backends.requests("r1") == n + 1
             assert len(sa.records(2)) == 2 and len(sb.records(2)) == 2  # Mallory's two, through b
             backends.mode("r1", "stall_head")  # in flight on a: 409 on b
+            held = backends.requests("r1") + 1
             t = threading.Thread(target=lambda: post(a, chat(), ik="slow"))
             t.start()
-            time.sleep(0.5)
+            deadline = time.monotonic() + 10
+            while backends.requests("r1") < held:  # claimed on a, and sent on: in flight
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
             assert post(b, chat(), ik="slow").status_code == 409
             t.join(10)
             backends.mode("r1", "ok")
@@ -495,14 +499,16 @@ def test_a_redis_that_never_answers_costs_a_timeout_not_a_500(backends: Backends
     silent = Silent()
     try:
         t, spool = table(backends), Spooled(tmp_path / "spool")
-        lim = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", "t")  # the defaults: 50 ms a call
+        # the defaults: 50 ms a call; its clock stands still: it does not probe again
+        lim = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", "t", clock=FakeClock())
         gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, lim, spool.meter)
         gw.on_shutdown.append(spool.close)
         gw.idem = Idempotency(DiskStore(tmp_path / "idem"), RedisStore(lim.redis), probe_s=60)
         with serving(gw) as url:
-            started = time.monotonic()
-            got = [post(url, chat()) for _ in range(3)]
-            assert time.monotonic() - started < 5
+            got = [post(url, chat())]
+            asked = silent.received
+            got += [post(url, chat()) for _ in range(2)]
+        assert asked > 0 and silent.received == asked  # the first request waited on Redis; none after it did
         assert [r.status_code for r in got] == [200] * 3
         assert got[0].headers["x-tensora-idempotency"] == "local"
         assert got[1].headers[REPLAYED] == got[2].headers[REPLAYED] == "true"

@@ -200,12 +200,14 @@ class FakeInstaller:
 
     def __init__(self, fail: bool = False) -> None:
         self.go, self.fail, self.calls = threading.Event(), fail, 0
+        self.waiting = threading.Event()  # set once it has told its first steps and waits for ``go``
 
     def __call__(self, root: Path, name: str, log: Any = None, progress: Any = None) -> Path:
         self.calls += 1
         progress(f"creating the environment {runtimes.venv_dir(root, name)}")
         progress(f"installing {runtimes.TORCH} transformers[serving]>=5.20 (2 pinned packages)")
         progress(f"[1/2] {runtimes.TORCH}")
+        self.waiting.set()
         assert self.go.wait(30)
         if self.fail:
             for line in ("Collecting torch==2.13.0", "ERROR: No matching distribution found for torch==2.13.0"):
@@ -234,10 +236,7 @@ def test_one_install_at_a_time(tmp_path: Path) -> None:
     installs.want("tensora-vllm-cpu")
     installs.want("tensora-transformers")  # already under way: not a second
     deadline = time.monotonic() + 10
-    while installs.state("tensora-transformers")[1].endswith("waiting for another install"):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.2)
+    assert installer.waiting.wait(10)  # the first install is under way, held at its second step
     assert installs.state("tensora-transformers") == (
         "installing", "installing runtime tensora-transformers: torch 2.13.0 (step 2 of 3)")
     assert installs.state("tensora-vllm-cpu") == (

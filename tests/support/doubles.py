@@ -86,7 +86,15 @@ class Silent:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.sock.getsockname()[1]
         self.conns: list[socket.socket] = []
+        self._received = 0
+        self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def received(self) -> int:
+        """The bytes it has read, over all its connections: whether, and when, it was asked anything."""
+        with self._lock:
+            return self._received
 
     def _accept(self) -> None:
         with contextlib.suppress(OSError):
@@ -95,11 +103,11 @@ class Silent:
                 self.conns.append(conn)
                 threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
 
-    @staticmethod
-    def _drain(conn: socket.socket) -> None:
+    def _drain(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
-            while conn.recv(65536):
-                pass
+            while data := conn.recv(65536):
+                with self._lock:
+                    self._received += len(data)
 
     def close(self) -> None:
         self.sock.close()

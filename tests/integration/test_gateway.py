@@ -382,7 +382,7 @@ MID_MINUTE = 1_800_000_030.0
 
 def test_rate_limits_per_key_with_headers_and_token_reservations(backends: Backends) -> None:
     table = make_table(endpoints(backends), KEYS, limits={ALICE: (3, 1000), BOB: (100, 300)})
-    with serving(gateway(table, default_max_tokens=100, wall=lambda: MID_MINUTE)) as url:
+    with serving(gateway(table, default_max_tokens=100, wall=FakeClock(MID_MINUTE))) as url:
         ok = [post(url, chat()) for _ in range(3)]
         limited = post(url, chat())
         # bob: 300 tokens a minute; each request reserves ~105 (prompt + max_tokens) and uses 7 + 8
@@ -411,8 +411,8 @@ def redis_url() -> Iterator[str]:
 def test_rate_limits_hold_across_two_gateways_sharing_redis(backends: Backends, redis_url: str) -> None:
     table = make_table(endpoints(backends), KEYS, limits={ALICE: (10, 100_000)})
     prefix = f"t{time.monotonic_ns()}"
-    with (serving(gateway(table, limiter=RedisLimiter(redis_url, prefix), wall=lambda: MID_MINUTE)) as a,
-          serving(gateway(table, limiter=RedisLimiter(redis_url, prefix), wall=lambda: MID_MINUTE)) as b):
+    with (serving(gateway(table, limiter=RedisLimiter(redis_url, prefix), wall=FakeClock(MID_MINUTE))) as a,
+          serving(gateway(table, limiter=RedisLimiter(redis_url, prefix), wall=FakeClock(MID_MINUTE))) as b):
         codes = [post(url, chat()).status_code for url in [a, b] * 8]
     assert codes.count(200) == 10 and codes.count(429) == 6
     assert codes[:10] == [200] * 10

@@ -220,7 +220,7 @@ def test_the_async_client_retries_the_same_way(sqlite_api: Api) -> None:
 
     async def go() -> Any:
         async with AsyncClient(api.stack.alice, proxy.url, max_retries=3, sleep=sleeps.async_,
-                               rng=random.Random(3), clock=lambda: NOW) as c:
+                               rng=random.Random(3), clock=FakeClock(NOW)) as c:
             w = await c.create_workload("notebook", "nb", "l40s-48gb")
             assert (await c.find_workload("nb")).id == w.id and [x.id async for x in c.iter_workloads()] == [w.id]
             return w, await c.get_workload(w.id), await c.list_workloads()

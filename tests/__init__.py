@@ -6,5 +6,7 @@
   servers, the API or the gateway served in process;
 - ``e2e/``: the whole stack as users run it: ``tensora up`` / ``serve`` / ``gateway`` / ``plan`` and the CLI as
   child processes, over HTTP, and a browser;
-- ``support/``: the helpers they share (builders, services, stack, gateway harness, the doubles).
+- ``support/``: the helpers they share (builders, services, stack, the API and controller harnesses, ``tensora
+  serve`` and ``tensora up`` as children, the browser, hypothesis strategies, the one fake clock, the gateway
+  harness, the doubles). A test module imports its helpers from here, never from another test module.
 """

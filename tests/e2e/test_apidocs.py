@@ -13,7 +13,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.e2e.test_dashboard import WAIT_MS, browser
+from tests.support.browser import WAIT_MS
+from tests.support.browser import browser as browser  # the fixture, imported under its name
 from tests.support.services import serving
 from tests.support.stack import stack
 

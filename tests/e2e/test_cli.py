@@ -29,8 +29,8 @@ from tensora.gateway.limits import MemoryLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 from tensora.models.tinymodel import write_tiny_model
-from tests.e2e.test_serve import FAST, _command, served
 from tests.support.gateway_harness import Backends, make_table, replica, serving
+from tests.support.serve import FAST, command, served
 from tests.support.services import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -58,7 +58,7 @@ class Cli:
         return {k: v for k, v in env.items() if v != ""}
 
     def __call__(self, *args: str, code: int = 0, stdin: str = "", **env: str) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run([*_command(), *args], capture_output=True, text=True, env=self.env(**env), timeout=120,
+        r = subprocess.run([*command(), *args], capture_output=True, text=True, env=self.env(**env), timeout=120,
                            input=stdin, cwd=self.tmp)
         assert r.returncode == code, f"tensora {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}"
         return r
@@ -67,14 +67,14 @@ class Cli:
         return json.loads(self(*args, "-o", "json", **env).stdout)
 
     def popen(self, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen([*_command(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        return subprocess.Popen([*command(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=self.env(), cwd=self.tmp)
 
     def on_terminal(self, *args: str, columns: int = 80) -> str:
         """stdout of ``tensora ARGS`` on a pseudo-terminal ``columns`` wide, styles taken out."""
         parent, child = pty.openpty()
         fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-        proc = subprocess.Popen([*_command(), *args], stdin=subprocess.DEVNULL, stdout=child,
+        proc = subprocess.Popen([*command(), *args], stdin=subprocess.DEVNULL, stdout=child,
                                 stderr=subprocess.PIPE, env=self.env(COLUMNS=str(columns), TERM="xterm"), cwd=self.tmp)
         os.close(child)
         data = b""

@@ -11,7 +11,6 @@ sandbox), every page says so. Screenshots of each page go to ``.cache/artifacts/
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,20 +20,17 @@ import pytest
 
 from tensora.models.tinymodel import write_tiny_model
 from tensora.sdk import Client
-from tests.e2e.test_serve import served
 from tests.support import services
+from tests.support.browser import WAIT_MS, shot, sign_in
+from tests.support.browser import browser as browser  # the fixture, imported under its name
 from tests.support.dashboard import CSRF, SESSION, cookie, signed_in
+from tests.support.serve import served
 from tests.support.stack import stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 playwright_api = pytest.importorskip("playwright.sync_api")
 expect = playwright_api.expect
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
-ARTIFACTS = Path(os.environ.get("TENSORA_TEST_ARTIFACTS") or Path(__file__).parents[2] / ".cache" / "artifacts")
-WAIT_MS = 20_000
 
 
 @pytest.fixture(scope="module")
@@ -45,36 +41,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
     (tmp / "config.yaml").write_text("quotas: {running_cpu: 128}\n")
     with served(tmp, tmp / "data", "--config", str(tmp / "config.yaml")) as proc:
         yield proc.url, (tmp / "data" / "admin-key").read_text().strip(), tmp
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: ./scripts/test installs Debian's chromium")
-    home = tmp_path_factory.mktemp("chromium-home")
-    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / "config"),
-           "XDG_CACHE_HOME": str(home / "cache")}
-    with playwright_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, chromium_sandbox=False, args=FLAGS, env=env)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-def shot(page: Any, name: str) -> None:
-    out = ARTIFACTS / "dashboard"
-    out.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(out / f"{name}.png"), full_page=True)
-
-
-def sign_in(browser: Any, url: str, key: str, **context: Any) -> Any:
-    page = browser.new_context(**context).new_page()
-    page.goto(url + "/")
-    assert page.url.endswith("/login")
-    page.get_by_label("API key").fill(key)
-    page.get_by_role("button", name="Sign in").click()
-    return page
 
 
 def test_a_wrong_key_is_refused(browser: Any, server: tuple[str, str, Path]) -> None:

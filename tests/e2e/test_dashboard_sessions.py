@@ -17,7 +17,7 @@ import pytest
 
 from tensora.sdk import Client
 from tensora.store import keys as keys_repo
-from tests.e2e.test_dashboard import browser
+from tests.support.browser import browser as browser  # the fixture, imported under its name
 from tests.support.dashboard import CSRF, live, signed_in
 from tests.support.stack import Stack
 

@@ -39,13 +39,11 @@ from tensora.models.tinymodel import write_tiny_model
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import ComputeClass, Kind
 from tensora.placement.kinds import ReplicaState, WorkloadKind
-from tensora.sandbox import Limits, Mount, Runc, SandboxSpec, available
+from tensora.sandbox import Limits, Mount, Runc, SandboxSpec
 from tests.support import services
-from tests.support.services import free_port
 from tests.support.stack import stack
+from tests.support.up import api_client, key_for, needs_sandbox, runc_of, start_up, tensora_up
 
-WHY_NOT = available()
-real = pytest.mark.skipif(WHY_NOT is not None, reason=f"no sandbox on this host: {WHY_NOT}")
 RUN = secrets.token_hex(3)  # cgroups are host-wide (/tensora/<id>): replica ids unique to this run
 UID = 160_000 + int(RUN, 16) % 5000
 CPU1 = ComputeClass("cpu-1c-4g", Kind.CPU, 1, 4 << 30)
@@ -398,28 +396,6 @@ print(json.dumps(out))
 
 # -- tensora up, a non-admin tenant's view -------------------------------------------------------------------
 
-CONFIG = "node: {cpu: 10, memory: 48Gi, reserve_cpu: 0, reserve_memory: 0}\ntick_s: 1\n"
-
-
-def _up(tmp_path: Path, port: int, gw_port: int, n: int) -> tuple[subprocess.Popen[bytes], Path]:
-    (tmp_path / "up.yaml").write_text(CONFIG)
-    log = tmp_path / f"up-{n}.log"
-    with log.open("wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(tmp_path / "data"),
-                                 "--port", str(port), "--config", str(tmp_path / "up.yaml"),
-                                 "--gateway-port", str(gw_port)],
-                                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={k: v for k, v in os.environ.items() if k != "TENSORA_DATA_DIR"})
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, log.read_text()
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).json().get("controller") == "leader":
-                return proc, log
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
-
-
 def _state(c: httpx.Client, wid: str, states: set[str], deadline_s: float = 60) -> dict[str, Any]:
     deadline = time.monotonic() + deadline_s
     while True:
@@ -430,46 +406,9 @@ def _state(c: httpx.Client, wid: str, states: set[str], deadline_s: float = 60) 
         time.sleep(0.3)
 
 
-def _runc(data: Path) -> Runc:
-    return Runc(data / "sandboxes" / "runc", data / "sandboxes" / "bundles")
-
-
-@contextlib.contextmanager
-def tensora_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, int, int]]:
-    """``tensora up`` on a fresh data dir; whatever it left running is deleted after."""
-    port, gw_port = free_port(), free_port()
-    proc, log = _up(tmp_path, port, gw_port, 0)
-    box = [proc]
-    try:
-        yield proc, log, port, gw_port
-    finally:
-        for p in box:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(30)
-                if p.poll() is None:
-                    p.kill()
-        data = tmp_path / "data"
-        if (data / "sandboxes").exists():
-            runner = _runc(data)
-            for sandbox_id in runner.list():
-                runner.delete(sandbox_id)
-
-
 def _answers(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _client(port: int, key: str) -> httpx.Client:
-    return httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
-
-
-def _key_for(admin: httpx.Client, owner: str) -> str:
-    made = admin.post("/v1/keys", json={"owner": owner, "name": owner})
-    assert made.status_code == 201, made.text
-    return str(made.json()["key"])
 
 
 def _stand_in_server() -> tuple[int, Callable[[], None]]:
@@ -503,17 +442,17 @@ def _token_port(url: str) -> tuple[str, str, int]:
 
 
 @pytest.mark.slow
-@real
+@needs_sandbox
 def test_a_tenants_notebook_kernel_reaches_nothing_of_tensora_or_other_tenants(tmp_path: Path) -> None:
     private_port, close_private = _stand_in_server()
     with tensora_up(tmp_path) as (_, log, port, _gw), contextlib.ExitStack() as stack_:
         stack_.callback(close_private)
         data = tmp_path / "data"
-        admin = stack_.enter_context(_client(port, (data / "admin-key").read_text().strip()))
+        admin = stack_.enter_context(api_client(port, (data / "admin-key").read_text().strip()))
         assert "isolation: sandbox" in log.read_text()
         assert admin.get("/v1/catalog").json()["isolation"] == "sandbox"
-        alice = stack_.enter_context(_client(port, _key_for(admin, "alice")))
-        bob = stack_.enter_context(_client(port, _key_for(admin, "bob")))
+        alice = stack_.enter_context(api_client(port, key_for(admin, "alice")))
+        bob = stack_.enter_context(api_client(port, key_for(admin, "bob")))
         ids = {who: c.post("/v1/workloads", json={"kind": "notebook", "name": "nb", "gpu_class": "cpu-1c-4g"}
                            ).json()["id"] for who, c in (("alice", alice), ("bob", bob))}
         mine = _state(alice, ids["alice"], {"running", "failed"})
@@ -572,7 +511,7 @@ def test_a_tenants_notebook_kernel_reaches_nothing_of_tensora_or_other_tenants(t
 
 
 @pytest.mark.slow
-@real
+@needs_sandbox
 def test_an_uploaded_model_served_in_a_sandbox_answers_through_the_gateway(tmp_path: Path) -> None:
     root = os.environ.get("TENSORA_RUNTIMES_DIR")
     if not root:
@@ -582,9 +521,9 @@ def test_an_uploaded_model_served_in_a_sandbox_answers_through_the_gateway(tmp_p
     write_tiny_model(tmp_path / "tiny")
     with tensora_up(tmp_path) as (_, log, port, gw_port), contextlib.ExitStack() as stack_:
         data = tmp_path / "data"
-        admin = stack_.enter_context(_client(port, (data / "admin-key").read_text().strip()))
-        key = _key_for(admin, "carol")
-        carol = stack_.enter_context(_client(port, key))
+        admin = stack_.enter_context(api_client(port, (data / "admin-key").read_text().strip()))
+        key = key_for(admin, "carol")
+        carol = stack_.enter_context(api_client(port, key))
         with Client(key, f"http://127.0.0.1:{port}") as sdk:
             sdk.upload_dir(tmp_path / "tiny", "tiny")
         made = carol.post("/v1/workloads", json={"kind": "endpoint", "name": "chat", "gpu_class": "cpu-1c-4g",
@@ -610,17 +549,17 @@ def test_an_uploaded_model_served_in_a_sandbox_answers_through_the_gateway(tmp_p
 
 
 @pytest.mark.slow
-@real
+@needs_sandbox
 def test_kill_9_of_tensora_up_then_up_adopts_every_sandbox_and_leaves_no_orphan(tmp_path: Path) -> None:
     with tensora_up(tmp_path) as (proc, _log, port, gw_port):
         data = tmp_path / "data"
         key = (data / "admin-key").read_text().strip()
-        with _client(port, key) as c:
+        with api_client(port, key) as c:
             ids = [c.post("/v1/workloads", json={"kind": kind, "name": kind, "gpu_class": "cpu-1c-4g"}).json()["id"]
                    for kind in ("notebook", "vm")]
             before = {wid: _state(c, wid, {"running", "failed"}) for wid in ids}
         assert {w["state"] for w in before.values()} == {"running"}, before
-        runner = _runc(data)
+        runner = runc_of(data)
         metas = [json.loads(m.read_text()) for m in (data / "replicas").glob("*/replica.json")]
         replicas = sorted(m["id"] for m in metas)
         assert len(replicas) == 2 and runner.list() == replicas
@@ -635,9 +574,9 @@ def test_kill_9_of_tensora_up_then_up_adopts_every_sandbox_and_leaves_no_orphan(
             assert time.monotonic() < deadline, "tensora up's children outlived it"
             time.sleep(0.1)
         assert runner.list() == sorted([*replicas, orphan])  # the workloads run on without it
-        again, _ = _up(tmp_path, port, gw_port, 1)
+        again, _ = start_up(tmp_path, port, gw_port, 1)
         try:
-            with _client(port, key) as c:
+            with api_client(port, key) as c:
                 for wid, w in before.items():
                     now = _state(c, wid, {"running", "failed"})
                     assert now["state"] == "running" and now["access"] == w["access"]  # adopted, not restarted
@@ -650,7 +589,7 @@ def test_kill_9_of_tensora_up_then_up_adopts_every_sandbox_and_leaves_no_orphan(
 
 
 @pytest.mark.slow
-@real
+@needs_sandbox
 def test_a_data_dir_with_a_sandbox_left_behind_can_still_be_removed(tmp_path: Path) -> None:
     """As a test that kills its replicas' processes, or an operator's ``rm -rf``, leaves it: no mount holds the
     data dir once its sandboxes run (their network namespace is held by their processes, not a bind mount)."""
@@ -709,7 +648,7 @@ def tiny_driver(tmp_path: Path) -> Iterator[LocalDriver]:
 
 
 @pytest.mark.slow
-@real
+@needs_sandbox
 def test_a_kernel_past_its_class_memory_is_killed_and_the_replica_says_so(tiny_driver: LocalDriver) -> None:
     rid = f"rp_oomnb_{RUN}"
     tiny_driver.start(ReplicaSpec(rid, "wl_oom", WorkloadKind.NOTEBOOK, "cpu-tiny-512m", "box", owner="alice",
@@ -744,7 +683,7 @@ def _fake_runtime(root: Path, code: str) -> None:
 
 
 @pytest.mark.slow
-@real
+@needs_sandbox
 def test_a_server_past_its_class_memory_fails_the_replica_with_the_reason(tiny_driver: LocalDriver,
                                                                           tmp_path: Path) -> None:
     _fake_runtime(tiny_driver.runtimes, HOG)
@@ -778,7 +717,7 @@ def test_a_model_not_readable_by_the_sandbox_is_refused_with_the_file(tmp_path: 
 
 
 @pytest.mark.slow
-@real
+@needs_sandbox
 def test_sandbox_benchmark_quick_run(tmp_path: Path) -> None:
     bench = Path(__file__).resolve().parents[2] / "bench" / "sandbox.py"
     done = subprocess.run([sys.executable, str(bench), "--quick", "--data-dir", str(tmp_path)],

@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from tensora.sdk import Client
-from tests.e2e.test_dashboard import WAIT_MS, browser, shot, sign_in
-from tests.e2e.test_serve import served
+from tests.support.browser import WAIT_MS, shot, sign_in
+from tests.support.browser import browser as browser  # the fixture, imported under its name
 from tests.support.dashboard import signed_in
+from tests.support.serve import served
 from tests.support.services import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -28,8 +28,8 @@ import pytest
 from tensora.config.settings import ServeSettings
 from tensora.sandbox import network
 from tensora.serve import sandbox_forwards
-from tests.e2e.test_up import SMALL_MACHINE, _env, _launch
 from tests.support.services import free_port, stop, sweep
+from tests.support.up import SMALL_MACHINE, launch_up, up_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(t) for t in ("pasta", "nsenter")),
@@ -98,7 +98,7 @@ def host_get(port: int, key: str) -> int:
 
 def test_a_sandbox_holding_its_share_leaves_the_admin_the_api_and_the_gateway(tmp_path: Path) -> None:
     port, gateway_port = free_port(), free_port()
-    up = _launch(tmp_path, tmp_path / "data", port, gateway_port, CONFIG)
+    up = launch_up(tmp_path, tmp_path / "data", port, gateway_port, CONFIG)
     try:
         up.wait_ready()
         settings = ServeSettings(data_dir=up.data, driver="local", port=port, gateway_port=gateway_port,
@@ -118,7 +118,7 @@ def test_a_sandbox_holding_its_share_leaves_the_admin_the_api_and_the_gateway(tm
 def test_the_single_process_api_counts_its_sandboxes_apart(tmp_path: Path) -> None:
     port = free_port()
     data = tmp_path / "data"
-    env = _env({"TENSORA_DRIVER": "local", "TENSORA_METRICS_LISTEN": "", "TENSORA_HEADER_TIMEOUT_S": "60",
+    env = up_env({"TENSORA_DRIVER": "local", "TENSORA_METRICS_LISTEN": "", "TENSORA_HEADER_TIMEOUT_S": "60",
                 "TENSORA_MAX_CONNECTIONS_PER_CLIENT": str(SHARE)})
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
@@ -150,7 +150,7 @@ def test_serve_names_a_sandbox_port_it_cannot_listen_on(mode: list[str], tmp_pat
         other.bind(("127.0.0.1", 0))
         other.listen()
         taken = other.getsockname()[1]
-        env = _env({"TENSORA_DRIVER": "local", "TENSORA_METRICS_LISTEN": "", "TENSORA_SANDBOX_PORT": str(taken)})
+        env = up_env({"TENSORA_DRIVER": "local", "TENSORA_METRICS_LISTEN": "", "TENSORA_SANDBOX_PORT": str(taken)})
         result = subprocess.run([sys.executable, "-m", "tensora.cli", "serve", "--data-dir", str(tmp_path / "data"),
                                  "--port", str(free_port()), *mode], capture_output=True, text=True, env=env,
                                 stdin=subprocess.DEVNULL, timeout=60)

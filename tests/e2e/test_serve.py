@@ -5,16 +5,10 @@ placement by the simulated driver, SQLite and PostgreSQL, and a clean exit on SI
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import signal
 import socket
 import sqlite3
 import stat
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,12 +23,10 @@ from tensora.keys.apikeys import well_formed
 from tensora.placement.kinds import ReplicaState
 from tensora.serve import build
 from tensora.serving.banner import left_running
+from tests.support.serve import START_DEADLINE_S, Proc, launch_serve, served
 from tests.support.services import PgCluster, free_port
 
-START_DEADLINE_S = 30.0
-EXIT_DEADLINE_S = 20.0
 PLACE_DEADLINE_S = 20.0
-FAST = {"TENSORA_TICK_S": "0.1", "TENSORA_START_DELAY_S": "0.2"}  # a quick controller and simulated fleet
 
 
 # -- load_settings: unit tests, env passed explicitly --------------------------------------------
@@ -193,92 +185,6 @@ def test_build_refuses_a_driver_it_cannot_configure_before_touching_the_store(tm
 
 # -- the real entry point, in a child process ------------------------------------------------------
 
-def _command() -> list[str]:
-    script = shutil.which("tensora")
-    if script:
-        return [script]
-    return [sys.executable, "-c", "import sys; from tensora.cli import main; sys.argv[0] = 'tensora'; main()"]
-
-
-@dataclass
-class Proc:
-    """One ``tensora serve`` child, its output in files (a pipe could fill up and stall it)."""
-
-    popen: subprocess.Popen[bytes]
-    url: str
-    port: int
-    out: Path
-    err: Path
-
-    def output(self) -> str:
-        return self.out.read_text(errors="replace") + self.err.read_text(errors="replace")
-
-    def exit_code(self) -> int:
-        """For a start that should fail: its exit code (killed, and the test fails, if it does not exit)."""
-        try:
-            return self.popen.wait(timeout=START_DEADLINE_S)
-        finally:
-            if self.popen.poll() is None:
-                self.popen.kill()
-                self.popen.wait(timeout=10)
-
-    def terminate(self) -> int:
-        """SIGTERM to this child only; its exit code, waited for within EXIT_DEADLINE_S."""
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGTERM)
-        return self.popen.wait(timeout=EXIT_DEADLINE_S)
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORA_")}
-    env.update(FAST)
-    env.update(extra or {})
-    return env
-
-
-def _launch(tmp_path: Path, args: list[str], env: dict[str, str] | None = None, port: int | None = None,
-            tag: str = "serve") -> Proc:
-    n = len(list(tmp_path.glob(f"{tag}-*.out")))
-    out, err = tmp_path / f"{tag}-{n}.out", tmp_path / f"{tag}-{n}.err"
-    with out.open("wb") as o, err.open("wb") as e:
-        popen = subprocess.Popen([*_command(), "serve", *args], stdout=o, stderr=e, stdin=subprocess.DEVNULL,
-                                 env=_env(env), cwd=tmp_path)
-    port = port if port is not None else 0
-    return Proc(popen, f"http://127.0.0.1:{port}", port, out, err)
-
-
-def _wait_ready(proc: Proc) -> dict[str, Any]:
-    deadline = time.monotonic() + START_DEADLINE_S
-    while True:
-        if proc.popen.poll() is not None:
-            pytest.fail(f"tensora serve exited with {proc.popen.returncode}:\n{proc.output()}")
-        with contextlib.suppress(httpx.TransportError):
-            r = httpx.get(f"{proc.url}/readyz", timeout=2)
-            if r.status_code == 200:
-                body: dict[str, Any] = r.json()
-                return body
-        if time.monotonic() > deadline:
-            pytest.fail(f"tensora serve not ready within {START_DEADLINE_S}s:\n{proc.output()}")
-        time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def served(tmp_path: Path, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[Proc]:
-    """``tensora serve --data-dir DATA --port FREE EXTRA...``, ready; SIGTERMed (or killed) on the way out."""
-    port = free_port()
-    proc = _launch(tmp_path, ["--data-dir", str(data_dir), "--port", str(port), *extra], env=env, port=port)
-    try:
-        _wait_ready(proc)
-        yield proc
-    finally:
-        if proc.popen.poll() is None:
-            try:
-                proc.terminate()
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait(timeout=10)
-
-
 def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -335,9 +241,7 @@ def test_first_start_admin_key_loopback_and_clean_sigterm(tmp_path: Path) -> Non
         assert _refused("127.0.0.2", proc.port)
         _wait_leader(proc)
         assert [name for name, _ in _leases(data_dir / "tensora.db")] == ["controller/local"]
-        started = time.monotonic()
-        rc = proc.terminate()
-        assert time.monotonic() - started < EXIT_DEADLINE_S
+        rc = proc.terminate()  # it waits EXIT_DEADLINE_S at most
         assert rc == 0, proc.output()
         output = proc.output()
     assert key not in output
@@ -426,7 +330,7 @@ def test_rejected_settings_exit_2_naming_file_and_field_and_write_nothing(
         args += ["--nodes", str(missing)]
     elif kind == "driver":
         args += ["--driver", text]
-    proc = _launch(tmp_path, args, env=env, tag="rejected")
+    proc = launch_serve(tmp_path, args, env=env, tag="rejected")
     rc = proc.exit_code()
     stderr = proc.err.read_text()
     assert rc == 2, proc.output()
@@ -441,7 +345,7 @@ def test_rejected_settings_exit_2_naming_file_and_field_and_write_nothing(
 def test_an_unreachable_database_exits_1_with_a_clear_error(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     dead = f"postgresql://nobody@127.0.0.1:{free_port()}/tensora"  # a free port: nothing listens there
-    proc = _launch(tmp_path, ["--data-dir", str(data_dir), "--database-url", dead, "--port", str(free_port())],
+    proc = launch_serve(tmp_path, ["--data-dir", str(data_dir), "--database-url", dead, "--port", str(free_port())],
                    tag="nodb")
     rc = proc.exit_code()
     stderr = proc.err.read_text()

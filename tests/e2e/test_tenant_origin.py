@@ -24,8 +24,8 @@ from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.local import Isolation, LocalDriver
 from tensora.placement.capacity import Node
 from tensora.placement.kinds import ReplicaState, WorkloadKind
-from tests.e2e.test_dashboard import CHROMIUM, FLAGS, sign_in
-from tests.e2e.test_isolation import _client, _key_for, real, tensora_up
+from tests.support.browser import CHROMIUM, FLAGS, sign_in
+from tests.support.up import api_client, key_for, needs_sandbox, tensora_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -79,13 +79,13 @@ def _open_jupyterlab(browser: Any, url: str, key: str, wid: str, home: Path) -> 
 
 
 @pytest.mark.slow
-@real
+@needs_sandbox
 def test_a_tenants_jupyterlab_never_gets_the_dashboards_cookies(tmp_path: Path) -> None:
     with tensora_up(tmp_path) as (_, _log, port, _gw), _browser(tmp_path) as browser:
         data = tmp_path / "data"
         admin_key = (data / "admin-key").read_text().strip()
         url = f"http://127.0.0.1:{port}"
-        with _client(port, admin_key) as admin, _client(port, _key_for(admin, "bob")) as bob:
+        with api_client(port, admin_key) as admin, api_client(port, key_for(admin, "bob")) as bob:
             wid = bob.post("/v1/workloads", json={"kind": "notebook", "name": "nb", "gpu_class": "cpu-1c-4g"}
                            ).json()["id"]
             first = _restarted(bob, wid, None)

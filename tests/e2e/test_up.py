@@ -13,8 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,105 +22,18 @@ import pytest
 from tensora.config.settings import ServeSettings
 from tensora.serve import build, ensure_admin_key
 from tests.support.services import free_port, sweep
+from tests.support.up import SMALL_MACHINE, START_DEADLINE_S, running_up, up_env
 
 pytestmark = pytest.mark.slow
-START_DEADLINE_S = 60.0
-SMALL_MACHINE = "node: {name: box, cpu: 2, memory: 24Gi, gpus: {}}\ntick_s: 1\n"  # this machine's size, declared
 NODE_LINE = ("this machine as node box: 2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; "
              "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs; each owner may run 4 vCPU at once (the admin owner: the "
              "whole node)")
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORA_")}
-    env.update(extra or {})
-    return env
-
-
-@dataclass
-class Up:
-    """One ``tensora up`` child in a session of its own (as a terminal's foreground job), output in files."""
-
-    popen: subprocess.Popen[bytes]
-    data: Path
-    port: int
-    gateway_port: int
-    out: Path
-    err: Path
-    metrics_port: int = 0  # the API's and controller's /metrics
-    gateway_metrics_port: int = 0
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stdout(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    def output(self) -> str:
-        return self.stdout() + self.err.read_text(errors="replace")
-
-    def key(self) -> str:
-        return (self.data / "admin-key").read_text().strip()
-
-    def wait_ready(self, leader: bool = True) -> None:
-        """Until the API answers, its controller leads (unless not ``leader``) and the gateway has its
-        first routes from the API."""
-        deadline = time.monotonic() + START_DEADLINE_S
-        while True:
-            assert self.popen.poll() is None, f"tensora up exited with {self.popen.returncode}:\n{self.output()}"
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                ready = httpx.get(f"{self.api}/readyz", timeout=2).json()
-                gateway = httpx.get(f"http://127.0.0.1:{self.gateway_port}/readyz", timeout=2).json()
-                if ready.get("status") == "ready" and (ready.get("controller") == "leader" or not leader) \
-                        and gateway.get("routes"):
-                    return
-            assert time.monotonic() < deadline, f"tensora up not ready in {START_DEADLINE_S}s:\n{self.output()}"
-            time.sleep(0.2)
-
-    def interrupt(self) -> int:
-        """Ctrl-C: SIGINT to its whole process group, as a terminal sends it; the exit code."""
-        os.killpg(self.popen.pid, signal.SIGINT)
-        return self.popen.wait(timeout=30)
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=10)
-
-
-def _launch(tmp_path: Path, data: Path, port: int, gateway_port: int, config: str = SMALL_MACHINE) -> Up:
-    n = len(list(tmp_path.glob("up-*.out")))
-    (tmp_path / "up.yaml").write_text(config)
-    out, err = tmp_path / f"up-{n}.out", tmp_path / f"up-{n}.err"
-    metrics, gateway_metrics = free_port(), free_port()  # not the defaults: tests run side by side
-    env = _env({"TENSORA_METRICS_LISTEN": f"127.0.0.1:{metrics}",
-                "TENSORA_GATEWAY_METRICS_LISTEN": f"127.0.0.1:{gateway_metrics}"})
-    with out.open("wb") as o, err.open("wb") as e:
-        popen = subprocess.Popen([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(data),
-                                  "--port", str(port), "--gateway-port", str(gateway_port),
-                                  "--config", str(tmp_path / "up.yaml")],
-                                 stdout=o, stderr=e, stdin=subprocess.DEVNULL, env=env, cwd=tmp_path,
-                                 start_new_session=True)
-    return Up(popen, data, port, gateway_port, out, err, metrics, gateway_metrics)
-
-
-@contextlib.contextmanager
-def running_up(tmp_path: Path, data: Path | None = None, port: int | None = None,
-               gateway_port: int | None = None, leader: bool = True) -> Iterator[Up]:
-    up = _launch(tmp_path, data or tmp_path / "data", port or free_port(), gateway_port or free_port())
-    try:
-        up.wait_ready(leader)
-        yield up
-    finally:
-        up.kill()
-
-
 def _second(tmp_path: Path, data: Path, port: int, gateway_port: int) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(data), "--port", str(port),
                            "--gateway-port", str(gateway_port), "--config", str(tmp_path / "up.yaml")],
-                          capture_output=True, text=True, timeout=60, env=_env(), stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=60, env=up_env(), stdin=subprocess.DEVNULL)
 
 
 def _refused(port: int) -> bool:
@@ -293,7 +204,7 @@ def test_the_gateway_is_quiet_while_its_api_starts_and_warns_once_when_it_goes(t
     services = build(ServeSettings(data_dir=data, controller=False))  # the store and admin key, as a first start
     ensure_admin_key(services.db, data, time.time())
     services.db.dispose()
-    env = _env({"TENSORA_GATEWAY_POLL_S": "0.2", "TENSORA_GATEWAY_STARTUP_GRACE_S": "30"})
+    env = up_env({"TENSORA_GATEWAY_POLL_S": "0.2", "TENSORA_GATEWAY_STARTUP_GRACE_S": "30"})
     log = tmp_path / "gateway.log"
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -305,7 +216,7 @@ def test_the_gateway_is_quiet_while_its_api_starts_and_warns_once_when_it_goes(t
         with (tmp_path / "serve.log").open("wb") as f:
             api = subprocess.Popen([sys.executable, "-m", "tensora.cli", "serve", "--data-dir", str(data),
                                     "--port", str(port), "--no-controller"],
-                                   stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
+                                   stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=up_env())
         procs.append(api)
         deadline = time.monotonic() + START_DEADLINE_S
         while True:  # the gateway has routes once the API answered it

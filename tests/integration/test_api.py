@@ -9,7 +9,6 @@ time; one test lets the controller thread run, to show that a create wakes it.
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import time
 from collections.abc import Iterator
@@ -18,17 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
 from sqlalchemy import text
 
 from tensora.keys import apikeys
 from tensora.storage import NOT_FOUND
 from tests.support import services
-from tests.support.stack import T0, Stack, stack
+from tests.support.api import WRITTEN_TABLES, Api, assert_error, created, iso, own_model, settle
+from tests.support.api import api as api  # the fixture, imported under its name
+from tests.support.clock import FakeClock
+from tests.support.stack import T0, stack
 
-WRITTEN_TABLES = ("workloads", "events", "replicas", "usage_segments", "idempotency_records")
 ROUTES = ["/v1/workloads", "/v1/workloads/{workload_id}", "/v1/workloads/{workload_id}/events",
           "/v1/workloads/{workload_id}/stop", "/v1/workloads/{workload_id}/restart", "/v1/catalog",
           "/v1/usage", "/v1/usage/tokens", "/v1/keys", "/v1/keys/{key_id}", "/v1/gateway/routes",
@@ -36,47 +35,6 @@ ROUTES = ["/v1/workloads", "/v1/workloads/{workload_id}", "/v1/workloads/{worklo
 
 
 # -- harness --------------------------------------------------------------------------
-
-@dataclass
-class Api:
-    """A stack served over HTTP. ``as_(key)``: a client sending that key; ``cycle()``: one
-    controller cycle (the server runs no controller thread of its own)."""
-
-    stack: Stack
-    url: str
-    tmp: Path
-    _clients: list[httpx.Client] = field(default_factory=list)
-
-    def as_(self, key: str | None) -> httpx.Client:
-        headers = self.stack.headers(key) if key is not None else {}
-        client = httpx.Client(base_url=self.url, headers=headers, timeout=10)
-        self._clients.append(client)
-        return client
-
-    def cycle(self, n: int = 1) -> None:
-        for _ in range(n):
-            self.stack.controller.run_once()
-
-    def rows(self) -> dict[str, int]:
-        with self.stack.services.db.read() as conn:
-            return {t: int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()) for t in WRITTEN_TABLES}
-
-    def close(self) -> None:
-        for c in self._clients:
-            c.close()
-        self.stack.services.db.dispose()
-
-
-@pytest.fixture
-def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
-    s = stack(db_url, tmp_path, run_controller=False)
-    with services.serving(s.app) as live:
-        a = Api(s, live.url, tmp_path)
-        try:
-            yield a
-        finally:
-            a.close()
-
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
@@ -97,60 +55,6 @@ def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             yield a
         finally:
             a.close()
-
-
-def tiny_model(where: Path, name: str = "tiny.safetensors") -> tuple[Path, int]:
-    """A real safetensors file; returns its path and its parameter count."""
-    tensors: dict[str, np.ndarray[Any, Any]] = {"embed": np.zeros((8, 4), dtype=np.float16),
-                                                "head": np.ones((4,), dtype=np.float32)}
-    path = where / name
-    save_file(tensors, str(path))
-    return path, sum(int(t.size) for t in tensors.values())
-
-
-def own_model(api: Api, client: httpx.Client, name: str = "tiny.safetensors") -> tuple[str, int]:
-    """A real safetensors file uploaded to the client's files as ``name``: returns the name (what
-    ``model`` takes) and its parameter count."""
-    path, params = tiny_model(api.tmp, "upload-" + name.replace("/", "-"))
-    r = client.put(f"/v1/files/{name}", content=path.read_bytes())
-    assert r.status_code in (200, 201), r.text
-    return name, params
-
-
-def iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def created(client: httpx.Client, **body: Any) -> dict[str, Any]:
-    r = client.post("/v1/workloads", json=body)
-    assert r.status_code == 201, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
-def settle(api: Api, client: httpx.Client, wid: str, state: str, cycles: int = 6) -> dict[str, Any]:
-    """Run controller cycles until the workload reads back in ``state`` (bounded)."""
-    for _ in range(cycles):
-        w: dict[str, Any] = client.get(f"/v1/workloads/{wid}").json()
-        if w["state"] == state:
-            return w
-        api.cycle()
-    w = client.get(f"/v1/workloads/{wid}").json()
-    assert w["state"] == state, w
-    return w
-
-
-def assert_error(r: httpx.Response, status: int, field: str | None = None) -> dict[str, Any]:
-    """The one error shape; returns the error object."""
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"type", "message", "field"}, body
-    err: dict[str, Any] = body["error"]
-    assert isinstance(err["type"], str) and err["type"]
-    assert isinstance(err["message"], str) and err["message"]
-    assert err["field"] == field, err
-    return err
 
 
 def occupy(api: Api, *classes: str) -> list[str]:
@@ -582,18 +486,18 @@ def test_every_owner_is_untrusted_until_an_admin_marks_it_trusted(api: Api) -> N
 
 
 def test_a_key_revoked_by_another_process_stops_working_within_the_cache_ttl(api: Api) -> None:
-    ttl = api.stack.services.keys.ttl = 0.5  # the default is 2 s; a shorter one keeps the test quick
+    keys = api.stack.services.keys
+    keys.clock = clock = FakeClock()  # the cache's TTL counted on a clock moved by hand
     r = api.as_(api.stack.alice).post("/v1/keys", json={"name": "ci", "scopes": ["workloads:read"]})
     key = r.json()
     ci = api.as_(key["key"])
     assert ci.get("/v1/workloads").status_code == 200  # looked up, and cached for ttl
     with api.stack.services.db.write() as conn:  # what another API process's revoke writes
         conn.execute(text("UPDATE api_keys SET revoked_at = :t WHERE id = :id"), {"t": T0, "id": key["id"]})
-    start = time.monotonic()
-    while ci.get("/v1/workloads").status_code == 200:
-        assert time.monotonic() - start < ttl + 2, "a revoked key kept working past the cache TTL"
-        time.sleep(0.1)
-    assert_error(ci.get("/v1/workloads"), 401)
+    clock.advance(keys.ttl - 0.01)
+    assert ci.get("/v1/workloads").status_code == 200  # still cached: this process has not seen the revoke
+    clock.advance(0.02)
+    assert_error(ci.get("/v1/workloads"), 401)  # past the cache TTL: looked up again, and refused
 
 
 def test_a_key_cannot_grant_what_it_lacks_nor_act_for_another_owner(shared: Api) -> None:

@@ -17,9 +17,9 @@ from tensora.config.quotas import Limits
 from tensora.control.housekeeping import housekeep
 from tensora.store import rates as rates_repo
 from tensora.store.db import Database
-from tests.integration.test_api import Api, assert_error, created
-from tests.integration.test_api import api as api  # the fixture, re-exported under its name
 from tests.support import services
+from tests.support.api import Api, assert_error, created
+from tests.support.api import api as api  # the fixture, imported under its name
 from tests.support.stack import stack
 
 NB: dict[str, Any] = {"kind": "notebook", "name": "nb", "gpu_class": "cpu-1c-4g"}

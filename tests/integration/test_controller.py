@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from tensora.clock import FakeClock, SystemClock
-from tensora.config.catalog import default_catalog
+from tensora.clock import SystemClock
 from tensora.control import snapshot, workloads
 from tensora.control.controller import Controller
 from tensora.control.spec import parse_spec
@@ -21,52 +20,12 @@ from tensora.store import leases as leases_repo
 from tensora.store import usage as usage_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
-from tensora.store.rows import WORKLOAD_COLUMNS, ReplicaRow, SegmentRow, WorkloadRecord
+from tensora.store.rows import WORKLOAD_COLUMNS
 from tensora.store.tables import O
+from tests.support.clock import FakeClock
+from tests.support.controller import CATALOG, events, get, make, replicas, segments, submit, view
 from tests.support.doubles import Crash, CrashingDriver, FlakyRelease
 from tests.support.stack import GI, T0, fleet
-
-CATALOG = default_catalog()
-
-
-
-def make(db: Database, clock: FakeClock, driver: Any = None, holder: str = "a", start_delay_s: float = 0.0,
-         ) -> tuple[Controller, SimulatedDriver]:
-    sim = driver or SimulatedDriver(fleet(), clock, start_delay_s=start_delay_s)
-    inner = sim.inner if isinstance(sim, CrashingDriver) else sim
-    return Controller(db, sim, CATALOG, clock=clock, holder=holder, lease_ttl_s=15), inner
-
-
-def submit(db: Database, clock: FakeClock, owner: str = "alice", **body: Any) -> str:
-    with db.write() as conn:
-        checked = workloads.validate(parse_spec(body), CATALOG, owner, None)  # sized by model_params: no storage
-        return str(workloads.create(conn, checked, clock.now()).id)
-
-
-def get(db: Database, wid: str) -> WorkloadRecord:
-    with db.read() as conn:
-        w = workloads_repo.get_workload(conn, wid, include_deleted=True)
-        assert w is not None
-        return w
-
-
-def events(db: Database, wid: str) -> list[str]:
-    with db.read() as conn:
-        return [e.reason for e in events_repo.list_events(conn, wid)]
-
-
-def replicas(db: Database, wid: str, active_only: bool = True) -> list[ReplicaRow]:
-    with db.read() as conn:
-        return workloads_repo.replicas_of(conn, [wid], active_only=active_only)
-
-
-def view(db: Database, wid: str) -> dict[str, Any]:
-    return workloads.view(get(db, wid), replicas(db, wid), CATALOG)
-
-
-def segments(db: Database) -> list[SegmentRow]:
-    with db.read() as conn:
-        return sorted(usage_repo.segments(conn, None, 0, 1e12), key=lambda s: (s.started_at, s.id))
 
 
 def test_adr_example_l40s_then_a100_then_cpu_after_10m_and_back(db: Database) -> None:

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event, text
 
-from tensora.clock import FakeClock
 from tensora.config.catalog import default_catalog
 from tensora.control import workloads
 from tensora.control.controller import Controller
@@ -32,6 +31,7 @@ from tensora.store import owners as owners_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tensora.store.rows import WorkloadRecord
+from tests.support.clock import FakeClock
 from tests.support.stack import T0, fleet
 
 CATALOG = default_catalog()

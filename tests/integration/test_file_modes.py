@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import text
 
 from tensora.store.db import Database
-from tests.e2e.test_serve import served
+from tests.support.serve import served
 from tests.support.stack import stack
 
 NODES = "nodes:\n  - {name: cpu-1, region: local, allocatable: {cpu: 8, memory: 32Gi}}\n"

@@ -31,8 +31,8 @@ from tensora.models.validator import read_model
 from tensora.sdk import Client, UnprocessableError
 from tensora.storage import NOT_FOUND, NotFound, Storage, owner_dir
 from tensora.store import files as files_repo
-from tests.integration.test_api import tiny_model
 from tests.support import services
+from tests.support.api import tiny_model
 from tests.support.stack import Stack, stack
 
 MiB = 2**20

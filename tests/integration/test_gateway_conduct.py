@@ -26,9 +26,9 @@ from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 from tensora.gateway.upstream import Client, UpstreamError
 from tensora.keys import apikeys
+from tests.support.clock import FakeClock
 from tests.support.gateway_harness import (
     Backends,
-    FakeClock,
     backends_fixture,
     chat,
     make_table,
@@ -293,7 +293,7 @@ def test_no_retry_in_a_tier_of_two_and_none_when_the_deadline_leaves_no_room(bac
                        "replicas": [replica("r1", backends.url("r1")), replica("r2", backends.url("r2"))]}], KEYS)
     for n in ("r1", "r2"):
         backends.mode(n, "http_503")
-    clock = FakeClock()  # it stands still: the whole deadline is left at every step
+    clock = FakeClock(1000.0)  # it stands still: the whole deadline is left at every step
     with serving(gateway(two)) as url:
         pair = post(url, chat())
     with serving(gateway(lone(backends), clock=clock, deadline_s=1.05)) as url:  # 1.05 - delay < 1 s of room

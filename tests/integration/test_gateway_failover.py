@@ -25,9 +25,9 @@ from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 from tensora.gateway.walk import context_exceeded, retry_after
 from tensora.keys import apikeys
+from tests.support.clock import FakeClock
 from tests.support.gateway_harness import (
     Backends,
-    FakeClock,
     backends_fixture,
     chat,
     make_table,
@@ -159,7 +159,7 @@ def test_a_retry_after_date_in_the_future() -> None:
 
 def test_an_ejected_backend_is_probed_and_back_after_two_good_probes_not_after_its_cooldown(
         backends: Backends) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     gw = gateway(table(backends), clock=clock)
     prober = Prober(gw)
     backends.mode("r1", "down")
@@ -168,17 +168,17 @@ def test_an_ejected_backend_is_probed_and_back_after_two_good_probes_not_after_i
         assert trail(first) == "my-llm/r1:http_503,my-llm/c1:ok"
         breaker = gw.breakers["my-llm/r1"]
         until = breaker.open_until
-        assert until == clock.t + 30 and set(gw.ejected) == {"my-llm/r1"}
+        assert until == clock.now() + 30 and set(gw.ejected) == {"my-llm/r1"}
         assert trail(post(url, chat())) == "my-llm/r1:breaker_open,my-llm/c1:ok"
         for _ in range(3):  # still down: failed probes, and the ejection is not made any longer
-            clock.t += 2
+            clock.advance(2)
             assert probe_round(prober) == 1
         assert breaker.open_until == until and breaker.ejections == 1 and backends.probes("r1") == 3
         backends.mode("r1", "ok")
-        clock.t += 2
+        clock.advance(2)
         probe_round(prober)
         assert trail(post(url, chat())) == "my-llm/r1:breaker_open,my-llm/c1:ok"  # one good probe: not yet
-        clock.t += 2
+        clock.advance(2)
         probe_round(prober)
         back = post(url, chat())  # 10 s after the ejection, 20 s before its cooldown would have ended
         assert probe_round(prober) == 0  # nothing ejected: nothing probed
@@ -215,7 +215,7 @@ def test_traffic_is_back_on_a_recovered_backend_within_five_seconds_in_real_time
 
 
 def test_the_prober_sends_the_replicas_own_key_and_peers_get_healthz(backends: Backends) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     t = table(backends)
     gw = gateway(t, clock=clock)
     backends.mode("k1", "down")
@@ -233,7 +233,7 @@ def test_the_prober_sends_the_replicas_own_key_and_peers_get_healthz(backends: B
 
 
 def test_a_replica_gone_from_the_route_table_is_no_longer_probed(backends: Backends) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     tables = [table(backends)]
     gw = gateway(tables[0], clock=clock)
     gw.table = lambda: tables[0]
@@ -388,17 +388,17 @@ def test_other_client_errors_pass_through_unchanged_and_are_never_retried(
 ], ids=["seconds", "ms", "bounded"])
 def test_a_429s_retry_after_makes_the_backend_skipped_until_then(backends: Backends, headers: dict[str, str],
                                                                   skip_s: float) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     gw = gateway(table(backends), clock=clock)
     backends.mode("r1", "http_429", headers=headers)
     with serving(gw) as url:
         first = post(url, chat())
         hits = backends.requests("r1")
-        clock.t += skip_s - 0.01
+        clock.advance(skip_s - 0.01)
         skipped = post(url, chat())
         assert backends.requests("r1") == hits  # nothing sent to it
         backends.mode("r1", "ok")
-        clock.t += 0.02
+        clock.advance(0.02)
         back = post(url, chat())
     assert trail(first) == "my-llm/r1:http_429,my-llm/c1:ok"
     assert trail(skipped) == "my-llm/r1:rate_limited,my-llm/c1:ok"
@@ -407,29 +407,29 @@ def test_a_429s_retry_after_makes_the_backend_skipped_until_then(backends: Backe
 
 
 def test_a_429_without_retry_after_gets_a_short_jittered_backoff(backends: Backends) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     gw = gateway(table(backends), clock=clock)
     backends.mode("r1", "http_429")
     waits = []
     with serving(gw) as url:
         for _ in range(8):
-            clock.t += 10
+            clock.advance(10)
             assert trail(post(url, chat())) == "my-llm/r1:http_429,my-llm/c1:ok"
             until = gw.breakers["my-llm/r1"].busy_until
             assert until is not None
-            waits.append(until - clock.t)
+            waits.append(until - clock.now())
     assert all(0.5 <= w <= 1.5 for w in waits) and len(set(waits)) > 1, waits
 
 
 def test_every_tier_exhausted_the_503_carries_the_soonest_retry_after_of_all(backends: Backends) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     gw = gateway(table(backends, fallback_models=[]), clock=clock)
     backends.mode("r1", "http_429", headers={"retry-after": "7"})
     backends.mode("c1", "http_429", headers={"retry-after-ms": "2500"})
     backends.mode("s1", "http_503")  # its breaker opens for 30 s
     with serving(gw) as url:
         r = post(url, chat())
-        clock.t += 1
+        clock.advance(1)
         again = post(url, chat())
     assert r.status_code == 503 and trail(r) == "my-llm/r1:http_429,my-llm/c1:http_429,m-shared/s1:http_503"
     assert r.headers["retry-after"] == "3" and r.headers["retry-after-ms"] == "2500"
@@ -438,14 +438,14 @@ def test_every_tier_exhausted_the_503_carries_the_soonest_retry_after_of_all(bac
 
 
 def test_a_peer_gateways_429_is_this_callers_alone_and_never_skips_the_peer_for_others(backends: Backends) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     gw = gateway(table(backends, fallback_models=[], cpu_fallback=False, model=None, allow_cross_region=True),
                  clock=clock, peers=(Peer("us", backends.url("g1")),))
     backends.mode("r1", "http_503")
     backends.mode("g1", "http_429", headers={"retry-after": "4"})
     with serving(gw) as url:
         r = post(url, chat())
-        clock.t += 31
+        clock.advance(31)
         backends.mode("g1", "ok")
         again = post(url, chat())
     assert r.status_code == 503 and r.headers["retry-after"] == "4"

@@ -28,7 +28,8 @@ from tensora.gateway.metering import Meter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 from tensora.keys import apikeys
-from tests.support.gateway_harness import Backends, FakeClock, backends_fixture, chat, make_table, replica, serving
+from tests.support.clock import FakeClock
+from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import free_port, redis_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -243,10 +244,10 @@ def test_records_expire_after_keep_s(backends: Backends, tmp_path: Path) -> None
     gw, spool = gateway(backends, tmp_path, wall=wall)
     with serving(gw) as url:
         assert post(url, chat()).status_code == 200
-        wall.t += 24 * 3600 - 1
+        wall.advance(24 * 3600 - 1)
         assert post(url, chat(max_tokens=9)).status_code == 422  # still held: 24 h less a second
         assert post(url, chat()).headers[REPLAYED] == "true"
-        wall.t += 2
+        wall.advance(2)
         n = backends.requests("r1")
         fresh = post(url, chat(max_tokens=9))  # expired: the key is free for another body
         assert fresh.status_code == 200 and REPLAYED not in fresh.headers and backends.requests("r1") == n + 1
@@ -463,9 +464,13 @@ def test_two_gateways_share_records_through_redis(backends: Backends, tmp_path: 
                 assert backends.requests("r1") == n + 1
             assert len(sa.records(2)) == 2 and len(sb.records(2)) == 2  # Mallory's two, through b
             backends.mode("r1", "stall_head")  # in flight on a: 409 on b
+            held = backends.requests("r1") + 1
             t = threading.Thread(target=lambda: post(a, chat(), ik="slow"))
             t.start()
-            time.sleep(0.5)
+            deadline = time.monotonic() + 10
+            while backends.requests("r1") < held:  # claimed on a, and sent on: in flight
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
             assert post(b, chat(), ik="slow").status_code == 409
             t.join(10)
             backends.mode("r1", "ok")
@@ -487,19 +492,21 @@ def test_two_gateways_share_records_through_redis(backends: Backends, tmp_path: 
 
 
 def test_a_redis_that_never_answers_costs_a_timeout_not_a_500(backends: Backends, tmp_path: Path) -> None:
-    from tests.integration.test_gateway_redis import Silent
+    from tests.support.doubles import Silent
 
     silent = Silent()
     try:
         t, spool = table(backends), Spooled(tmp_path / "spool")
-        lim = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", "t")  # the defaults: 50 ms a call
+        # the defaults: 50 ms a call; its clock stands still: it does not probe again
+        lim = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", "t", clock=FakeClock())
         gw = Gateway(Options(ttft_s=1.5, deadline_s=4), lambda: t, lim, spool.meter,
                      idem=Idempotency(DiskStore(tmp_path / "idem"), RedisStore(lim.redis), probe_s=60),
                      on_shutdown=[spool.close])
         with serving(gw) as url:
-            started = time.monotonic()
-            got = [post(url, chat()) for _ in range(3)]
-            assert time.monotonic() - started < 5
+            got = [post(url, chat())]
+            asked = silent.received
+            got += [post(url, chat()) for _ in range(2)]
+        assert asked > 0 and silent.received == asked  # the first request waited on Redis; none after it did
         assert [r.status_code for r in got] == [200] * 3
         assert got[0].headers["x-tensora-idempotency"] == "local"
         assert got[1].headers[REPLAYED] == got[2].headers[REPLAYED] == "true"

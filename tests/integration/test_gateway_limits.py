@@ -18,6 +18,7 @@ from tensora.gateway.limits import Admission, Caller, Limiter, MemoryLimiter, Qu
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable, table_from_json
 from tensora.keys import apikeys
+from tests.support.clock import FakeClock
 from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import redis_server
 
@@ -129,7 +130,7 @@ backends = backends_fixture(["r1"])
 
 def gateway(table: RouteTable, limiter: Limiter | None = None, **opts: int) -> Gateway:
     return Gateway(Options(ttft_s=2, deadline_s=5, **opts), lambda: table, limiter or MemoryLimiter(), None,
-                   wall=lambda: MID_MINUTE)
+                   wall=FakeClock(MID_MINUTE))
 
 
 def endpoints(b: Backends) -> list[dict[str, object]]:

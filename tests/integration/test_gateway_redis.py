@@ -17,11 +17,12 @@ import httpx
 import pytest
 
 from tensora.gateway.app import GatewaySettings, build
-from tensora.gateway.limits import Caller, FailMode, MemoryLimiter, Quota, RedisLimiter
+from tensora.gateway.limits import Admission, Caller, FailMode, MemoryLimiter, Quota, RedisLimiter
 from tensora.gateway.proxy import Gateway, Options
 from tensora.gateway.routes import RouteTable
 from tensora.keys import apikeys
-from tests.support.doubles import HandClock, Silent
+from tests.support.clock import FakeClock
+from tests.support.doubles import Silent
 from tests.support.gateway_harness import Backends, backends_fixture, chat, make_table, replica, serving
 from tests.support.services import free_port, redis_process
 
@@ -112,7 +113,7 @@ def test_redis_killed_under_load_and_back(backends: Backends, mode: FailMode,
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     proc = redis_process(port)
-    wall = HandClock(MINUTE)
+    wall = FakeClock(MINUTE)
     t = table(backends)
     # a killed Redis refuses at once, whatever the timeout; 0.5 s rather than 50 ms so that a healthy Redis on a
     # loaded test machine is never taken for a lost one (the 50 ms default is the silent Redis's test below)
@@ -127,12 +128,12 @@ def test_redis_killed_under_load_and_back(backends: Backends, mode: FailMode,
             proc.wait(10)
             until(lambda: all(lim.down_since is not None for lim in lims))
             load.served(200)
-            wall.next_minute()
+            wall.advance(60)
             down = carol(a, 5)
             proc = redis_process(port)  # back, on the same port, empty
             until(lambda: all(lim.down_since is None for lim in lims))  # the load's requests probe it
             load.served(100)
-            wall.next_minute()
+            wall.advance(60)
             back = carol(a, 7) + carol(b, 1)
     finally:
         proc.kill()
@@ -160,34 +161,33 @@ def silent() -> Iterator[Silent]:
 
 @pytest.mark.parametrize("timeout_s", [0.05, 0.4])
 def test_a_redis_that_never_answers_costs_its_timeout_once(silent: Silent, timeout_s: float) -> None:
-    async def go() -> tuple[float, float, bool]:
-        lim = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", "s", timeout_s=timeout_s)
+    async def go() -> tuple[int, int, Admission, Admission]:
+        lim = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", "s", timeout_s=timeout_s, clock=FakeClock())
         try:
-            t0 = time.monotonic()
             first = await lim.admit(Caller("o", Quota(10, 1000)), 10, MINUTE)
-            t1 = time.monotonic()
-            await lim.admit(Caller("o", Quota(10, 1000)), 10, MINUTE)  # no probe within probe_s
-            return t1 - t0, time.monotonic() - t1, first.ok and first.local
+            asked = silent.received
+            second = await lim.admit(Caller("o", Quota(10, 1000)), 10, MINUTE)  # the clock stands still: no probe
+            return asked, silent.received, first, second
         finally:
             await lim.close()
 
-    first, second, local = asyncio.run(go())
-    assert timeout_s <= first < timeout_s + 0.3, first
-    assert second < 0.02 and local
+    asked, after, first, second = asyncio.run(go())
+    assert asked > 0 and first.ok and first.local  # it asked Redis, timed out, and admitted on its own
+    assert after == asked and second.ok and second.local  # the second did not ask: no second timeout
 
 
 def test_over_http_a_silent_redis_is_no_hang_and_no_500(backends: Backends, silent: Silent,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="tensora.gateway")
     t = table(backends)
-    gw = Gateway(Options(ttft_s=2, deadline_s=5), lambda: t, RedisLimiter(f"redis://127.0.0.1:{silent.port}/0"),
-                 None, wall=HandClock(MINUTE))
+    lim = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", clock=FakeClock())  # it stands still: no probe
+    gw = Gateway(Options(ttft_s=2, deadline_s=5), lambda: t, lim, None, wall=FakeClock(MINUTE))
     with serving(gw) as url:
-        t0 = time.monotonic()
-        codes = carol(url, 8)
-        took = time.monotonic() - t0
+        codes = carol(url, 1)
+        asked = silent.received
+        codes += carol(url, 7)
     assert codes == [200] * 6 + [429] * 2  # replicas 1: the whole limit, kept in this gateway
-    assert took < 2, took
+    assert asked > 0 and silent.received == asked  # the first request waited on Redis; none after it did
     assert transitions(caplog) == (1, 0)
     no_tracebacks(caplog)
 

@@ -19,6 +19,7 @@ from tensora.gateway.server import Server
 from tests.support.services import free_port
 
 EVENTS: list[str] = []
+SLOW_IN = threading.Event()  # set when a request to /slow comes in
 HEADER_SHAPES: dict[str, Any] = {  # ASGI lets an app send its headers as any pairs: each is answered alike
     "tuples": [(b"x-a", b"1"), (b"content-length", b"2")],
     "lists": [[b"x-a", b"1"], [b"content-length", b"2"]],
@@ -47,6 +48,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": b"ok"})
         return
     if scope["path"] == "/slow":
+        SLOW_IN.set()
         await asyncio.sleep(0.5)
     if scope["path"] == "/boom":
         raise RuntimeError("a bug")
@@ -139,8 +141,9 @@ def test_a_stop_lets_the_request_in_flight_finish_then_runs_shutdown(server: Any
     url, stop, loop, thread = server
     out: list[httpx.Response] = []
     t = threading.Thread(target=lambda: out.append(httpx.post(f"{url}/slow", content=b"x", timeout=10)))
+    SLOW_IN.clear()
     t.start()
-    time.sleep(0.2)
+    assert SLOW_IN.wait(10)  # the request is in flight
     loop.call_soon_threadsafe(stop.set)
     t.join(10)
     thread.join(10)

@@ -454,6 +454,18 @@ def test_an_endpoint_on_cpu_moves_back_to_its_gpu_on_kubernetes(cluster: tuple[A
         svc.db.dispose()
 
 
+def rewatched(double: ApiServerDouble, since: int) -> None:
+    """Until every path watched so far has a stream again, opened after the double's ``since``-th watch and not
+    answered 410 Gone (each stream ends within a second; one from a too old resourceVersion comes back first)."""
+    deadline = time.monotonic() + 15
+    while True:
+        paths = {path for path, _ in double.watches}
+        if paths and paths <= {path for path, gone in double.watches[since:] if not gone}:
+            return
+        assert time.monotonic() < deadline, double.watches
+        time.sleep(0.02)
+
+
 def test_a_watch_wakes_the_controller_when_a_replica_changes_and_survives_410(
         cluster: tuple[ApiServerDouble, Path]) -> None:
     import threading
@@ -465,9 +477,10 @@ def test_a_watch_wakes_the_controller_when_a_replica_changes_and_survives_410(
     d.start(NB)
     assert woken.wait(10), "no wake-up on the new pod"
     name = object_name(NB.id)
-    time.sleep(1.5)  # let each watch stream end and re-watch from its resourceVersion
+    rewatched(double, len(double.watches))  # each watch stream ended and re-watched from its resourceVersion
+    compacted = len(double.watches)
     double.compact()  # etcd compaction: those resourceVersions are now too old (410 Gone)
-    time.sleep(1.5)
+    rewatched(double, compacted)
     woken.clear()
     double.set_status(PODS, NS, name, {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
     assert woken.wait(10), "no wake-up after the 410"
@@ -484,7 +497,7 @@ def test_tensora_serve_starts_against_a_kubeconfig(cluster: tuple[ApiServerDoubl
     cluster's nodes, and a notebook created over HTTP becomes a Pod in the namespace."""
     import httpx
 
-    from tests.e2e.test_serve import served
+    from tests.support.serve import served
 
     double, kubeconfig = cluster
     env = {"TENSORA_KUBECONFIG": str(kubeconfig), "TENSORA_NAMESPACE": NS, "TENSORA_REGION": "eu-west"}

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tensora.clock import FakeClock, SystemClock
+from tensora.clock import SystemClock
 from tensora.control import workloads
 from tensora.control.controller import Controller
 from tensora.control.spec import parse_spec
@@ -34,8 +34,10 @@ from tensora.store import events as events_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tensora.store.tables import U
-from tests.integration.test_api import Api, api, created, iso, own_model, settle
-from tests.integration.test_controller import CATALOG, events, get, make, replicas, submit, view
+from tests.support.api import Api, created, iso, own_model, settle
+from tests.support.api import api as api  # the fixture, imported under its name
+from tests.support.clock import FakeClock
+from tests.support.controller import CATALOG, events, get, make, replicas, submit, view
 from tests.support.stack import GI, T0, fleet
 
 __all__ = ["api"]  # the fixture: a server over the store (the store itself: tests/conftest.py's db)
@@ -201,12 +203,14 @@ class FakeInstaller:
 
     def __init__(self, fail: bool = False) -> None:
         self.go, self.fail, self.calls = threading.Event(), fail, 0
+        self.waiting = threading.Event()  # set once it has told its first steps and waits for ``go``
 
     def __call__(self, root: Path, name: str, log: Any = None, progress: Any = None) -> Path:
         self.calls += 1
         progress(f"creating the environment {runtimes.venv_dir(root, name)}")
         progress(f"installing {runtimes.TORCH} transformers[serving]>=5.20 (2 pinned packages)")
         progress(f"[1/2] {runtimes.TORCH}")
+        self.waiting.set()
         assert self.go.wait(30)
         if self.fail:
             for line in ("Collecting torch==2.13.0", "ERROR: No matching distribution found for torch==2.13.0"):
@@ -235,10 +239,7 @@ def test_one_install_at_a_time(tmp_path: Path) -> None:
     installs.want("tensora-vllm-cpu")
     installs.want("tensora-transformers")  # already under way: not a second
     deadline = time.monotonic() + 10
-    while installs.state("tensora-transformers")[1].endswith("waiting for another install"):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.2)
+    assert installer.waiting.wait(10)  # the first install is under way, held at its second step
     assert installs.state("tensora-transformers") == (
         "installing", "installing runtime tensora-transformers: torch 2.13.0 (step 2 of 3)")
     assert installs.state("tensora-vllm-cpu") == (

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from tensora.models import validator
-from tests.integration.test_api import Api, assert_error
-from tests.integration.test_api import api as api  # the fixture, re-exported under its name
+from tests.support.api import Api, assert_error
+from tests.support.api import api as api  # the fixture, imported under its name
 
 MiB = 2**20
 

@@ -199,18 +199,16 @@ def test_in_flight_bound_answers_503_at_once(db_url: str, make: Callable[..., St
             while guard.in_flight < IN_FLIGHT:
                 assert time.monotonic() < deadline, f"only {guard.in_flight} requests got in"
                 time.sleep(0.01)
-            start = time.monotonic()
             refused = [c.get("/v1/workloads"), c.post("/v1/workloads", json=NB), c.get("/readyz")]
-            quick = time.monotonic() - start
             health = c.get("/healthz")
-            still_blocked = [not f.done() for f in blocked]
+            still_blocked = [not f.done() for f in blocked]  # the lock is held until after this line
         done = [f.result(timeout=20) for f in blocked]
         afterwards = c.get("/v1/workloads")
     for r in refused:
         assert_503(r)
         assert "in flight" in r.json()["error"]["message"]
-    assert quick < 2.0, f"the bound must answer at once, not queue ({quick:.2f}s)"
     assert health.status_code == 200, "/healthz is exempt from the bound"
+    # answered while every held request still waited on the lock: at once, not queued behind them
     assert all(still_blocked), "the held requests must still be waiting on the lock"
     assert [r.status_code for r in done] == [201] * IN_FLIGHT
     assert afterwards.status_code == 200 and len(afterwards.json()["data"]) == IN_FLIGHT

@@ -22,8 +22,8 @@ from sqlalchemy import text
 
 from tensora.storage import NOT_FOUND, Storage, owner_dir
 from tensora.store import workloads as workloads_repo
-from tests.integration.test_api import WRITTEN_TABLES, tiny_model
 from tests.support import services
+from tests.support.api import WRITTEN_TABLES, tiny_model
 from tests.support.stack import Stack, stack
 
 SAME_422 = {"error": {"type": "invalid_request", "message": NOT_FOUND, "field": "model"}}

@@ -22,8 +22,8 @@ from tensora.config.settings import ServeSettings
 from tensora.placement.capacity import Node
 from tensora.serve import admin_runs_the_node
 from tensora.serving.workers import worker_settings_json
-from tests.integration.test_api import Api, assert_error, created
-from tests.integration.test_api import api as api  # the fixture, re-exported under its name
+from tests.support.api import Api, assert_error, created
+from tests.support.api import api as api  # the fixture, imported under its name
 
 MiB = 2**20
 NB: dict[str, Any] = {"kind": "notebook", "name": "nb", "gpu_class": "cpu-1c-4g"}

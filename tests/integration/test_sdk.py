@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from tensora import AsyncClient, Client
 from tensora.cli import profile
-from tensora.clock import FakeClock
 from tensora.control.spec import WorkloadSpec
 from tensora.keys.apikeys import digest
 from tensora.sdk import (
@@ -42,6 +41,7 @@ from tensora.sdk.errors import APIError, for_status
 from tensora.sdk.retry import Retry, Stop, decide, retryable, server_wait
 from tensora.store import keys as keys_repo
 from tests.support import services
+from tests.support.clock import FakeClock
 from tests.support.doubles import Sleeps
 from tests.support.flaky import DROP, LOST, FlakyProxy, flaky, stall, status
 from tests.support.stack import T0, Stack, stack
@@ -221,7 +221,7 @@ def test_the_async_client_retries_the_same_way(sqlite_api: Api) -> None:
 
     async def go() -> Any:
         async with AsyncClient(api.stack.alice, proxy.url, max_retries=3, sleep=sleeps.async_,
-                               rng=random.Random(3), clock=lambda: NOW) as c:
+                               rng=random.Random(3), clock=FakeClock(NOW)) as c:
             w = await c.create_workload("notebook", "nb", "l40s-48gb")
             assert (await c.find_workload("nb")).id == w.id and [x.id async for x in c.iter_workloads()] == [w.id]
             return w, await c.get_workload(w.id), await c.list_workloads()

@@ -15,8 +15,8 @@ import pytest
 
 from tensora.placement.capacity import Node
 from tensora.store.tables import O
-from tests.integration.test_api import WRITTEN_TABLES, Api, assert_error, created, settle
 from tests.support import services
+from tests.support.api import WRITTEN_TABLES, Api, assert_error, created, settle
 from tests.support.stack import GI, stack
 
 

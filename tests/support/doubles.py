@@ -10,10 +10,11 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tensora.clock import FakeClock
+from tensora.clock import Clock
 from tensora.drivers.base import Driver, ReplicaSpec, ReplicaStatus
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
+from tests.support.clock import FakeClock
 
 
 class Crash(BaseException):
@@ -62,19 +63,6 @@ class FlakyRelease(SimulatedDriver):
         super().release(workload_id)
 
 
-class HandClock:
-    """A clock a test moves by hand (``t``), called where Tensora calls ``time.time`` or ``time.monotonic``."""
-
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def next_minute(self) -> None:
-        self.t += 60
-
-
 class Sleeps:
     """The SDK's fake sleep: records each wait; optionally moves a fake clock by it."""
 
@@ -98,7 +86,15 @@ class Silent:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.sock.getsockname()[1]
         self.conns: list[socket.socket] = []
+        self._received = 0
+        self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def received(self) -> int:
+        """The bytes it has read, over all its connections: whether, and when, it was asked anything."""
+        with self._lock:
+            return self._received
 
     def _accept(self) -> None:
         with contextlib.suppress(OSError):
@@ -107,11 +103,11 @@ class Silent:
                 self.conns.append(conn)
                 threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
 
-    @staticmethod
-    def _drain(conn: socket.socket) -> None:
+    def _drain(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
-            while conn.recv(65536):
-                pass
+            while data := conn.recv(65536):
+                with self._lock:
+                    self._received += len(data)
 
     def close(self) -> None:
         self.sock.close()
@@ -122,6 +118,7 @@ class Silent:
 if TYPE_CHECKING:
     _driver: type[Driver] = CrashingDriver
     _flaky: type[Driver] = FlakyRelease
-    _clock: Callable[[], float] = HandClock()  # the gateway's clock and wall, the walk's clock
+    _clock: Clock = FakeClock()  # a loop's clock
+    _clock_callable: Callable[[], float] = FakeClock()  # the gateway's clock and wall, the walk's clock
     _sleep: Callable[[float], None] = Sleeps()  # Client(sleep=...)
     _async_sleep: Callable[[float], Awaitable[None]] = Sleeps().async_  # AsyncClient(sleep=...)

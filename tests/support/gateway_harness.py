@@ -145,14 +145,6 @@ def serving(gw: Gateway) -> Iterator[str]:
         thread.join(15)
 
 
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def chat(stream: bool = False, **kw: Any) -> dict[str, Any]:
     return {"model": "my-llm", "messages": [{"role": "user", "content": "hello"}], "stream": stream, **kw}
 

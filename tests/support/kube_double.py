@@ -150,6 +150,7 @@ class ApiServerDouble:
         self.events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, type, collection, object)
         self.oldest = 0  # watches from before this resourceVersion are 410 Gone
         self.gone = 0  # how many watches were answered 410 Gone
+        self.watches: list[tuple[str, bool]] = []  # each watch asked for, in order: (its path, answered 410 Gone)
         self.conflicts = 0  # how many replaces were answered 409 Conflict
         self._races: dict[Key, tuple[dict[str, str], int]] = {}
 
@@ -337,7 +338,9 @@ class ApiServerDouble:
         wanted = dict(s.split("=", 1) for s in query.get("labelSelector", [""])[0].split(",") if "=" in s)
         since = query.get("resourceVersion", [""])[0]
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-        if since and int(since) < self.oldest:  # as the API server does: an ERROR event carrying 410 Gone
+        too_old = bool(since) and int(since) < self.oldest
+        self.watches.append((path, too_old))
+        if too_old:  # as the API server does: an ERROR event carrying 410 Gone
             self.gone += 1
             gone = _status(410, "Expired", f"too old resource version: {since} ({self.oldest})")
             await send({"type": "http.response.body", "body": orjson.dumps({"type": "ERROR", "object": gone}) + b"\n"})

@@ -8,13 +8,13 @@ from typing import Any
 
 from tensora.api.app import create_app
 from tensora.api.auth import create_key
-from tensora.clock import FakeClock
 from tensora.config.catalog import default_catalog
 from tensora.config.settings import ServeSettings
 from tensora.control.controller import Controller
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
 from tensora.serve import build
+from tests.support.clock import FakeClock
 
 GI = 2**30
 T0 = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC

@@ -13,7 +13,7 @@ from tensora.placement.capacity import Capacity, Node, Placed
 from tensora.placement.kinds import WorkloadKind
 from tensora.placement.quotas import RunningQuotas as Quotas
 from tests.support.builders import CATALOG, cap, cpu_node, ep, gpu_node, outcomes, w
-from tests.unit.test_admission_properties import nodes_st, queue_st
+from tests.support.strategies import nodes_st, queue_st
 
 
 def q(gpus: int = 2, cpu: float = 32) -> Quotas:

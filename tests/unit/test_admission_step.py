@@ -198,47 +198,58 @@ def events_st(draw: st.DrawFn, world: World, now: float, serial: list[int]) -> l
     return out
 
 
-def history(nodes: int = 5, queued: int = 12, rounds: int = 12, batches: int = 1,
-            quotas: tuple[Quotas | None, ...] = (None,)) -> st.SearchStrategy[None]:
-    """Random histories: up to ``nodes`` nodes, ``queued`` first submissions, ``rounds`` cycles of ``batches``
-    batches of events each, a default quota drawn from ``quotas``; each cycle is checked as it is drawn."""
-    @st.composite
-    def build(draw: st.DrawFn) -> None:
-        world = World(policy=draw(st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)])))
-        drawn = draw(st.lists(node_st, max_size=nodes, unique_by=lambda n: n.name))
-        world.nodes = {n.name: n for n in drawn}
-        world.default = draw(st.sampled_from(quotas))
-        state = AdmissionState(drawn, [], CATALOG, world.policy, OwnerQuotas(world.default))
-        now, serial = 1000.0, [0]
-        first = [Submitted(draw(queued_st(f"w{i}", now))) for i in range(draw(st.integers(0, queued)))]
-        serial[0] = len(first)
-        check_cycle(world, state, list(first), now)
-        for _ in range(draw(st.integers(1, rounds))):
-            now += draw(st.sampled_from([0, 1, 30, 60, 120, 600]))
-            # a copy of the world answers what the events may name; check_cycle applies them to the real one
-            probe = World(dict(world.nodes), list(world.placed), dict(world.running), dict(world.queue))
-            events = [e for _ in range(batches) for e in events_st(draw, probe, now, serial)]
-            check_cycle(world, state, events, now)
-    return build()
+@dataclass(frozen=True)
+class Shape:
+    """How big a random history runs: up to ``nodes`` nodes, ``queued`` first submissions, ``rounds`` cycles of
+    ``batches`` batches of events each, a default quota drawn from ``quotas``."""
+
+    nodes: int = 5
+    queued: int = 12
+    rounds: int = 12
+    batches: int = 1
+    quotas: tuple[Quotas | None, ...] = (None,)
+
+
+def check_history(data: st.DataObject, shape: Shape) -> None:
+    """A random history of ``shape``, drawn a cycle at a time (each cycle's events depend on the world the cycles
+    before left), each cycle checked as it comes."""
+    world = World(policy=data.draw(st.sampled_from([POLICY, Policy(starvation_after_s=120, owner_fairness=False)])))
+    drawn = data.draw(st.lists(node_st, max_size=shape.nodes, unique_by=lambda n: n.name))
+    world.nodes = {n.name: n for n in drawn}
+    world.default = data.draw(st.sampled_from(shape.quotas))
+    state = AdmissionState(drawn, [], CATALOG, world.policy, OwnerQuotas(world.default))
+    now, serial = 1000.0, [0]
+    first = [Submitted(data.draw(queued_st(f"w{i}", now))) for i in range(data.draw(st.integers(0, shape.queued)))]
+    serial[0] = len(first)
+    check_cycle(world, state, list(first), now)
+    for _ in range(data.draw(st.integers(1, shape.rounds))):
+        now += data.draw(st.sampled_from([0, 1, 30, 60, 120, 600]))
+        # a copy of the world answers what the events may name; check_cycle applies them to the real one
+        probe = World(dict(world.nodes), list(world.placed), dict(world.running), dict(world.queue))
+        events = [e for _ in range(shape.batches) for e in events_st(data.draw, probe, now, serial)]
+        check_cycle(world, state, events, now)
+
+
+@pytest.fixture
+def heads_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cycle decides one workload of each list's head first (``_FIRST_PREFIX``), widening it where it must."""
+    monkeypatch.setattr(admission_state, "_FIRST_PREFIX", 1)
 
 
 @settings(max_examples=300, deadline=None)
-@given(history())
-def test_step_decides_what_decide_decides(_: None) -> None:
-    """The check is inside the strategy: each cycle of a drawn history is compared as it is drawn."""
+@given(data=st.data())
+def test_step_decides_what_decide_decides(data: st.DataObject) -> None:
+    check_history(data, Shape())
 
 
+@pytest.mark.usefixtures("heads_of_one")
 @settings(max_examples=60, deadline=None)
-@given(history(nodes=8, queued=40, rounds=20, batches=2, quotas=(None, Quotas(running_gpus=1, running_cpu=16))))
-def test_step_deciding_one_head_at_a_time_still_decides_what_decide_decides(_: None) -> None:
+@given(data=st.data())
+def test_step_deciding_one_head_at_a_time_still_decides_what_decide_decides(data: st.DataObject) -> None:
     """Longer queues, more nodes, an owner quota for all or none, two batches of events a cycle, and each
     list's head one long: almost every cycle needs the checks to widen what it decides."""
-
-
-@pytest.fixture(autouse=True)
-def _heads_of_one(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if "one_head_at_a_time" in request.node.name:
-        monkeypatch.setattr(admission_state, "_FIRST_PREFIX", 1)
+    check_history(data, Shape(nodes=8, queued=40, rounds=20, batches=2,
+                              quotas=(None, Quotas(running_gpus=1, running_cpu=16))))
 
 
 # -- named cases ----------------------------------------------------------------------------------

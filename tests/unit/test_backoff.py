@@ -15,7 +15,7 @@ from tensora.placement.admission import Place, Wait, decide
 from tensora.placement.capacity import Capacity, Node
 from tests.support.builders import CATALOG, cap, cpu_node, ep, gpu_node, outcomes
 from tests.support.stack import T0
-from tests.unit.test_admission_properties import nodes_st, queue_st
+from tests.support.strategies import nodes_st, queue_st
 
 
 @pytest.mark.parametrize(("failures", "wait"), [

@@ -12,7 +12,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tensora.api.schemas import WorkloadOut
-from tensora.clock import FakeClock
 from tensora.config.quotas import Quotas
 from tensora.control import snapshot
 from tensora.control.apply import apply
@@ -43,6 +42,7 @@ from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
 from tensora.store.rows import WORKLOAD_COLUMNS, HeldReplica, ReplicaRow, WorkloadRow
 from tests.support.builders import CATALOG
+from tests.support.clock import FakeClock
 from tests.support.stack import T0, fleet
 
 L40S, CPU = Where("l40s-48gb", "gpu-l40s-1"), Where("cpu-16c-64g", "cpu-1")

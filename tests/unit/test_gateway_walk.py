@@ -21,7 +21,7 @@ from tensora.gateway.relay import Relay
 from tensora.gateway.routes import KeyRoute, RouteTable, table_from_json
 from tensora.gateway.upstream import Reply
 from tensora.gateway.walk import Walk, _Tiers
-from tests.support.doubles import HandClock
+from tests.support.clock import FakeClock
 from tests.support.fakeupstream import FakeUpstream, Step, ok, sse, status
 
 GPU, CPU, BIG = "http://10.0.0.1:1/r1/v1", "http://10.0.0.1:1/c1/v1", "http://10.0.0.1:1/g1/v1"
@@ -62,7 +62,7 @@ def table(fallback: bool = False) -> RouteTable:
          "replicas": [rep("g1", BIG)]}]})
 
 
-def walk(script: dict[str, list[Step]], clock: HandClock, **options: Any) -> tuple[Walk, FakeUpstream]:
+def walk(script: dict[str, list[Step]], clock: FakeClock, **options: Any) -> tuple[Walk, FakeUpstream]:
     o = Options(region="eu", ttft_s=0.2, stream_idle_s=0.2, retry_delay_s=0.01, retry_room_s=0.0, **options)
     fake = FakeUpstream(script)
     return Walk(o, clock, fake, Relay(o, clock)), fake
@@ -106,7 +106,7 @@ def test_the_headers_made_while_the_upstream_works_are_those_made_after(script: 
     got = []
     for fake in (FakeUpstream(script), Unhurried(script)):
         o = Options(region="eu", ttft_s=0.2, stream_idle_s=0.2, retry_delay_s=0.01, retry_room_s=0.0)
-        w = Walk(o, HandClock(1000.0), fake, Relay(o, HandClock(1000.0)))
+        w = Walk(o, FakeClock(1000.0), fake, Relay(o, FakeClock(1000.0)))
         t = table()
         endpoint = t.resolve("alice", "my-llm")
         assert endpoint is not None
@@ -121,7 +121,7 @@ def test_the_headers_made_while_the_upstream_works_are_those_made_after(script: 
 
 
 def test_a_5xx_from_a_tiers_only_replica_is_tried_once_more_there() -> None:
-    clock = HandClock(1000.0)
+    clock = FakeClock(1000.0)
     w, fake = walk({GPU: [status(503), ok("again")]}, clock)
     served, sent = run(w)
     assert sent.status == 200 and orjson.loads(sent.body)["choices"][0]["message"]["content"] == "again"
@@ -132,7 +132,7 @@ def test_a_5xx_from_a_tiers_only_replica_is_tried_once_more_there() -> None:
 
 
 def test_a_backend_that_sends_no_head_in_time_is_left_for_the_next_tier() -> None:
-    clock = HandClock(1000.0)
+    clock = FakeClock(1000.0)
     w, fake = walk({GPU: [Step(stall=True)]}, clock)
     served, sent = run(w)
     assert sent.status == 200 and sent.header(b"x-tensora-attempts") == "my-llm/r1:timeout,my-llm/c1:ok"
@@ -142,7 +142,7 @@ def test_a_backend_that_sends_no_head_in_time_is_left_for_the_next_tier() -> Non
 
 
 def test_a_stream_that_stalls_after_its_first_token_ends_with_the_error_event() -> None:
-    clock = HandClock(1000.0)
+    clock = FakeClock(1000.0)
     first = {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}
     w, fake = walk({GPU: [sse(first, None)]}, clock)
     served, sent = run(w, stream=True)
@@ -155,22 +155,23 @@ def test_a_stream_that_stalls_after_its_first_token_ends_with_the_error_event() 
 
 
 def test_a_429_with_retry_after_skips_that_backend_until_then() -> None:
-    clock = HandClock(1000.0)
+    clock = FakeClock(1000.0)
     w, fake = walk({GPU: [status(429, retry_after="2")]}, clock)
     _, sent = run(w)
     assert sent.header(b"x-tensora-attempts") == "my-llm/r1:http_429,my-llm/c1:ok"
     breaker = w.breakers["my-llm/r1"]
-    assert breaker.limited_until(clock.t) == pytest.approx(clock.t + 2) and breaker.failures == 0  # busy, not broken
+    now = clock.now()
+    assert breaker.limited_until(now) == pytest.approx(now + 2) and breaker.failures == 0  # busy, not broken
     _, sent = run(w)
     assert sent.header(b"x-tensora-attempts") == "my-llm/r1:rate_limited,my-llm/c1:ok"
-    clock.t += 2.1
+    clock.advance(2.1)
     _, sent = run(w)
     assert sent.header(b"x-tensora-attempts") == "my-llm/r1:ok"
     assert [p[0] for p in fake.posts] == [GPU, CPU, CPU, GPU]
 
 
 def test_when_every_backend_is_rate_limited_the_503_carries_the_soonest_retry_after() -> None:
-    clock = HandClock(1000.0)
+    clock = FakeClock(1000.0)
     w, _ = walk({GPU: [status(429, retry_after="2")], CPU: [status(429, retry_after_ms="500")]}, clock)
     served, sent = run(w)
     assert served is None and sent.status == 503
@@ -179,7 +180,7 @@ def test_when_every_backend_is_rate_limited_the_503_carries_the_soonest_retry_af
 
 
 def test_a_prompt_over_the_models_context_goes_to_the_fallback_model_only() -> None:
-    clock = HandClock(1000.0)
+    clock = FakeClock(1000.0)
     too_long = Step(400, orjson.dumps({"error": {"message": "This model's maximum context length is 4096 tokens",
                                                  "type": "BadRequestError", "code": 400}}))
     w, fake = walk({GPU: [too_long]}, clock)
@@ -191,7 +192,7 @@ def test_a_prompt_over_the_models_context_goes_to_the_fallback_model_only() -> N
 
 
 def test_any_other_4xx_is_passed_through_as_it_came_and_never_retried() -> None:
-    clock = HandClock(1000.0)
+    clock = FakeClock(1000.0)
     refused = status(400)
     w, fake = walk({GPU: [refused]}, clock)
     served, sent = run(w, fallback=True)
@@ -201,7 +202,7 @@ def test_any_other_4xx_is_passed_through_as_it_came_and_never_retried() -> None:
 
 
 def test_the_breakers_of_backends_gone_from_the_route_table_are_forgotten() -> None:
-    clock = HandClock(1000.0)
+    clock = FakeClock(1000.0)
     w, _ = walk({GPU: [status(503), status(503)]}, clock, breaker=Policy(consecutive=1))
     run(w)
     assert w.breakers["my-llm/r1"].open_until is not None and "my-llm/r1" in w.ejected
@@ -238,7 +239,7 @@ def test_the_walks_plan_is_chain_orders_whatever_the_breakers_say(sizes: list[in
     """The walk keeps a plan per turn of the rotation for when no breaker is open or limited; with or without
     those, its plan is the one ``chain.order`` makes from each breaker's ``retry_at`` and ``limited_until``."""
     tiers = [[_backend(t, i, peer=t == len(sizes) - 1) for i in range(n)] for t, n in enumerate(sizes)]
-    w, _ = walk({}, HandClock(1000.0))
+    w, _ = walk({}, FakeClock(1000.0))
     keys = [b.key for tier in tiers for b in tier]
     w.breakers = {k: s for k, s in zip(keys, states, strict=False) if s is not None}
     w._turn = turn

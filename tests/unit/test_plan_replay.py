@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tensora.clock import FakeClock
 from tensora.config.catalog import default_catalog
 from tensora.control import fleet, replay, snapshot
 from tensora.control.apply import apply
@@ -23,6 +22,7 @@ from tensora.placement.admission import decide
 from tensora.placement.capacity import Node
 from tensora.placement.kinds import WorkloadState
 from tensora.units import format_duration
+from tests.support.clock import FakeClock
 
 CATALOG = default_catalog()
 GIB = 2**30

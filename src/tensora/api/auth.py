@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -24,16 +25,17 @@ from tensora.store.keys import KeyRow
 
 
 class KeyChecker:
-    def __init__(self, db: Database, cache_ttl_s: float = 2.0) -> None:
+    def __init__(self, db: Database, cache_ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.db = db
         self.ttl = cache_ttl_s
+        self.clock = clock  # what the cache's TTL is counted on
         self._cache: dict[str, tuple[float, Principal]] = {}
         self._lock = threading.Lock()
 
     def cached(self, request: Request) -> Principal | None:
         """The caller from the cache, without I/O (None on a miss); 401 for a missing or malformed key."""
         hit = self._cache.get(self._digest(request))
-        return hit[1] if hit and hit[0] > time.monotonic() else None
+        return hit[1] if hit and hit[0] > self.clock() else None
 
     @staticmethod
     def _digest(request: Request) -> str:
@@ -61,7 +63,7 @@ class KeyChecker:
             return None
 
     def _check(self, d: str) -> Principal:
-        now = time.monotonic()
+        now = self.clock()
         hit = self._cache.get(d)
         if hit and hit[0] > now:
             return hit[1]

@@ -1,5 +1,5 @@
 """The control API served over real HTTP for a test: ``api`` (a fixture: a stack on ``db_url``, its controller
-driven by hand), and the helpers its tests share (a real safetensors model, a created workload, a workload settled
+driven by hand), and what its tests share (a real safetensors model, a created workload, a workload settled
 in a state, the one error shape)."""
 
 from __future__ import annotations

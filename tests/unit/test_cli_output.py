@@ -152,10 +152,14 @@ def test_is_loopback(url: str, want: bool) -> None:
     assert is_loopback(url) is want
 
 
-json_docs = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
-    max_leaves=20)
+def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Lists and mappings of ``inner`` (a function, not a lambda: hypothesis reads its source to check that it
+    recurses, and a lambda's source is not always found)."""
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4)
+
+
+json_docs = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(), _containers,
+                         max_leaves=20)
 
 JSON_CASES = {
     "a plan's row": {"workloads": [{"name": "a", "placed_class": None, "restart_available": False, "node": "n-1"}]},

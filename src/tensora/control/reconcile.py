@@ -137,7 +137,9 @@ class _Reconcile:
               and backoff.healed(w.retry_at, r.created_at, r.updated_at, now)):
             # a replica placed after the last failure ran long enough: the crash loop is over
             values: dict[str, object] = {"failures": 0, "last_failure": "", "retry_at": None}
-            if w.state is WorkloadState.RUNNING:
+            if w.state is WorkloadState.RUNNING and w.retry_at is not None and w.reason == render(
+                    BackingOff(w.failures, w.last_failure, w.retry_at)):
+                # the back-off's sentence ends with it; a reason written since (a placement again) stays
                 values["reason"] = render(Ready(Where(r.cls, r.node)))
             self.ledger.update_workload(w.id, values)
             self.w[w.id] = w._replace(**values)  # type: ignore[arg-type]  # WorkloadRow's columns

@@ -46,7 +46,8 @@ from tensora.keys import replicakeys
 from tensora.keys.apikeys import digest, well_formed
 from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
-from tensora.serving.banner import installed_runtimes, left_running
+from tensora.placement.kinds import ReplicaState, WorkloadKind
+from tensora.serving.banner import Named, adopted, installed_runtimes, left_running
 from tensora.serving.ports import client_host
 from tensora.serving.supervision import die_with_parent, start_gateway, stop_gateway
 from tensora.serving.uplock import claim_up
@@ -54,6 +55,7 @@ from tensora.serving.workers import WorkerBrief, worker_settings_json
 from tensora.storage import Storage
 from tensora.store import keys as keys_repo
 from tensora.store import owners as owners_repo
+from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database, private_dir
 from tensora.telemetry.tracing import setup as setup_tracing
 from tensora.units import parse_memory
@@ -349,6 +351,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
             print(f"  note: {note}", flush=True)
         print(describe_isolation(services.isolation or "", services.isolation_reason), flush=True)
         print(installed_runtimes(services.controller.driver, bool(settings.runtimes.auto_install)), flush=True)
+        if (line := adopted_line(services.db, services.controller.driver)) is not None:
+            print(line, flush=True)
         print(f"replicas and their logs in {settings.data_dir / 'replicas'}; Ctrl-C stops the servers, "
               "not the workloads (the next `tensora up` adopts them)", flush=True)
     gateway = None
@@ -399,6 +403,20 @@ def _build_up(settings: ServeSettings, gateway_metrics_listen: str | None) -> tu
     settings = settings.model_copy(update={"quotas": quotas})
     return settings, build(settings, clock=clock, driver=driver, catalog=catalog,
                            gateway_metrics_listen=gateway_metrics_listen)
+
+
+def adopted_line(db: Database, driver: Driver) -> str | None:
+    """``tensora up``'s line on the replicas a previous run left running, which the driver adopted as it was
+    made: their workloads by name and kind, read from the store (``banner.adopted``)."""
+    replicas = driver.observe()
+    ids = {r.workload_id for r in replicas if r.state in (ReplicaState.STARTING, ReplicaState.RUNNING)}
+    names: dict[str, Named] = {}
+    with db.read() as conn:
+        for wid in ids:
+            w = workloads_repo.get_workload(conn, wid, include_deleted=True)
+            if w is not None:
+                names[wid] = Named(w.name, WorkloadKind(w.kind))
+    return adopted(replicas, names)
 
 
 ADMIN_OWNER = "admin"

@@ -130,6 +130,18 @@ def test_create_with_cpu_fallback_waits_shows_why_and_lands_on_cpu(cli: Cli) -> 
     cli("workloads", "get", w["id"], code=1)
 
 
+def test_a_stopped_vm_says_how_to_start_it_again(cli: Cli) -> None:
+    cli("vm", "create", "parked", "--gpu-class", "cpu-1c-4g", "--wait", "--timeout", "60s")
+    cli("workloads", "stop", "parked")
+    for _ in range(100):  # bounded: the controller records the stop within a few ticks
+        if cli.json("workloads", "get", "parked")["state"] == "stopped":
+            break
+        time.sleep(0.1)
+    shown = cli.on_terminal("workloads", "get", "parked", columns=80)
+    assert "access     stopped: start it again with tensora workloads restart parked" in shown.splitlines(), shown
+    cli("workloads", "delete", "parked")
+
+
 def test_catalog_shows_classes_and_free_capacity(cli: Cli) -> None:
     cat = cli.json("catalog")
     by = {c["name"]: c for c in cat["data"]}

@@ -407,6 +407,7 @@ def test_tensora_up_runs_real_workloads_leaves_them_running_and_adopts_them(tmp_
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         clients.append(c)
         assert _state(c, nb["id"], {"running"})["access"]["url"] == url  # adopted, not restarted
+        assert "adopted 1 running replica: nb (notebook)" in log.read_text().splitlines(), log.read_text()
         failed = _state(c, vm["id"], {"failed"}, 30)
         assert "the process is gone" in failed["reason"], failed
         events = [e["reason"] for e in c.get(f"/v1/workloads/{vm['id']}/events").json()["data"]]

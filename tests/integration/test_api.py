@@ -22,6 +22,7 @@ from sqlalchemy import text
 
 from tensora.keys import apikeys
 from tensora.storage import NOT_FOUND
+from tensora.store import workloads as workloads_repo
 from tests.support import services
 from tests.support.api import WRITTEN_TABLES, Api, assert_error, created, iso, own_model, settle
 from tests.support.api import api as api  # the fixture, imported under its name
@@ -157,6 +158,35 @@ def test_workloads_placed_on_a_fallback_say_so_in_conditions_reason_and_events(a
     placed = next(e for e in events if e["reason"] == w["reason"])
     assert placed["at"] == iso(T0 + 600)
     assert [e["id"] for e in events] == sorted(e["id"] for e in events)
+
+
+def test_an_install_step_is_an_endpoints_reason_only_while_it_lasts(db_url: str, tmp_path: Path) -> None:
+    s = stack(db_url, tmp_path, start_delay_s=30, run_controller=False)
+    with services.serving(s.app) as live:
+        api = Api(s, live.url, tmp_path)
+        try:
+            occupy(api, "l40s-48gb")
+            alice = api.as_(s.alice)
+            model, _ = own_model(api, alice)
+            ep = created(alice, kind="endpoint", name="chat", gpu_class="l40s-48gb", fallback=["cpu"],
+                         fallback_after=0, model=model)["id"]
+            api.cycle()
+            placed = alice.get(f"/v1/workloads/{ep}").json()["reason"]
+            assert placed.startswith("placed on cpu-"), placed
+            with s.services.db.read() as conn:
+                (replica,) = workloads_repo.replicas_of(conn, [ep])
+            installing = ("installing runtime tensora-transformers: unpacking 48 packages into the environment "
+                          "(step 3 of 3)")
+            s.driver.wait_on(replica.id, installing)
+            api.cycle()
+            w = alice.get(f"/v1/workloads/{ep}").json()
+            assert (w["state"], w["reason"]) == ("starting", installing)
+            s.clock.advance(30)
+            w = settle(api, alice, ep, "running")
+            assert w["reason"] == placed
+            assert [x["reason"] for x in alice.get("/v1/workloads").json()["data"] if x["id"] == ep] == [placed]
+        finally:
+            api.close()
 
 
 def test_an_endpoint_runs_the_replicas_it_asked_for_and_lists_them(api: Api) -> None:

@@ -223,6 +223,40 @@ def test_a_stopped_workload_says_it_stopped_and_a_restart_brings_the_placement_b
         "queued: restart requested with its placement policy", placed]
 
 
+INSTALLING = "installing runtime tensora-transformers: unpacking 48 packages into the environment (step 3 of 3)"
+
+
+def test_an_install_step_is_the_reason_while_it_lasts_and_the_placement_comes_back(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock, start_delay_s=30)
+    submit(db, clock, owner="carol", kind="notebook", name="holds", gpu_class="l40s-48gb")
+    c.run_once()
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="l40s-48gb", fallback=["cpu"], fallback_after=0,
+                model_params="1B", replicas=2)
+    c.run_once()
+    placed = view(db, ep)["reason"]
+    assert placed.startswith("placed on cpu-") and placed.endswith("l40s-48gb unavailable (fallback after 0s)")
+    first, second = sorted(replicas(db, ep), key=lambda r: r.slot)
+    driver.wait_on(first.id, INSTALLING)
+    c.run_once()
+    assert (view(db, ep)["state"], view(db, ep)["reason"]) == ("starting", INSTALLING)
+    clock.advance(30)  # installed; both replicas run
+    c.run_once()
+    assert (view(db, ep)["state"], view(db, ep)["reason"]) == ("running", placed)
+
+    # a replica placed again while the other serves on: its install is its own, the workload's reason stays
+    driver.fail(second.id, "XID 79")
+    c.run_once()
+    clock.advance(10)
+    c.run_once()
+    backing_off = "failed 1 time: XID 79; next try at 08:00:40"
+    assert (view(db, ep)["state"], view(db, ep)["reason"]) == ("running", backing_off)
+    again = next(r for r in replicas(db, ep) if r.slot == 1 and r.state == "starting")
+    driver.wait_on(again.id, INSTALLING)
+    c.run_once()
+    assert (view(db, ep)["state"], view(db, ep)["reason"]) == ("running", backing_off)
+
+
 def test_failed_replica_fails_a_notebook_and_requeues_an_endpoint(db: Database) -> None:
     clock = FakeClock(T0)
     c, driver = make(db, clock)

@@ -132,6 +132,28 @@ def test_an_owners_restart_ends_the_back_off(db: Database) -> None:
     assert get(db, ep).state == "starting"  # at once: the owner asked
 
 
+def test_a_crash_loop_that_heals_gives_back_the_placements_reason(db: Database) -> None:
+    clock = FakeClock(T0)
+    c, driver = make(db, clock)
+    holds = submit(db, clock, owner="carol", kind="notebook", name="holds", gpu_class="l40s-48gb")
+    ep = submit(db, clock, kind="endpoint", name="ep", gpu_class="l40s-48gb", fallback=["cpu"], fallback_after=0,
+                model_params="1B")
+    c.run_once()
+    assert get(db, holds).placed_class == "l40s-48gb"
+    assert get(db, ep).reason == "placed on cpu-16c-64g: l40s-48gb unavailable (fallback after 0s)"
+    crash(c, driver, ep, "CUDA error")
+    assert get(db, ep).reason == "failed 1 time: CUDA error; next try at 08:00:10"
+    clock.advance(10)
+    c.run_once()
+    c.run_once()
+    again = "placed on cpu-16c-64g: l40s-48gb unavailable for 10s"
+    assert (get(db, ep).state, get(db, ep).reason) == ("running", again)
+    clock.advance(600)  # ran long enough: the loop is over, and the reason stays the placement's
+    c.run_once()
+    assert backoff_of(db, ep) == (0, None)
+    assert get(db, ep).reason == again
+
+
 def test_a_healthy_endpoint_replica_serves_on_while_a_new_one_backs_off(db: Database) -> None:
     clock = FakeClock(T0)
     c, driver = make(db, clock)
@@ -273,13 +295,11 @@ def test_an_endpoint_with_no_runtime_installs_it_and_waits(db: Database, tmp_pat
     ep = endpoint_on_local(db, clock, model)
     c = Controller(db, local, CATALOG, clock=clock, holder="a")
     try:
-        reasons = []
         for _ in range(20):  # waiting on the install: not a failure, not placed again
             c.run_once()
             clock.advance(2)
-            reasons.append(get(db, ep).reason)
         w = get(db, ep)
-        assert (w.state, w.reason, w.failures) == (
+        assert (w.state, view(db, ep)["reason"], w.failures) == (
             "starting", "installing runtime tensora-transformers: torch 2.13.0 (step 2 of 3)", 0)
         assert len(replicas(db, ep, active_only=False)) == 1 and installer.calls == 1
         installer.go.set()
@@ -297,6 +317,7 @@ def test_an_endpoint_with_no_runtime_installs_it_and_waits(db: Database, tmp_pat
             assert len([e for e in events(db, ep) if "failed" in e]) == 1
         else:
             assert w.state == "running", w.reason
+            assert view(db, ep)["reason"] == "placed on cpu-2c-8g"  # the placement's, the install done
             assert runtimes.installed(tmp_path / "runtimes", "tensora-transformers")
         assert len(replicas(db, ep, active_only=False)) == 1 and installer.calls == 1
     finally:

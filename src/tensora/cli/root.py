@@ -156,6 +156,8 @@ def show(w: Workload) -> None:
         rows.append(("restart", f"available: {w.restart_reason} (tensora workloads restart {w.id} --on-requested)"))
     if w.access and w.access.get("url"):
         rows.append(("url", str(w.access["url"])))
+    elif w.kind in ("notebook", "vm") and w.state in ("stopped", "failed"):  # nowhere to reach: how to bring it back
+        rows.append(("access", f"{w.state}: start it again with tensora workloads restart {w.name}"))
     for r in w.replicas or []:
         rows.append(("replica", f"{r.id} {r.class_} {r.state} {r.role} {r.url or ''}".rstrip()))
     if w.model:

@@ -115,18 +115,19 @@ class _Reconcile:
         if seen is None:  # recorded but never handed to the driver (or the driver forgot it): start it
             out.start.append((w, r))
             return 0
-        if seen.waiting and seen.state is ReplicaState.STARTING and w.reason != seen.waiting:
-            self.ledger.update_workload(w.id, {"reason": seen.waiting})  # its runtime's install, step by step
-            self.w[w.id] = w._replace(reason=seen.waiting)
-            return 0
+        if seen.state is ReplicaState.STARTING and r.state is ReplicaState.STARTING and r.detail != seen.waiting:
+            # the step it waits on (its runtime's install), kept on the replica: its workload shows it while it
+            # starts (``workloads.shown_reason``), and it ends with the step, never covering the placement's reason
+            self.ledger.update_replica(r.id, {"detail": seen.waiting})
+            r = self.r[r.id] = r._replace(detail=seen.waiting)
         if seen.state is ReplicaState.FAILED:
             return self.failed(w, r, seen.detail or "replica failed", seen.permanent)
         if seen.state is ReplicaState.STOPPED:
             return self.failed(w, r, "stopped by itself")
         if seen.state is ReplicaState.RUNNING and r.state is ReplicaState.STARTING:
-            self.ledger.update_replica(r.id, {"state": ReplicaState.RUNNING, "url": seen.url,
+            self.ledger.update_replica(r.id, {"state": ReplicaState.RUNNING, "url": seen.url, "detail": "",
                                               "served_model": seen.served_model, "updated_at": now})
-            r = self.r[r.id] = r._replace(state=ReplicaState.RUNNING)
+            r = self.r[r.id] = r._replace(state=ReplicaState.RUNNING, detail="")
             if r.role is ReplicaRole.CANDIDATE:
                 return self.finish_move(w, r)
             if w.state is WorkloadState.STARTING:
@@ -136,7 +137,9 @@ class _Reconcile:
               and backoff.healed(w.retry_at, r.created_at, r.updated_at, now)):
             # a replica placed after the last failure ran long enough: the crash loop is over
             values: dict[str, object] = {"failures": 0, "last_failure": "", "retry_at": None}
-            if w.state is WorkloadState.RUNNING:
+            if w.state is WorkloadState.RUNNING and w.retry_at is not None and w.reason == render(
+                    BackingOff(w.failures, w.last_failure, w.retry_at)):
+                # the back-off's sentence ends with it; a reason written since (a placement again) stays
                 values["reason"] = render(Ready(Where(r.cls, r.node)))
             self.ledger.update_workload(w.id, values)
             self.w[w.id] = w._replace(**values)  # type: ignore[arg-type]  # WorkloadRow's columns

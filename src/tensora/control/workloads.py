@@ -308,6 +308,17 @@ def conditions(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catal
     return out
 
 
+def shown_reason(w: WorkloadRecord, replicas: Sequence[ReplicaRow]) -> str:
+    """Its reason, or while it starts the step its primary replica waits on (its runtime's install). The step is
+    the replica's (its ``detail`` while it starts, cleared when the step ends), so the placement's reason shows
+    again once it runs, and a further replica installing never covers the reason of a workload that serves."""
+    if w.state == WorkloadState.STARTING:
+        for r in replicas:
+            if r.role == ReplicaRole.PRIMARY and r.state == ReplicaState.STARTING and r.detail:
+                return r.detail
+    return w.reason
+
+
 def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> WorkloadView:
     """The API shape of a workload."""
     spec = w.spec or {}
@@ -315,7 +326,7 @@ def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) ->
         "id": w.id, "name": w.name, "kind": w.kind, "owner": w.owner, "region": w.region, "state": w.state,
         "gpu_class": w.gpu_class, "requested_class": w.requested_class, "placed_class": w.placed_class,
         "fallback": list(w.fallback), "fallback_after_s": w.fallback_after_s, "placement": w.placement,
-        "conditions": conditions(w, replicas, catalog), "reason": w.reason,
+        "conditions": conditions(w, replicas, catalog), "reason": shown_reason(w, replicas),
         "fallback_eligible_at": w.fallback_eligible_at, "restart_available": bool(w.restart_available),
         "restart_reason": w.restart_reason or None, "created_at": w.created_at, "updated_at": w.updated_at,
         "queued_since": w.queued_since, "spec": spec.get("kind_spec") or {},

@@ -2,7 +2,8 @@
 without hardware, and a driver for tests that need faults on demand.
 
 Replicas become ``running`` ``start_delay_s`` after ``start`` and ``stopped`` after
-``stop``, on the driver's clock. ``fail`` and ``set_schedulable`` inject faults. ``changed`` and
+``stop``, on the driver's clock. ``fail`` and ``set_schedulable`` inject faults; ``wait_on`` a step a
+starting replica waits on (a runtime's install, as the local driver reports it). ``changed`` and
 ``status`` let a caller (``tensora plan``) look only at the replicas whose state changed, not every one.
 """
 
@@ -24,6 +25,7 @@ class _Replica:
     state: ReplicaState
     ready_at: float
     detail: str = ""
+    waiting: str = ""
 
 
 class SimulatedDriver:
@@ -117,6 +119,10 @@ class SimulatedDriver:
         replica.state, replica.detail = ReplicaState.FAILED, detail
         self._changed.add(replica_id)
 
+    def wait_on(self, replica_id: str, step: str) -> None:
+        """A starting replica says it waits on ``step`` (its runtime's install) until it runs or ends."""
+        self._replicas[replica_id].waiting = step
+
     def set_schedulable(self, node: str, schedulable: bool) -> None:
         self._nodes[node] = replace(self._nodes[node], schedulable=schedulable)
 
@@ -134,4 +140,5 @@ class SimulatedDriver:
     @staticmethod
     def _status(r: _Replica) -> ReplicaStatus:
         s = r.spec
-        return ReplicaStatus(s.id, s.workload_id, s.cls, s.node, r.state, None, r.detail)
+        waiting = r.waiting if r.state is ReplicaState.STARTING else ""
+        return ReplicaStatus(s.id, s.workload_id, s.cls, s.node, r.state, None, r.detail, waiting=waiting)

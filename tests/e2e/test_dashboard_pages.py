@@ -6,6 +6,7 @@ operator page counts every queued workload; each page fits a 390 px wide phone."
 
 from __future__ import annotations
 
+import html
 import re
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from tensora.sdk import Client
 from tests.e2e.test_dashboard import browser, shot, sign_in
 from tests.e2e.test_serve import served
+from tests.support.dashboard import CSRF, cookie, signed_in
 from tests.support.services import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -55,6 +57,8 @@ def test_every_bad_field_is_flagged_at_once_in_words(browser: Any, server: tuple
     url, _, alice = server
     page = sign_in(browser, url, alice)
     page.goto(url + "/new")
+    posts: list[str] = []
+    page.on("request", lambda r: posts.append(r.url) if r.method == "POST" else None)
     page.get_by_label("Name").fill("Not A Name")
     page.get_by_label("Fallback after").fill("45d")
     page.get_by_role("button", name="Create").click()
@@ -65,6 +69,7 @@ def test_every_bad_field_is_flagged_at_once_in_words(browser: Any, server: tuple
     body = page.locator("main").inner_text()
     assert "pattern" not in body and "^[a-z" not in body and "validation error" not in body.lower()
     shot(page, "create-every-error")
+    assert posts == []  # said in the browser, before any request
     # what only the API knows is its message, next to its field, once the obvious checks pass
     page.get_by_label("Name").fill("ok-name")
     page.get_by_label("Fallback after").fill("10m")
@@ -75,6 +80,20 @@ def test_every_bad_field_is_flagged_at_once_in_words(browser: Any, server: tuple
     expect(page.locator("#model-error")).to_have_text("not found in your files or the shared models")
     expect(page.locator("#name-error")).to_have_count(0)
     page.context.close()
+
+
+def test_without_javascript_the_server_flags_every_bad_field(server: tuple[str, str, str]) -> None:
+    url, _, alice = server
+    with signed_in(url, alice) as c:
+        csrf = cookie(c, CSRF)
+        r = c.post("/new", data={"csrf": csrf, "kind": "notebook", "name": "-bad-", "gpu_class": "cpu-1c-4g",
+                                 "fallback_after": "ten minutes"})
+    assert r.status_code == 422
+    said = {m[1]: html.unescape(m[2]) for m in re.finditer(r'id="([a-z_]+)-error"[^>]*>([^<]*)</p>', r.text)}
+    assert said == {"name": f"The name must be {NAME_RULE}.",
+                    "fallback_after": "Fallback after must be a duration such as 90s, 10m or 1h30m, at most 30 days."}
+    with Client(alice, url) as sdk:
+        assert "-bad-" not in {w.name for w in sdk.iter_workloads()}
 
 
 def test_a_requested_cpu_class_is_no_cpu_fallback(browser: Any, server: tuple[str, str, str]) -> None:

@@ -263,7 +263,12 @@ async def _classes(request: Request) -> dict[str, Any]:
 
 
 NAME_RULE = "lowercase letters, digits and '-', 1-63 characters, starting and ending with a letter or digit"
+NAME_ERROR = f"The name must be {NAME_RULE}."
 MAX_FALLBACK_AFTER_S = 30 * 86400.0
+AFTER_ERROR = "Fallback after must be a duration such as 90s, 10m or 1h30m, at most 30 days."
+CHECKS = {"name_pattern": NAME_PATTERN, "name_error": NAME_ERROR, "after_max_s": int(MAX_FALLBACK_AFTER_S),
+          "after_error": AFTER_ERROR}
+"""The same checks for ``live.js``, which makes them as you submit (the page says so before any request)."""
 
 
 def form_errors(form: dict[str, str]) -> dict[str, str]:
@@ -271,14 +276,14 @@ def form_errors(form: dict[str, str]) -> dict[str, str]:
     words, by the API's own rules (the API answers one field at a time; the rest is its message)."""
     errors: dict[str, str] = {}
     if not re.fullmatch(NAME_PATTERN, form.get("name", "").strip()):
-        errors["name"] = f"The name must be {NAME_RULE}."
+        errors["name"] = NAME_ERROR
     after = form.get("fallback_after", "").strip()
     try:
         ok = not after or parse_duration(after) <= MAX_FALLBACK_AFTER_S
     except ValueError:
         ok = False
     if not ok:
-        errors["fallback_after"] = "Fallback after must be a duration such as 90s, 10m or 1h30m, at most 30 days."
+        errors["fallback_after"] = AFTER_ERROR
     return errors
 
 
@@ -302,7 +307,7 @@ async def new_page(request: Request, kind: str = WorkloadKind.NOTEBOOK) -> HTMLR
 def _new(request: Request, form: dict[str, str], errors: dict[str, str], status: int = 200,
          **classes: Any) -> HTMLResponse:
     return render(request, "new.html", status, form=form, errors=errors, slots=FALLBACK_SLOTS,
-                  cpu_warning=CPU_WARNING, cpu_requested=CPU_REQUESTED, **classes)
+                  cpu_warning=CPU_WARNING, cpu_requested=CPU_REQUESTED, checks=CHECKS, **classes)
 
 
 @router.post("/new")

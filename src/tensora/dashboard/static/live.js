@@ -48,4 +48,45 @@
   }
   form.addEventListener("change", update);
   update();
+
+  // the obvious checks, by the server's rules and in its words (data-* of the form), every field at once;
+  // the server makes them again, and the API the rest
+  function seconds(text) {
+    const t = text.trim().toLowerCase().replace(/ /g, "");
+    if (/^\d+(\.\d+)?$/.test(t)) return parseFloat(t);
+    const units = { ms: 0.001, s: 1, m: 60, h: 3600, d: 86400 };
+    const part = /(\d+(?:\.\d+)?)(ms|s|m|h|d)/y;
+    let total = 0, m;
+    part.lastIndex = 0;
+    while (part.lastIndex < t.length && (m = part.exec(t)) !== null) total += parseFloat(m[1]) * units[m[2]];
+    return t && part.lastIndex === t.length ? total : NaN;
+  }
+  function flag(input, message) {
+    const id = input.id + "-error";
+    let p = document.getElementById(id);
+    if (!message) {
+      input.removeAttribute("aria-invalid");
+      if (p) p.remove();
+      return false;
+    }
+    input.setAttribute("aria-invalid", "true");
+    if (!p) {
+      p = document.createElement("p");
+      p.id = id; p.className = "error field-error"; p.setAttribute("role", "alert");
+      input.insertAdjacentElement("afterend", p);
+    }
+    p.textContent = message;
+    return true;
+  }
+  form.addEventListener("submit", function (ev) {
+    const name = document.getElementById("name"), after = document.getElementById("fallback_after");
+    const badName = !new RegExp(form.dataset.namePattern).test(name.value.trim());
+    const s = after.value.trim() ? seconds(after.value) : 0;
+    const badAfter = !(s >= 0 && s <= Number(form.dataset.afterMaxS));
+    const bad = [flag(name, badName ? form.dataset.nameError : ""), flag(after, badAfter ? form.dataset.afterError : "")];
+    if (bad.some(Boolean)) {
+      ev.preventDefault();
+      (badName ? name : after).focus();
+    }
+  });
 })();

@@ -191,11 +191,12 @@ def test_every_page_fits_a_phone(browser: Any, server: tuple[str, str, str]) -> 
                                 fallback=["a100-80gb", "l40s-48gb", "cpu"], fallback_after="30d")
     page = sign_in(browser, url, admin, viewport=PHONE)
     expect(page.get_by_role("heading", name="Workloads")).to_be_visible()
-    for path in ["/", "/new", "/capacity", "/operator", f"/workloads/{w.id}"]:
+    for path, name in [("/", "workloads"), ("/new", "new"), ("/capacity", "capacity"), ("/operator", "operator"),
+                       (f"/workloads/{w.id}", "workload")]:
         page.goto(url + path)
         expect(page.locator("h1")).to_be_visible()
         wide = page.evaluate("Math.max(document.documentElement.scrollWidth, document.body.scrollWidth)")
-        shot(page, "phone" + path.replace("/", "-").rstrip("-"))
+        shot(page, f"phone-{name}")
         assert wide <= PHONE["width"], f"{path} is {wide} px wide on a {PHONE['width']} px phone"
     page.context.close()
 

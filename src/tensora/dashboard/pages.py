@@ -8,7 +8,9 @@ the key, and the page's client hands the API the session's principal in the ASGI
 (``tensora.api.principal``), which no HTTP request can write. Every POST carries a CSRF token (double
 submit: a cookie and a form field, compared in constant time) and a foreign ``Origin`` is refused. Pages
 render on the server, so reading works without JavaScript; ``live.js`` refreshes the live parts every two
-seconds and shows the CPU warning as soon as a CPU class is chosen in the create form. Every response
+seconds, shows the CPU warning as soon as a CPU class is chosen in the create form and makes its obvious checks
+(``form_errors``, which the server makes again) before any request. An admin's pages name each row's owner and
+link the operator page. Every response
 carries the headers of ``headers`` (a Content-Security-Policy without inline script or style, among them).
 """
 

@@ -9,6 +9,7 @@ order), and every wait and restart offer that stands in the state must be decide
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -130,6 +131,10 @@ def check_cycle(world: World, state: AdmissionState, events: list[Event], now: f
     assert not [d for d in want if isinstance(d, Place | Promote) and _key(d) not in got_keys]
     standing = {_key(d): _settled(d) for d in state.decisions()}
     assert standing == {_key(d): _settled(d) for d in want if isinstance(d, Wait | RestartAvailable)}
+    for region in REGIONS:  # the queue depth: every wait that stands, by class asked and kind
+        waits = Counter((d.workload.gpu_class, str(d.workload.kind)) for d in want
+                        if isinstance(d, Wait) and d.workload.region == region)
+        assert state.queue_depth(region) == dict(waits)
     world.assume(want)
     return got
 
@@ -577,7 +582,7 @@ def _snapshot(s: AdmissionState) -> dict[str, object]:
         "timers": sorted(s.timers + s.later),
         "standing": {r: list(d.items()) for r, d in s.standing.items() if d},
         "offered": {r: ids for r, ids in s.offered.items() if ids},
-        "waits": (s.n_waiting, +s.waited, +s.blocked),
+        "waits": (s.n_waiting, +s.waited, +s.blocked, +s.standing_decisions.queued),
         "replicas": (s.replicas, s.on_node),
         "lists": (s.prio, _nonempty(s.reqs), _nonempty(s.listers), s.eligible, s.unsorted),
         "regions": (s.dirty, s.whole, s.decided, s.must, s.held_last, s.touched, s.turns),

@@ -16,6 +16,7 @@ class Report:
     decisions: list[Any] = field(default_factory=list)
     backing_off: int = 0
     decided: bool = True
+    queue: dict[tuple[str, str], int] | None = None
 
 
 def gauge(m: ControllerMetrics, name: str) -> dict[tuple[str, ...], float]:
@@ -44,3 +45,12 @@ def test_a_cycle_that_re_decided_nothing_keeps_the_queue_depth_of_the_last_that_
     assert gauge(m, "tensora_controller_queue_depth") == want
     m.cycle("local", Report(leader=True), 0.01)  # re-decided, and nothing waits any more
     assert gauge(m, "tensora_controller_queue_depth") == {}
+
+
+def test_the_queue_depth_is_every_standing_wait_not_only_those_decided_again() -> None:
+    m = ControllerMetrics()
+    one = [Wait(Queued("w0/0", WorkloadKind.NOTEBOOK, "h100-80gb"), (), None, 0.0)]  # decided again this cycle
+    m.cycle("local", Report(leader=True, decisions=one, queue={("h100-80gb", "notebook"): 2}), 0.01)
+    assert gauge(m, "tensora_controller_queue_depth") == {("local", "h100-80gb", "notebook"): 2}
+    m.cycle("local", Report(leader=True, decided=False, queue={("h100-80gb", "notebook"): 1}), 0.01)
+    assert gauge(m, "tensora_controller_queue_depth") == {("local", "h100-80gb", "notebook"): 1}

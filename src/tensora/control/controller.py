@@ -107,6 +107,9 @@ class CycleReport:
     """The admission's this cycle, for the metrics: all of the region's when it was re-decided."""
     decided: bool = True
     """False: admission re-decided nothing this cycle; the waits and offers of the last one stand."""
+    queue: dict[tuple[str, str], int] | None = None
+    """The waits that stand after this cycle, by (class asked, kind): every queued replica admission has a wait
+    for, however few of them this cycle decided again (None: a cycle that did not decide)."""
     backing_off: int = 0
     """Queued replicas waiting out a crash-loop back-off (admission does not see them until then), as the
     admission state was told them (``AdmissionTracker.backoff``), not a count read from the store."""
@@ -279,7 +282,7 @@ class Controller:
         # 5. decide: the pure admission step over what changed (timers come due in it too)
         cycle = self.tracker.step(seen.events, now)
         report.decisions, report.decided = cycle.decisions, cycle.decided
-        report.waiting, report.backing_off = cycle.waiting, cycle.backing_off
+        report.waiting, report.backing_off, report.queue = cycle.waiting, cycle.backing_off, cycle.queue
         self._step("apply")
         # 6. apply: record intents (fenced, one transaction, each conditional on the state the rows read
         #    showed: a workload stopped meanwhile is left alone), then tell the driver; the rows of the

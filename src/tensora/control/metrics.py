@@ -63,7 +63,8 @@ class ControllerMetrics:
         self.cycles = _Hist(CYCLE_BUCKETS)  # region, leader
 
     def cycle(self, region: str, report: Any, duration_s: float) -> None:
-        """One cycle's report (``leader``, ``decisions``, ``decided``) and how long it took."""
+        """One cycle's report (``leader``, ``decisions``, ``decided``, and ``queue``: the waits that stand, all of
+        them, where ``decisions`` hold only those decided again) and how long it took."""
         leader = bool(report.leader)
         decisions: Sequence[Any] = getattr(report, "decisions", ()) if leader else ()
         queue: dict[tuple[str, str], int] = {}
@@ -98,6 +99,9 @@ class ControllerMetrics:
             if decided:
                 self.queue[region] = queue
                 self.restarts_offered[region] = offered
+            standing = getattr(report, "queue", None)  # every wait that stands, not only those decided again
+            if standing is not None:
+                self.queue[region] = dict(standing)
 
     def moved_back(self, region: str) -> None:
         with self.lock:

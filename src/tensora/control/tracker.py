@@ -89,6 +89,9 @@ class Cycle:
     """The workloads ``apply`` needs rows of (those of ``to_apply``, and offers to withdraw)."""
     waiting: int
     backing_off: int
+    queue: dict[tuple[str, str], int] = field(default_factory=dict)
+    """The waits that stand in the region after this cycle, by (class asked, kind): all of them, not only those
+    ``decisions`` decided again."""
 
 
 @dataclass
@@ -217,7 +220,8 @@ class AdmissionTracker:
         if decided:  # offers no longer made are withdrawn
             need |= self.offered - {SlotRef.parse(d.workload.id).workload_id for d in decisions
                                     if isinstance(d, RestartAvailable)}
-        return Cycle(decisions, decided, to_apply, need, self.waiting, len(self.backoff))
+        return Cycle(decisions, decided, to_apply, need, self.waiting, len(self.backoff),
+                     self.admission.queue_depth(self.region))
 
     def _refreshed(self, already: set[str]) -> list[Decision]:
         """The standing waits whose figures (free GPUs, requesters waiting, the owner's use) moved since their

@@ -8,7 +8,9 @@ the key, and the page's client hands the API the session's principal in the ASGI
 (``tensora.api.principal``), which no HTTP request can write. Every POST carries a CSRF token (double
 submit: a cookie and a form field, compared in constant time) and a foreign ``Origin`` is refused. Pages
 render on the server, so reading works without JavaScript; ``live.js`` refreshes the live parts every two
-seconds and shows the CPU warning as soon as a CPU class is chosen in the create form. Every response
+seconds, shows the CPU warning as soon as a CPU class is chosen in the create form and makes its obvious checks
+(``form_errors``, which the server makes again) before any request. An admin's pages name each row's owner and
+link the operator page. Every response
 carries the headers of ``headers`` (a Content-Security-Policy without inline script or style, among them).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Any
@@ -34,14 +37,17 @@ from tensora.dashboard.signin import (
     client,
     cookie_name,
     forget,
+    principal,
     sessions,
     set_cookie,
 )
+from tensora.names import NAME_PATTERN
 from tensora.placement.fallback import CPU_WARNING
 from tensora.placement.kinds import WorkloadKind
 from tensora.sdk import APIError, AuthenticationError, Workload
 from tensora.sdk.calls import Call
 from tensora.sdk.client import DEFAULT_GATEWAY_URL
+from tensora.units import parse_duration
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -93,8 +99,9 @@ def _isolation_notice(request: Request) -> str | None:
 def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
     csrf = cookie_name(request, CSRF_COOKIE)
     token = request.cookies.get(csrf) or secrets.token_urlsafe(32)
-    signed_in = getattr(request.state, "principal", None) is not None
-    response = templates.TemplateResponse(request, name, {"csrf": token, "signed_in": signed_in,
+    principal = getattr(request.state, "principal", None)
+    signed_in, admin = principal is not None, bool(principal is not None and principal.is_admin)
+    response = templates.TemplateResponse(request, name, {"csrf": token, "signed_in": signed_in, "admin": admin,
                                                           "isolation_notice": _isolation_notice(request),
                                                           **context}, status_code=status)
     if request.cookies.get(csrf) != token:
@@ -250,9 +257,41 @@ async def workload_action(request: Request, workload_id: str, action: str) -> Re
 
 # -- create -----------------------------------------------------------------------------------
 
-async def _classes(request: Request) -> list[Any]:
+async def _classes(request: Request) -> dict[str, Any]:
+    """The create form's class lists: the catalog's classes and the region whose free counts they show."""
     async with client(request) as c:
-        return list((await c.catalog()).data)
+        catalog = await c.catalog()
+    return {"classes": list(catalog.data), "region": catalog.region}
+
+
+NAME_RULE = "lowercase letters, digits and '-', 1-63 characters, starting and ending with a letter or digit"
+NAME_ERROR = f"The name must be {NAME_RULE}."
+MAX_FALLBACK_AFTER_S = 30 * 86400.0
+AFTER_ERROR = "Fallback after must be a duration such as 90s, 10m or 1h30m, at most 30 days."
+CHECKS = {"name_pattern": NAME_PATTERN, "name_error": NAME_ERROR, "after_max_s": int(MAX_FALLBACK_AFTER_S),
+          "after_error": AFTER_ERROR}
+"""The same checks for ``live.js``, which makes them as you submit (the page says so before any request)."""
+
+
+def form_errors(form: dict[str, str]) -> dict[str, str]:
+    """What the create form says of every field the API would refuse for an obvious reason, all at once and in
+    words, by the API's own rules (the API answers one field at a time; the rest is its message)."""
+    errors: dict[str, str] = {}
+    if not re.fullmatch(NAME_PATTERN, form.get("name", "").strip()):
+        errors["name"] = NAME_ERROR
+    after = form.get("fallback_after", "").strip()
+    try:
+        ok = not after or parse_duration(after) <= MAX_FALLBACK_AFTER_S
+    except ValueError:
+        ok = False
+    if not ok:
+        errors["fallback_after"] = AFTER_ERROR
+    return errors
+
+
+CPU_REQUESTED = ("You asked for a CPU class ({cls}): serving a model is roughly 10-50x slower than on a GPU, and "
+                 "notebooks and VMs get no GPU")
+"""The create form's warning when the class asked for is a CPU one (``{cls}``: its name; ``live.js`` fills it)."""
 
 
 def _field(api_field: str | None) -> str:
@@ -264,13 +303,20 @@ def _field(api_field: str | None) -> str:
 
 @router.get("/new", response_class=HTMLResponse)
 async def new_page(request: Request, kind: str = WorkloadKind.NOTEBOOK) -> HTMLResponse:
-    return render(request, "new.html", classes=await _classes(request), form={"kind": kind}, errors={},
-                  slots=FALLBACK_SLOTS, cpu_warning=CPU_WARNING)
+    return _new(request, {"kind": kind}, {}, **await _classes(request))
+
+
+def _new(request: Request, form: dict[str, str], errors: dict[str, str], status: int = 200,
+         **classes: Any) -> HTMLResponse:
+    return render(request, "new.html", status, form=form, errors=errors, slots=FALLBACK_SLOTS,
+                  cpu_warning=CPU_WARNING, cpu_requested=CPU_REQUESTED, checks=CHECKS, **classes)
 
 
 @router.post("/new")
 async def create(request: Request) -> Response:
     form = await _form(request)
+    if errors := form_errors(form):
+        return _new(request, form, errors, 422, **await _classes(request))
     kind = form.get("kind", "")
     chain = [v for i in range(FALLBACK_SLOTS) if (v := form.get(f"fallback_{i}", "").strip())]
     more: dict[str, Any] = {}
@@ -288,9 +334,8 @@ async def create(request: Request) -> Response:
         except AuthenticationError:
             raise  # to the sign-in page
         except APIError as exc:
-            return render(request, "new.html", 422 if exc.status == 422 else exc.status or 502,
-                          classes=await _classes(request), form=form, errors={_field(exc.field): exc.message},
-                          slots=FALLBACK_SLOTS, cpu_warning=CPU_WARNING)
+            return _new(request, form, {_field(exc.field): exc.message}, 422 if exc.status == 422 else
+                        exc.status or 502, **await _classes(request))
     return _see(f"/workloads/{w.id}")
 
 
@@ -308,9 +353,11 @@ async def capacity_page(request: Request) -> HTMLResponse:
         except APIError:  # a key without usage:read still sees capacity
             usage = tokens = None
     rows = [r.model_dump() for r in usage.data] if usage else []
-    by_served: dict[str, dict[str, int]] = {}
+    admin = (await principal(request)).is_admin  # an admin reads every owner's: whose each row is
+    by_served: dict[tuple[str, str], dict[str, int]] = {}
     for t in tokens.data if tokens else []:
-        s = by_served.setdefault(t.served_by, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0})
+        s = by_served.setdefault((t.owner if admin else "", t.served_by),
+                                 {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0})
         s["requests"] += t.requests
         s["prompt_tokens"] += t.prompt_tokens
         s["completion_tokens"] += t.completion_tokens

@@ -98,6 +98,10 @@ class AdmissionState(KeptRecords):
         """How many waits stand now (every queued workload not backing off, once decided)."""
         return self.standing_decisions.n_waiting
 
+    def queue_depth(self, region: str) -> dict[tuple[str, str], int]:
+        """The waits that stand now in ``region``, by (class asked, kind)."""
+        return self.standing_decisions.queue_depth(region)
+
     def quotas(self) -> OwnerQuotas | None:
         """The quotas as ``decide`` takes them, with each owner's use kept here as ``held`` (None: no owner has
         a quota, and none is counted)."""

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from tensora.placement.decisions import WAITED_FOR_ROOM, Decision, Outcome, RestartAvailable, Wait
+from tensora.placement.kinds import WorkloadKind
 from tensora.placement.recount import Recount
 
 BLOCKED = (Outcome.NO_CAPACITY, Outcome.NO_NODE, Outcome.HELD_FOR_REQUESTERS)
@@ -23,12 +24,18 @@ class StandingDecisions:
         self.n_waiting = 0  # the waits that stand, every region
         self.waited: Counter[tuple[str, str]] = Counter()  # standing waits for room, by (region, class asked)
         self.blocked: Counter[tuple[str, str, str]] = Counter()  # standing waits' (region, entry, class) blocked
+        self.queued: Counter[tuple[str, str, WorkloadKind]] = Counter()  # standing waits by (region, class asked, kind)
 
     def recounted(self, recount: Recount) -> Iterator[Decision]:
         """Every one that stands, region by region, a wait with ``recount``'s figures."""
         for region in sorted(self.by_region):
             for d in self.by_region[region].values():
                 yield recount.wait(d) if type(d) is Wait else d
+
+    def queue_depth(self, region: str) -> dict[tuple[str, str], int]:
+        """The waits that stand in ``region``, by (class asked, kind): every one, however few a cycle decided
+        again (the controller's queue depth)."""
+        return {(cls, str(kind)): n for (r, cls, kind), n in self.queued.items() if r == region and n > 0}
 
     def offers(self) -> list[RestartAvailable]:
         """The restart offers that stand now, every region."""
@@ -50,6 +57,7 @@ class StandingDecisions:
         """Count a wait in (1) or out (-1): waiting for room for its class (``waited``), and each fallback
         class it found full, held or on no node (``blocked``)."""
         attempts = d.attempts
+        self.queued[(region, d.workload.gpu_class, d.workload.kind)] += sign
         if attempts[0].outcome in WAITED_FOR_ROOM:
             self.waited[(region, d.workload.gpu_class)] += sign
         for a in attempts[1:]:
@@ -61,7 +69,7 @@ class StandingDecisions:
         (a first cycle keeps nearly every queued workload's wait)."""
         standing: dict[str, Decision] = {}
         region = None
-        waited, blocked = self.waited, self.blocked
+        waited, blocked, queued = self.waited, self.blocked, self.queued
         n = 0
         for d in ds:
             w = d.workload
@@ -76,6 +84,7 @@ class StandingDecisions:
             standing[id] = d
             if type(d) is Wait:
                 n += 1
+                queued[(region, w.gpu_class, w.kind)] += 1
                 attempts = d.attempts
                 if attempts[0].outcome in WAITED_FOR_ROOM:
                     waited[(region, w.gpu_class)] += 1

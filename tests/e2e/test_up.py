@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 START_DEADLINE_S = 60.0
 SMALL_MACHINE = "node: {name: box, cpu: 2, memory: 24Gi, gpus: {}}\ntick_s: 1\n"  # this machine's size, declared
 NODE_LINE = ("this machine as node box: 2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; "
-             "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs; each owner may run 4 vCPU at once (the admin owner: the "
+             "CPU classes up to 2 vCPU), 22Gi, no GPUs; each owner may run 4 vCPU at once (the admin owner: the "
              "whole node)")
 
 

@@ -399,7 +399,7 @@ def test_cli_uploads_a_model_directory_then_lists_and_removes_it(files: Files) -
     (local / "model.safetensors").write_bytes(weights)
     (local / "sub" / "tokenizer.json").write_text("{}")
     r = cli(files, "files", "upload", str(local), "tiny")
-    assert "uploaded 3 files, 2Mi, as tiny" in r.stderr
+    assert "uploaded 3 files, 2.0Mi, as tiny" in r.stderr
     listing: dict[str, Any] = json.loads(cli(files, "files", "list", "-o", "json").stdout)
     assert [(f["path"], f["size"]) for f in listing["data"]] == [
         ("tiny/config.json", 8), ("tiny/model.safetensors", len(weights)), ("tiny/sub/tokenizer.json", 2)]

@@ -121,3 +121,8 @@ def test_no_module_writes_sizes_in_another_style() -> None:
                                             (853_197, "833.2Ki"), (100, "100B"), (0, "0B")])
 def test_format_memory(size: int, text: str) -> None:
     assert format_memory(size) == text
+
+
+def test_only_an_exact_size_has_no_decimal() -> None:
+    assert format_memory(2 * MI) == "2Mi"
+    assert format_memory(2 * MI + 700) == "2.0Mi"  # not exactly 2Mi: "2.0Mi is over the 2Mi cap" reads true

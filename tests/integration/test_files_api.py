@@ -407,7 +407,7 @@ def test_cli_uploads_a_model_directory_then_lists_and_removes_it(files: Files) -
     for columns in (100, 40):  # each path whole on one line, never wrapped or cut, even when narrow
         table = cli(files, "files", "list", columns=columns).stdout
         for f in listing["data"]:
-            assert any(f["path"] in line and f["sha256"][:12] in line and " MiB" in table
+            assert any(f["path"] in line and f["sha256"][:12] in line and " 2.0Mi " in table
                        for line in table.splitlines()), table
         assert all(line == line.rstrip() for line in table.splitlines()), table  # no trailing spaces
     assert "removed 3 files" in cli(files, "files", "rm", "tiny").stdout

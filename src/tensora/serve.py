@@ -57,6 +57,7 @@ from tensora.store import keys as keys_repo
 from tensora.store import owners as owners_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database, private_dir
+from tensora.telemetry.scrape import check_free
 from tensora.telemetry.tracing import setup as setup_tracing
 from tensora.units import parse_memory
 
@@ -294,12 +295,14 @@ def _metrics_listener(settings: ServeSettings, services: Services, *, multiproce
 
             collectors.append(LocalCollector(services.controller.driver))
     listener = Listener(settings.metrics_listen, *collectors, remove=path)
-    if listener.start():
-        if path is not None:
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # the workers inherit it, before they import it
-        return listener
-    listener.close()
-    return None
+    try:
+        listener.start("metrics_listen")  # taken: the server does not start (ConfigError naming the setting)
+    except ConfigError:
+        listener.close()
+        raise
+    if path is not None:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # the workers inherit it, before they import it
+    return listener
 
 
 def gateway_settings_for(server: ServeSettings, flags: dict[str, Any] | None = None,
@@ -324,7 +327,9 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
 
     gw = gateway_settings_for(settings, {"port": settings.gateway_port}) if profile == "up" else None
     # before anything is printed or written
-    lock = claim_up(settings, gw.port, gw.sandbox_port) if gw is not None else None
+    lock = claim_up(settings, gw.port, gw.sandbox_port, gw.metrics_listen) if gw is not None else None
+    if lock is None:  # (claim_up checked them, and says who holds one)
+        check_free(settings.metrics_listen, "metrics_listen")
     gateway_metrics_listen = (gw.metrics_listen or "") if gw is not None else None
     if profile == "up" and settings.runtimes.auto_install is None:  # a new user's machine: nothing to pre-install
         settings = settings.model_copy(update={"runtimes": settings.runtimes.model_copy(update={"auto_install": True})})

@@ -32,6 +32,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from tensora.errors import TensoraError
+from tensora.units import format_memory
 
 MAX_NAME = 512
 """Characters in a whole name."""
@@ -65,8 +66,8 @@ class OverQuota(StorageError):
 
     def __init__(self, quota: int, used: int, in_flight: int = 0) -> None:
         self.quota, self.used, self.in_flight = quota, used, in_flight
-        flight = f", {format_bytes(in_flight)} by your uploads in flight" if in_flight else ""
-        super().__init__(f"over your storage quota of {format_bytes(quota)}: {format_bytes(used)} is used by "
+        flight = f", {format_memory(in_flight)} by your uploads in flight" if in_flight else ""
+        super().__init__(f"over your storage quota of {format_memory(quota)}: {format_memory(used)} is used by "
                          f"your other files{flight} (delete some with tensora files rm)")
 
 
@@ -118,13 +119,6 @@ def parents_of(name: str) -> list[str]:
     """``a/b/c`` -> ``["a", "a/b"]``: the directories a file at ``name`` lives in."""
     segments = name.split("/")
     return ["/".join(segments[:i]) for i in range(1, len(segments))]
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}".replace(".0 ", " ")
-    return f"{n} B"
 
 
 # -- resolution --------------------------------------------------------------------------

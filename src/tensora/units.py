@@ -100,9 +100,11 @@ def parse_memory(value: object) -> int:
 
 
 def format_memory(size: int) -> str:
-    """Bytes rendered in the largest binary unit that keeps a short number: ``64Gi``."""
+    """Bytes rendered in the largest binary unit that keeps a short number, one decimal unless exact: ``64Gi``,
+    ``1.5Gi``, ``833.2Ki``. The one style of every size a person reads (CLI, API messages, reasons, dashboard), in
+    the form size flags and settings accept, so that a value can be copied back."""
     for unit, factor in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if size >= factor:
+        if size >= factor:  # "1.0Mi" only for a size that is not exactly 1Mi: "1.0Mi is over the 1Mi cap"
             value = size / factor
             return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
     return f"{size}B"

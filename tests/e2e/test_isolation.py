@@ -659,7 +659,7 @@ def test_a_kernel_past_its_class_memory_is_killed_and_the_replica_says_so(tiny_d
     ran = kernel_run(f"http://{meta['address']}:{meta['port']}", meta["token"], HOG)
     assert ran.end == "died", ran
     seen = _wait(tiny_driver, rid, {ReplicaState.RUNNING}, 10, lambda s: "out of memory" in s.detail)
-    assert seen.detail.startswith("out of memory: limit 512 MiB of cpu-tiny-512m"), seen.detail
+    assert seen.detail.startswith("out of memory: limit 512Mi of cpu-tiny-512m"), seen.detail
 
 
 def _fake_runtime(root: Path, code: str) -> None:
@@ -694,7 +694,7 @@ def test_a_server_past_its_class_memory_fails_the_replica_with_the_reason(tiny_d
     tiny_driver.start(ReplicaSpec(rid, "wl_oomep", WorkloadKind.ENDPOINT, "cpu-tiny-256m", "box", str(model),
                                   owner="alice", uid=UID, gid=UID))
     failed = _wait(tiny_driver, rid, {ReplicaState.FAILED, ReplicaState.STOPPED}, 30)
-    assert (failed.state, failed.detail) == (ReplicaState.FAILED, "out of memory: limit 256 MiB of cpu-tiny-256m")
+    assert (failed.state, failed.detail) == (ReplicaState.FAILED, "out of memory: limit 256Mi of cpu-tiny-256m")
     assert tiny_driver.runc.list() == []  # read, then deleted
 
 

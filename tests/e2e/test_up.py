@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -22,18 +24,40 @@ import pytest
 from tensora.config.settings import ServeSettings
 from tensora.serve import build, ensure_admin_key
 from tests.support.services import free_port, sweep
-from tests.support.up import SMALL_MACHINE, START_DEADLINE_S, running_up, up_env
+from tests.support.up import SMALL_MACHINE, START_DEADLINE_S, Up, launch_up, running_up, up_env
 
 pytestmark = pytest.mark.slow
 NODE_LINE = ("this machine as node box: 2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; "
-             "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs; each owner may run 4 vCPU at once (the admin owner: the "
+             "CPU classes up to 2 vCPU), 22Gi, no GPUs; each owner may run 4 vCPU at once (the admin owner: the "
              "whole node)")
 
 
-def _second(tmp_path: Path, data: Path, port: int, gateway_port: int) -> subprocess.CompletedProcess[str]:
+def _second(tmp_path: Path, data: Path, port: int, gateway_port: int,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(data), "--port", str(port),
                            "--gateway-port", str(gateway_port), "--config", str(tmp_path / "up.yaml")],
-                          capture_output=True, text=True, timeout=60, env=up_env(), stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=60, env=up_env(env), stdin=subprocess.DEVNULL)
+
+
+def _port_block(taken: set[int]) -> int:
+    """An API port P such that P, P + 1 (its gateway) and each one's metrics (+ 10) and sandbox (+ 20) ports are
+    free now and none in ``taken``; those are added to it."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000)
+        block = {base + d for d in (0, 1, 10, 11, 20, 21)}
+        if block & taken:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for p in block:
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+        taken |= block
+        return base
+    raise AssertionError("no free block of ports")
 
 
 def _refused(port: int) -> bool:
@@ -107,6 +131,69 @@ def test_a_second_up_says_where_the_first_runs_and_exits_1_before_writing_anythi
         assert json.loads((first.data / "up.pid").read_text()) == {
             "pid": first.popen.pid, "api": f"127.0.0.1:{first.port}", "gateway": f"127.0.0.1:{first.gateway_port}"}
         assert first.popen.poll() is None  # and the first runs on
+
+
+# -- two on one machine: each its own metrics ---------------------------------------------------------------
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _operator(up: Up) -> dict[str, Any]:
+    got: dict[str, Any] = httpx.get(f"{up.api}/v1/operator", headers={"Authorization": f"Bearer {up.key()}"},
+                                    timeout=10).json()
+    return got
+
+
+def test_two_ups_on_other_ports_and_data_dirs_each_serve_and_read_their_own_metrics(tmp_path: Path) -> None:
+    taken: set[int] = set()
+    first_port, second_port = _port_block(taken), _port_block(taken)
+    first = launch_up(tmp_path, tmp_path / "first", first_port, first_port + 1, derived_metrics=True)
+    try:
+        first.wait_ready()
+        second = launch_up(tmp_path, tmp_path / "second", second_port, second_port + 1, derived_metrics=True)
+        try:
+            second.wait_ready()
+            for up in (first, second):  # beside its own ports: API + 10, gateway + 10
+                lines = up.stdout().splitlines()
+                assert f"metrics on http://127.0.0.1:{up.port + 10}/metrics" in lines, up.output()
+                assert f"gateway metrics on http://127.0.0.1:{up.gateway_port + 10}/metrics" in lines, up.output()
+                for port, family in ((up.port + 10, "tensora_controller_leader"),
+                                     (up.gateway_port + 10, "tensora_gateway_breakers")):
+                    assert family in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+                assert "metrics not served" not in up.output() and "WARNING" not in up.output(), up.output()
+            ops = _operator(second)
+            assert ops["control"] is True and ops["gateway"] is True, ops
+            # the first one gone, the second's operator page still reads a gateway: its own, not the first's
+            assert first.interrupt() == 0, first.output()
+            assert _refused(first.gateway_port + 10) and _refused(first.port + 10)
+            ops = _operator(second)
+            assert ops["control"] is True and ops["gateway"] is True, ops
+        finally:
+            second.kill()
+    finally:
+        first.kill()
+
+
+@pytest.mark.parametrize("setting", ["metrics_listen", "gateway.metrics_listen"])
+def test_a_second_up_whose_metrics_address_the_first_holds_stops_naming_the_setting(setting: str,
+                                                                                      tmp_path: Path) -> None:
+    with running_up(tmp_path) as first:
+        held = first.metrics_port if setting == "metrics_listen" else first.gateway_metrics_port
+        env = {"TENSORA_METRICS_LISTEN" if setting == "metrics_listen" else "TENSORA_GATEWAY_METRICS_LISTEN":
+               f"127.0.0.1:{held}"}
+        other = tmp_path / "other"
+        result = _second(tmp_path, other, free_port(), free_port(), env)
+        assert result.returncode == 1, result
+        assert result.stdout == ""  # no banner: it said nothing it would not serve
+        said = re.fullmatch(rf"error: cannot serve metrics on 127\.0\.0\.1:{held}: another Tensora \(pid (\d+)\) "
+                            rf"listens there; set {re.escape(setting)} to a free host:port, or to null for no "
+                            r"metrics\n", result.stderr)
+        assert said is not None, result.stderr
+        pid = int(said[1])  # the first up, or its gateway's process
+        assert pid == first.popen.pid or _parent(pid) == first.popen.pid, (pid, first.popen.pid)
+        assert not other.exists()
+        assert first.popen.poll() is None
 
 
 @pytest.mark.parametrize("held", ["--port", "--gateway-port"])

@@ -215,11 +215,11 @@ def test_over_quota_is_413_naming_it_and_leaves_nothing_half_written(files: File
         # declared too big: refused before a byte is read
         r = alice.put("/v1/files/b.bin", content=blob(4 * MiB))
         assert r.status_code == 413, r.text
-        assert r.json()["error"]["message"] == ("over your storage quota of 8 MiB: 5 MiB is used by your other "
+        assert r.json()["error"]["message"] == ("over your storage quota of 8Mi: 5Mi is used by your other "
                                                 "files (delete some with tensora files rm)")
         # streamed (no Content-Length): refused as it passes the room left
         r = alice.put("/v1/files/b.bin", content=iter([blob(MiB)] * 4))
-        assert r.status_code == 413 and "quota of 8 MiB" in r.json()["error"]["message"]
+        assert r.status_code == 413 and "quota of 8Mi" in r.json()["error"]["message"]
         # replacing a file frees its own size first: 5 MiB -> 8 MiB fits exactly
         assert alice.put("/v1/files/a.bin", content=blob(8 * MiB)).status_code == 200
         listing = alice.get("/v1/files").json()
@@ -341,7 +341,7 @@ def test_uploads_in_flight_count_against_the_quota(files: Files, declared: bool)
     # two of 5 MiB never fit in 8 MiB; chunked ones that all grow at once may all meet the wall
     assert len(stored) == 1 if declared else len(stored) <= 1, answers
     assert all(code in (413, 0) for code, _ in refused), answers
-    assert all("over your storage quota of 8 MiB" in text for code, text in refused if code == 413), answers
+    assert all("over your storage quota of 8Mi" in text for code, text in refused if code == 413), answers
     if declared:  # refused before its body: every one of them read its answer
         assert [code for code, _ in refused] == [413] * 4, answers
     with files.as_(files.stack.alice) as alice:
@@ -399,7 +399,7 @@ def test_cli_uploads_a_model_directory_then_lists_and_removes_it(files: Files) -
     (local / "model.safetensors").write_bytes(weights)
     (local / "sub" / "tokenizer.json").write_text("{}")
     r = cli(files, "files", "upload", str(local), "tiny")
-    assert "uploaded 3 files, 2 MiB, as tiny" in r.stderr
+    assert "uploaded 3 files, 2.0Mi, as tiny" in r.stderr
     listing: dict[str, Any] = json.loads(cli(files, "files", "list", "-o", "json").stdout)
     assert [(f["path"], f["size"]) for f in listing["data"]] == [
         ("tiny/config.json", 8), ("tiny/model.safetensors", len(weights)), ("tiny/sub/tokenizer.json", 2)]
@@ -407,7 +407,7 @@ def test_cli_uploads_a_model_directory_then_lists_and_removes_it(files: Files) -
     for columns in (100, 40):  # each path whole on one line, never wrapped or cut, even when narrow
         table = cli(files, "files", "list", columns=columns).stdout
         for f in listing["data"]:
-            assert any(f["path"] in line and f["sha256"][:12] in line and " MiB" in table
+            assert any(f["path"] in line and f["sha256"][:12] in line and " 2.0Mi " in table
                        for line in table.splitlines()), table
         assert all(line == line.rstrip() for line in table.splitlines()), table  # no trailing spaces
     assert "removed 3 files" in cli(files, "files", "rm", "tiny").stdout

@@ -146,24 +146,24 @@ class Machine:
 MACHINES = {
     "1 core, 16 GiB: classes of 1 vCPU, three of them": Machine(
         1, 16, NodeOverrides(), "1 core offered as 4 vCPU (overcommit 4x: replicas share the cores; CPU classes "
-        "up to 1 vCPU), 14.0 GiB, no GPUs", ["cpu-1c-4g", "cpu-1c-4g", "cpu-1c-4g"]),
+        "up to 1 vCPU), 14Gi, no GPUs", ["cpu-1c-4g", "cpu-1c-4g", "cpu-1c-4g"]),
     "2 cores, 24 GiB (the newcomer's machine): all three side by side": Machine(
         2, 23.5, NodeOverrides(), "2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; CPU classes "
-        "up to 2 vCPU), 21.5 GiB, no GPUs", ["cpu-2c-8g", "cpu-2c-8g", "cpu-1c-4g"]),
+        "up to 2 vCPU), 21.5Gi, no GPUs", ["cpu-2c-8g", "cpu-2c-8g", "cpu-1c-4g"]),
     "2 cores, 16 GiB: memory is never overcommitted, the VM waits": Machine(
         2, 16, NodeOverrides(), "2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; CPU classes "
-        "up to 2 vCPU), 14.0 GiB, no GPUs", ["cpu-2c-8g", "cpu-1c-4g", None]),
+        "up to 2 vCPU), 14Gi, no GPUs", ["cpu-2c-8g", "cpu-1c-4g", None]),
     "4 cores, 32 GiB": Machine(
         4, 32, NodeOverrides(), "4 cores offered as 16 vCPU (overcommit 4x: replicas share the cores; CPU classes "
-        "up to 4 vCPU), 30.0 GiB, no GPUs", ["cpu-4c-16g", "cpu-2c-8g", "cpu-1c-4g"]),
+        "up to 4 vCPU), 30Gi, no GPUs", ["cpu-4c-16g", "cpu-2c-8g", "cpu-1c-4g"]),
     "16 cores, 64 GiB: one core kept for the host": Machine(
         16, 64, NodeOverrides(), "15 cores offered as 60 vCPU (overcommit 4x: replicas share the cores; CPU classes "
-        "up to 15 vCPU), 62.0 GiB, no GPUs", ["cpu-8c-32g", "cpu-4c-16g", "cpu-2c-8g"]),
+        "up to 15 vCPU), 62Gi, no GPUs", ["cpu-8c-32g", "cpu-4c-16g", "cpu-2c-8g"]),
     "2 cores, 24 GiB, overcommit 1 (the operator's): only the endpoint runs": Machine(
-        2, 23.5, NodeOverrides(cpu_overcommit=1), "2 cores, 21.5 GiB, no GPUs", ["cpu-2c-8g", None, None]),
+        2, 23.5, NodeOverrides(cpu_overcommit=1), "2 cores, 21.5Gi, no GPUs", ["cpu-2c-8g", None, None]),
     "2 cores, 24 GiB, a core reserved (the operator's)": Machine(
         2, 23.5, NodeOverrides(reserve_cpu=1), "1 core offered as 4 vCPU (overcommit 4x: replicas share the cores; "
-        "CPU classes up to 1 vCPU), 21.5 GiB, no GPUs", ["cpu-1c-4g", "cpu-1c-4g", "cpu-1c-4g"]),
+        "CPU classes up to 1 vCPU), 21.5Gi, no GPUs", ["cpu-1c-4g", "cpu-1c-4g", "cpu-1c-4g"]),
 }
 
 
@@ -202,15 +202,15 @@ def test_tensora_node_says_how_a_small_machine_is_shared(tmp_path: Path) -> None
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert ("offered as node box (local): 2 cores offered as 8 vCPU (overcommit 4x: replicas share the cores; "
-            "CPU classes up to 2 vCPU), 22.0 GiB, no GPUs (after the host reserve of 0 cores, 2Gi)") in out.stdout
+            "CPU classes up to 2 vCPU), 22Gi, no GPUs (after the host reserve of 0 cores, 2Gi)") in out.stdout
 
 
 # the node -> the notes' telling words (none: no note)
 GPU_NOTES = {
     "one H200 on a 128 GiB machine, as seen on the device host: the 240 GiB class never fits": (
         Node("vm", "local", 60, int(123.8 * GIB), {"H200": 1}),
-        ["1x H200 offered, but no class of it fits this node (60 vCPU, 123.8 GiB): h200-141gb needs 1 GPU, "
-         "16 vCPU, 240.0 GiB. Use a catalog with a class that fits, or declare node: memory"]),
+        ["1x H200 offered, but no class of it fits this node (60 vCPU, 123.8Gi): h200-141gb needs 1 GPU, "
+         "16 vCPU, 240Gi. Use a catalog with a class that fits, or declare node: memory"]),
     "the same GPU on a machine with the memory: no note": (Node("big", "local", 60, 256 * GIB, {"H200": 1}), []),
     "too few vCPUs for the class": (Node("small", "local", 8, 256 * GIB, {"H200": 1}), ["8 vCPU"]),
     "a GPU model no class uses": (Node("odd", "local", 60, 256 * GIB, {"B200": 2}),
@@ -234,7 +234,7 @@ def test_tensora_node_says_when_its_gpu_fits_no_class(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     (note,) = json.loads(out.stdout)["node"]["notes"]
-    assert "no class of it fits this node" in note and "h200-141gb needs 1 GPU, 16 vCPU, 240.0 GiB" in note
+    assert "no class of it fits this node" in note and "h200-141gb needs 1 GPU, 16 vCPU, 240Gi" in note
 
 
 def test_tensora_node_names_a_bad_override(tmp_path: Path) -> None:

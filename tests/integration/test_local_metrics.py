@@ -29,7 +29,7 @@ class Cgroup:
         return self.kills
 
     def exit_reason(self, sandbox_id: str) -> str:
-        return "out of memory: limit 4 GiB"
+        return "out of memory: limit 4Gi"
 
 
 def test_replicas_by_state_oom_kills_and_runtimes_over_http(tmp_path: Path) -> None:

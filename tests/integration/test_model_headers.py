@@ -51,7 +51,7 @@ def test_a_header_over_the_cap_is_422_naming_the_cap_and_the_file(api: Api) -> N
     body = safetensors(10, pad_to=20 * MiB)
     assert alice.put("/v1/files/big/model.safetensors", content=body).status_code == 201
     err = assert_error(alice.post("/v1/workloads", json={**EP, "model": "big"}), 422, "model")
-    assert err["message"] == f"big/model.safetensors: header length {len(body) - 8 - 10} exceeds the 16 MiB " \
+    assert err["message"] == f"big/model.safetensors: header length {len(body) - 8 - 10} exceeds the 16Mi " \
                              f"cap on safetensors headers"
     assert str(api.tmp) not in err["message"]
     assert alice.get("/v1/workloads").json()["data"] == []

@@ -257,7 +257,7 @@ def test_files_past_the_owners_storage_bytes_are_413(api: Api) -> None:
     alice, bob, admin = api.as_(api.stack.alice), api.as_(api.stack.bob), api.as_(api.stack.admin)
     admin.put("/v1/owners/alice", json={"quotas": {"storage_bytes": MiB}})
     r = alice.put("/v1/files/big.bin", content=b"x" * (2 * MiB))
-    assert r.status_code == 413 and "quota of 1 MiB" in r.json()["error"]["message"]
+    assert r.status_code == 413 and "quota of 1Mi" in r.json()["error"]["message"]
     assert alice.put("/v1/files/small.bin", content=b"x" * 1000).status_code == 201
     assert alice.get("/v1/files").json()["quota"] == MiB
     assert bob.put("/v1/files/big.bin", content=b"x" * (2 * MiB)).status_code == 201  # bob: the default

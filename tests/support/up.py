@@ -87,14 +87,21 @@ class Up:
             self.popen.wait(timeout=10)
 
 
-def launch_up(tmp_path: Path, data: Path, port: int, gateway_port: int, config: str = SMALL_MACHINE) -> Up:
-    """``tensora up`` with ``config`` started in a session of its own (not waited for), its output in ``tmp_path``."""
+def launch_up(tmp_path: Path, data: Path, port: int, gateway_port: int, config: str = SMALL_MACHINE,
+              derived_metrics: bool = False) -> Up:
+    """``tensora up`` with ``config`` started in a session of its own (not waited for), its output in ``tmp_path``.
+    ``derived_metrics``: the metrics listeners at their defaults, beside the ports (else free ports of their own:
+    tests run side by side)."""
     n = len(list(tmp_path.glob("up-*.out")))
     (tmp_path / "up.yaml").write_text(config)
     out, err = tmp_path / f"up-{n}.out", tmp_path / f"up-{n}.err"
-    metrics, gateway_metrics = free_port(), free_port()  # not the defaults: tests run side by side
-    env = up_env({"TENSORA_METRICS_LISTEN": f"127.0.0.1:{metrics}",
-                  "TENSORA_GATEWAY_METRICS_LISTEN": f"127.0.0.1:{gateway_metrics}"})
+    if derived_metrics:
+        metrics, gateway_metrics = port + 10, gateway_port + 10
+        env = up_env()
+    else:
+        metrics, gateway_metrics = free_port(), free_port()
+        env = up_env({"TENSORA_METRICS_LISTEN": f"127.0.0.1:{metrics}",
+                      "TENSORA_GATEWAY_METRICS_LISTEN": f"127.0.0.1:{gateway_metrics}"})
     with out.open("wb") as o, err.open("wb") as e:
         popen = subprocess.Popen([sys.executable, "-m", "tensora.cli", "up", "--data-dir", str(data),
                                   "--port", str(port), "--gateway-port", str(gateway_port),

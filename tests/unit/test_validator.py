@@ -137,7 +137,7 @@ def test_a_child_reads_what_the_thread_reads(tmp_path: Path) -> None:
 
 def test_a_header_past_the_childs_memory_is_refused_naming_the_budget(tmp_path: Path) -> None:
     f = _many_tensors(tmp_path / "m.safetensors", 200_000)  # ~13 MiB of JSON: some 200 MiB of objects
-    with pytest.raises(ModelFileError, match=r"need more than 64 MiB of memory|within 64 MiB of memory") as e:
+    with pytest.raises(ModelFileError, match=r"need more than 64Mi of memory|within 64Mi of memory") as e:
         isolated.read_model(f, inline_bytes=0, memory_bytes=64 << 20)
     assert e.value.path == str(f)
 
@@ -153,5 +153,5 @@ def test_a_large_index_goes_to_the_child_and_a_huge_one_is_refused(tmp_path: Pat
     index.write_text(json.dumps({"weight_map": {f"t{i}": "x.safetensors" for i in range(2)},
                                  "pad": "x" * (MAX_HEADER_BYTES + 1)}))
     assert isolated.header_bytes(tmp_path, 1 << 20) > 1 << 20
-    with pytest.raises(ModelFileError, match="index exceeds the 16 MiB cap"):
+    with pytest.raises(ModelFileError, match="index exceeds the 16Mi cap"):
         read_model(tmp_path)

@@ -7,15 +7,27 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 from tensora.cli.common import Output, app, check_output, emit, err, fail, out, table
 from tensora.cli.root import dump, local_time, session
-from tensora.storage import FileList, FileOut, format_bytes
+from tensora.storage import FileList, FileOut
+from tensora.units import format_memory
 
 files_app = typer.Typer(help="Your files: models (a directory of safetensors files) and disk images, named "
                         "in --model and --image.", no_args_is_help=True)
 app.add_typer(files_app, name="files", rich_help_panel="Use Tensora")
+
+
+class SizeColumn(ProgressColumn):
+    """Sent of total, and the rate, in the sizes the rest of Tensora writes (``units.format_memory``: ``512Mi``),
+    not rich's own ``kB``."""
+
+    def render(self, task: Task) -> Text:
+        sent = f"{format_memory(int(task.completed))}/{format_memory(int(task.total or 0))}"
+        speed = f" {format_memory(int(task.speed))}/s" if task.speed else ""
+        return Text(sent + speed, style="progress.download")
 
 
 @files_app.command("upload")
@@ -39,8 +51,8 @@ def upload(ctx: typer.Context,
         parts = [(local, name)]
     total = sum(p.stat().st_size for p, _ in parts)
     done: list[FileOut] = []
-    with session(ctx) as c, Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                     TransferSpeedColumn(), TimeRemainingColumn(), console=err,
+    with session(ctx) as c, Progress(TextColumn("{task.description}"), BarColumn(), SizeColumn(),
+                                     TimeRemainingColumn(), console=err,
                                      transient=True) as bar:
         task = bar.add_task(f"uploading {name}", total=total)
         for path, target in parts:
@@ -55,7 +67,7 @@ def upload(ctx: typer.Context,
         dump(done)
         return
     _table(done)
-    err.print(f"uploaded {len(done)} file{'s' if len(done) != 1 else ''}, {format_bytes(total)}, as {name}")
+    err.print(f"uploaded {len(done)} file{'s' if len(done) != 1 else ''}, {format_memory(total)}, as {name}")
 
 
 @files_app.command("list")
@@ -84,7 +96,7 @@ def remove(ctx: typer.Context, name: Annotated[str, typer.Argument(help="a file,
         dump(page)
         return
     gone = sum(f.size for f in page.data)
-    out.print(f"removed {len(page.data)} file{'s' if len(page.data) != 1 else ''} ({format_bytes(gone)}) "
+    out.print(f"removed {len(page.data)} file{'s' if len(page.data) != 1 else ''} ({format_memory(gone)}) "
               f"of {name}")
     _room(page)
 
@@ -93,8 +105,8 @@ def _table(files: list[FileOut]) -> None:
     """Paths whole on one line, however narrow the terminal (they are what you type next), as every table of
     the CLI (``common.table``); the sha256 shortened to 12 hex digits (``-o json`` has it all)."""
     emit(table(["path", "size", "sha256", "uploaded"],
-               [(f.path, format_bytes(f.size), f.sha256[:12], local_time(f.created_at)) for f in files]))
+               [(f.path, format_memory(f.size), f.sha256[:12], local_time(f.created_at)) for f in files]))
 
 
 def _room(page: FileList) -> None:
-    err.print(f"{format_bytes(page.used)} of {format_bytes(page.quota)} used")
+    err.print(f"{format_memory(page.used)} of {format_memory(page.quota)} used")

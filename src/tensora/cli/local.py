@@ -156,8 +156,9 @@ def up_command(
     data_dir: Annotated[Path | None, typer.Option(help="where the SQLite store, admin-key, replicas and logs live "
                                                   "(env TENSORA_DATA_DIR)")] = None,
     host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="control API port (default 8700)")] = None,
-    gateway_port: Annotated[int | None, typer.Option(help="inference gateway port (default 8701)")] = None,
+    port: Annotated[int | None, typer.Option(help="control API port (default 8700; its metrics on port + 10)")] = None,
+    gateway_port: Annotated[int | None, typer.Option(help="inference gateway port (default 8701; its metrics on "
+                                                     "port + 10)")] = None,
     catalog: CatalogFile = None,
     config: Annotated[Path | None, typer.Option(help="YAML file of settings, e.g. node: {reserve_cpu: 2}")] = None,
 ) -> None:

@@ -19,7 +19,7 @@ from tensora.config.wording import in_words
 from tensora.drivers.hardware import NodeOverrides
 from tensora.errors import ConfigError
 from tensora.names import DOMAIN_PATTERN, NAME_PATTERN
-from tensora.telemetry.scrape import check_listen
+from tensora.telemetry.scrape import check_listen, metrics_beside_port
 from tensora.telemetry.tracing import TracingSettings
 from tensora.units import parse_memory
 
@@ -132,7 +132,8 @@ class ServeSettings(BaseModel):
                                     "and tensora up read them here), e.g. {port: 8701, redis_url: ...}")
     metrics_listen: str | None = Field(default="127.0.0.1:8710", description="host:port of the control API's and "
                                        "controller's /metrics (Prometheus' text format), apart from the API's port; "
-                                       "null: no metrics. The gateway has its own (gateway.metrics_listen)")
+                                       "default 127.0.0.1:<port + 10> (none where port is 0); null: no metrics. "
+                                       "The gateway has its own (gateway.metrics_listen)")
     tracing: TracingSettings | None = Field(default=None, description="OpenTelemetry: {otlp_endpoint: URL} traces "
                                             "each controller cycle (the tracing extra); null: off. The gateway "
                                             "has its own (gateway.tracing)")
@@ -175,6 +176,11 @@ class ServeSettings(BaseModel):
         if self.driver != "local":
             return None
         return self.sandbox_port if self.sandbox_port is not None else listeners.derived(self.port)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _metrics_beside_port(cls, data: Any) -> Any:
+        return metrics_beside_port(data, cls.model_fields["port"].default)
 
     @model_validator(mode="after")
     def _sandbox_port_apart(self) -> ServeSettings:

@@ -28,7 +28,7 @@ from tensora.errors import SpecError
 from tensora.names import NAME_PATTERN
 from tensora.placement.catalog import CPU_WORD, Catalog
 from tensora.placement.kinds import WorkloadKind
-from tensora.units import parse_duration, parse_params
+from tensora.units import format_memory, parse_duration, parse_params
 
 _NAME = NAME_PATTERN
 SPEC_MAX_BYTES = 16 * 1024
@@ -124,7 +124,8 @@ class WorkloadSpec(BaseModel):
         except orjson.JSONEncodeError:  # JSON parses integers of any size; the store keeps 64 bits: refused here
             raise ValueError("holds a number that is not a 64-bit integer or a float") from None
         if size > SPEC_MAX_BYTES:
-            raise ValueError(f"at most {SPEC_MAX_BYTES} bytes of JSON (16 KiB); this one is {size}")
+            raise ValueError(f"at most {SPEC_MAX_BYTES} bytes of JSON ({format_memory(SPEC_MAX_BYTES)}); this one is "
+                             f"{size}")
         return value
 
     @field_validator("fallback_models")

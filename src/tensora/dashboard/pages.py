@@ -47,7 +47,7 @@ from tensora.placement.kinds import WorkloadKind
 from tensora.sdk import APIError, AuthenticationError, Workload
 from tensora.sdk.calls import Call
 from tensora.sdk.client import DEFAULT_GATEWAY_URL
-from tensora.units import parse_duration
+from tensora.units import format_memory, parse_duration
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -61,6 +61,7 @@ def when(iso: str | None) -> str:
 
 
 templates.env.filters["when"] = when
+templates.env.filters["size"] = format_memory  # the one style of sizes: 512Mi (``units``)
 
 FALLBACK_SLOTS = 3
 router = APIRouter(include_in_schema=False)

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tensora.placement.capacity import CORES_LABEL, Node
 from tensora.placement.catalog import Catalog
-from tensora.units import GIB, parse_memory
+from tensora.units import format_memory, parse_memory
 
 MIB = 2**20
 SMALL_MACHINE_CORES = 4  # at most this many cores: no core is kept back for the host by default
@@ -206,7 +206,7 @@ def _hostname() -> str:
 
 def offered(node: Node) -> str:
     """The node in one phrase, as ``tensora up`` and ``tensora node`` say it:
-    ``2 cores offered as 8 vCPU (overcommit 4x: ...), 21.5 GiB, no GPUs``."""
+    ``2 cores offered as 8 vCPU (overcommit 4x: ...), 21.5Gi, no GPUs``."""
     gpus = ", ".join(f"{n}x {m}" for m, n in node.gpus.items()) or "no GPUs"
     cores = node.cores
     if cores is None or cores <= 0 or node.cpu <= cores:
@@ -214,7 +214,7 @@ def offered(node: Node) -> str:
     else:
         cpu = (f"{_cores(cores)} offered as {node.cpu:g} vCPU (overcommit {node.cpu / cores:g}x: replicas share "
                f"the cores; CPU classes up to {cores:g} vCPU)")
-    return f"{cpu}, {node.memory / GIB:.1f} GiB, {gpus}"
+    return f"{cpu}, {format_memory(node.memory)}, {gpus}"
 
 
 def gpu_notes(node: Node, catalog: Catalog) -> list[str]:
@@ -230,10 +230,10 @@ def gpu_notes(node: Node, catalog: Catalog) -> list[str]:
         if not classes:
             notes.append(f"{count}x {model} offered, but no catalog class uses it")
             continue
-        need = "; ".join(f"{c.name} needs {c.gpu_count} GPU, {c.cpu:g} vCPU, {c.memory / GIB:.1f} GiB"
+        need = "; ".join(f"{c.name} needs {c.gpu_count} GPU, {c.cpu:g} vCPU, {format_memory(c.memory)}"
                          for c in classes)
         notes.append(f"{count}x {model} offered, but no class of it fits this node ({node.cpu:g} vCPU, "
-                     f"{node.memory / GIB:.1f} GiB): {need}. Use a catalog with a class that fits, or declare "
+                     f"{format_memory(node.memory)}): {need}. Use a catalog with a class that fits, or declare "
                      "node: memory")
     return notes
 

@@ -41,7 +41,7 @@ What a replica's owner is shown (its ``url``) names no host path: a VM has none.
 
 Stop is graceful first (SIGTERM, or QMP), then SIGKILL of every process after a deadline; ``observe`` does the
 escalation, so nothing here blocks the controller. A replica that ends is reported stopped (asked) or failed,
-with the cgroup's reason (``out of memory: limit 16 GiB of cpu-4c-16g``), read before its sandbox is deleted.
+with the cgroup's reason (``out of memory: limit 16Gi of cpu-4c-16g``), read before its sandbox is deleted.
 
 Isolation (``Isolation``): ``sandbox`` as above; ``none`` (the operator's explicit choice) runs replicas as
 plain processes of Tensora's user; ``admin-only`` (no sandbox on this host, none chosen) runs only the admin

@@ -80,7 +80,7 @@ class SandboxRunner:
             self.runc.kill(record.id, sig, all_processes=sig == signal.SIGKILL)
 
     def ended(self, record: ReplicaRecord) -> str | None:
-        """Once it ended, why: the cgroup's reason (``out of memory: limit 16 GiB of cpu-4c-16g``), read before its
+        """Once it ended, why: the cgroup's reason (``out of memory: limit 16Gi of cpu-4c-16g``), read before its
         sandbox is deleted."""
         log_file = self.records.dir(record.id) / OUT_LOG
         try:

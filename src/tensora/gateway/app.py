@@ -35,7 +35,7 @@ from tensora.gateway.routedoc import RouteDocument
 from tensora.gateway.routes import RouteTable, table_from_json
 from tensora.gateway.server import Limits
 from tensora.gateway.upstream import Client, peer_url_problem
-from tensora.telemetry.scrape import Listener, check_listen
+from tensora.telemetry.scrape import Listener, check_free, check_listen, metrics_beside_port
 from tensora.telemetry.tracing import TracingSettings, setup
 
 log = logging.getLogger("tensora.gateway")
@@ -68,7 +68,8 @@ class GatewaySettings(BaseModel):
                                      "forwarded here), their connections counted apart from the host's clients'; "
                                      "with the local driver the default is port + 20 (8721), else none")
     metrics_listen: str | None = Field(default="127.0.0.1:8711", description="host:port of this gateway's "
-                                       "/metrics (Prometheus' text format), apart from its port; null: no metrics")
+                                       "/metrics (Prometheus' text format), apart from its port; default "
+                                       "127.0.0.1:<port + 10> (none where port is 0); null: no metrics")
     metrics_max_labels: int = Field(default=100, ge=1, description="values of the endpoint and owner labels "
                                     "kept (the first seen); the rest are counted as 'other'")
     region: str = Field(default="local", description="the region this gateway serves")
@@ -158,6 +159,11 @@ class GatewaySettings(BaseModel):
     @classmethod
     def _listen(cls, v: str | None) -> str | None:
         return check_listen(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _metrics_beside_port(cls, data: Any) -> Any:
+        return metrics_beside_port(data, cls.model_fields["port"].default)
 
     @model_validator(mode="after")
     def _sandbox_port_apart(self) -> GatewaySettings:
@@ -378,6 +384,7 @@ def run(settings: GatewaySettings, quiet: bool = False) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sandboxes = listeners.listen(settings.sandbox_port, "gateway.sandbox_port") \
         if settings.sandbox_port is not None else None  # before anything starts: a clear error if taken
+    check_free(settings.metrics_listen, "gateway.metrics_listen")  # its own metrics, or it does not start
     gw = build(settings)
     if not quiet:
         print(f"tensora gateway on http://{settings.host}:{settings.port}/v1  (region {settings.region}, "

@@ -30,6 +30,7 @@ from typing import Any
 from tensora.errors import ModelFileError
 from tensora.models import validator
 from tensora.models.validator import ModelSize
+from tensora.units import format_memory
 
 INLINE_HEADER_BYTES = 1 << 20
 """Headers (and a shard index) up to this many bytes in all are parsed in the caller's thread."""
@@ -119,7 +120,7 @@ def _in_child(path: Path, memory_bytes: int, timeout_s: float) -> ModelSize:
         raise ModelFileError(answer["error"]["path"], answer["error"]["message"])
     if done.returncode != 0 or not isinstance(answer, dict):
         # killed by a limit (CPU: SIGXCPU/SIGKILL), or a crash: the budget is what the owner can act on
-        raise ModelFileError(str(path), f"its headers could not be read within {memory_bytes >> 20} MiB of "
+        raise ModelFileError(str(path), f"its headers could not be read within {format_memory(memory_bytes)} of "
                                         f"memory and {timeout_s:g} s")
     return ModelSize(int(answer["params"]), int(answer["bytes"]), dict(answer["dtypes"]), tuple(answer["files"]))
 
@@ -137,6 +138,6 @@ def main(args: list[str]) -> None:
     except ModelFileError as exc:
         out = {"error": {"path": exc.path, "message": exc.message}}
     except MemoryError:
-        out = {"error": {"path": path, "message": f"its headers need more than {memory_bytes >> 20} MiB of "
+        out = {"error": {"path": path, "message": f"its headers need more than {format_memory(memory_bytes)} of "
                                                   f"memory to read"}}
     sys.stdout.write(json.dumps(out))

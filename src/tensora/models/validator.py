@@ -89,8 +89,8 @@ def read_file(path: Path | str) -> ModelSize:
                 raise ModelFileError(str(path), f"truncated: {len(prefix)} bytes, a safetensors file starts with 8")
             (length,) = struct.unpack("<Q", prefix)
             if length > MAX_HEADER_BYTES:
-                raise ModelFileError(str(path), f"header length {length} exceeds the {MAX_HEADER_BYTES >> 20} MiB "
-                                                f"cap on safetensors headers")
+                raise ModelFileError(str(path), f"header length {length} exceeds the "
+                                                f"{format_memory(MAX_HEADER_BYTES)} cap on safetensors headers")
             if 8 + length > file_size:
                 raise ModelFileError(str(path), f"truncated: header says {length} bytes, file has {file_size - 8}")
             raw = f.read(length)
@@ -193,7 +193,7 @@ def _shards_from_index(index: Path) -> list[Path]:
         with index.open("rb") as f:
             raw = f.read(MAX_HEADER_BYTES + 1)
         if len(raw) > MAX_HEADER_BYTES:
-            raise ModelFileError(str(index), f"index exceeds the {MAX_HEADER_BYTES >> 20} MiB cap")
+            raise ModelFileError(str(index), f"index exceeds the {format_memory(MAX_HEADER_BYTES)} cap")
         data = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ModelFileError(str(index), f"unreadable index: {exc.__class__.__name__}") from None

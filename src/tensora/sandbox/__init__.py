@@ -4,7 +4,7 @@ cgroup limits, only its devices and its own network namespace. See ``spec`` (wha
 
 from tensora.sandbox.host import available, detect_host, host_device
 from tensora.sandbox.network import SERVER_HOST, NetworkError
-from tensora.sandbox.runc import Runc, SandboxError, SandboxHandle, SandboxState, format_bytes
+from tensora.sandbox.runc import Runc, SandboxError, SandboxHandle, SandboxState
 from tensora.sandbox.spec import CgroupVersion, Device, HostFacts, Limits, Mount, SandboxSpec, oci_config
 
 __all__ = [
@@ -22,7 +22,6 @@ __all__ = [
     "SandboxState",
     "available",
     "detect_host",
-    "format_bytes",
     "host_device",
     "oci_config",
 ]

@@ -43,6 +43,7 @@ from tensora.errors import TensoraError
 from tensora.sandbox import network
 from tensora.sandbox.host import CGROUP_ROOT, detect_host, memory_cgroup_dir
 from tensora.sandbox.spec import CgroupVersion, HostFacts, SandboxSpec, oci_config, validate
+from tensora.units import format_memory
 
 CONFIG = "config.json"
 ROOTFS = "rootfs"
@@ -216,7 +217,7 @@ class Runc:
         return (self.oom_kills(sandbox_id) or 0) > 0
 
     def exit_reason(self, sandbox_id: str) -> str | None:
-        """The failure reason the cgroup tells, such as ``out of memory: limit 16 GiB``; None when it tells
+        """The failure reason the cgroup tells, such as ``out of memory: limit 16Gi``; None when it tells
         none. Call before ``delete``."""
         if not self.oom_killed(sandbox_id):
             return None
@@ -225,7 +226,7 @@ class Runc:
             limit = int(config["linux"]["resources"]["memory"]["limit"])
         except (OSError, ValueError, KeyError, TypeError):
             return "out of memory"
-        return f"out of memory: limit {format_bytes(limit)}"
+        return f"out of memory: limit {format_memory(limit)}"
 
     # -- the runtime's command line ------------------------------------------------------------------------
 
@@ -267,15 +268,6 @@ def _why(done: subprocess.CompletedProcess[bytes], runc_log: Path | None) -> str
                         return str(entry.get("msg", "")).strip()
     text = (done.stderr or b"").decode(errors="replace").strip()
     return text.splitlines()[-1] if text else f"exit {done.returncode}"
-
-
-def format_bytes(size: int) -> str:
-    """``17179869184 -> "16 GiB"``, ``1610612736 -> "1.5 GiB"``, ``536870912 -> "512 MiB"``."""
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= factor:
-            value = size / factor
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{size} B"
 
 
 def _write_private(path: Path, data: bytes) -> None:

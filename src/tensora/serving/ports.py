@@ -55,6 +55,52 @@ def check_port(host: str, port: int, flag: str) -> None:
     raise Occupied(f"port {port} is in use by another program (not Tensora): choose another with {flag}")
 
 
+def check_metrics(listen: str | None, setting: str) -> None:
+    """Occupied unless this process could serve metrics at ``listen`` (None: off), naming who holds it (another
+    Tensora's metrics, or another program) and ``setting``, which chooses another address."""
+    from tensora.telemetry.scrape import bind_error, parse_listen, unbindable
+
+    if not listen:
+        return
+    host, port = parse_listen(listen)
+    exc = bind_error(host, port)
+    if exc is None:
+        return
+    if exc.errno != errno.EADDRINUSE:
+        raise Occupied(f"{setting}: {unbindable(host, port, exc, setting)}")
+    where = client_host(host)
+    if serves_tensora_metrics(where, port) or is_tensora(where, port):
+        pid = listener_pid(port)
+        who = "another Tensora" + (f" (pid {pid})" if pid else "")
+    else:
+        who = "another program (not Tensora)"
+    raise Occupied(f"cannot serve metrics on {host}:{port}: {who} listens there; set {setting} to a free "
+                   "host:port, or to null for no metrics")
+
+
+def distinct_ports(named: list[tuple[int | None, str]]) -> None:
+    """Occupied when two of one server's listeners would take the same port (each named by the setting or flag
+    that chooses it); None and 0 (ephemeral) take none."""
+    seen: dict[int, str] = {}
+    for port, name in named:
+        if not port:
+            continue
+        if port in seen:
+            raise Occupied(f"{seen[port]} and {name} would both listen on port {port}: choose another with {name}")
+        seen[port] = name
+
+
+def serves_tensora_metrics(host: str, port: int) -> bool:
+    """Whether a Tensora's metrics listener answers there (its families are named tensora_*)."""
+    import httpx
+
+    try:
+        text = httpx.get(f"http://{host}:{port}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return False
+    return "# TYPE tensora_" in text
+
+
 def is_tensora(host: str, port: int) -> bool:
     """Whether a Tensora control API or gateway answers there (their /readyz bodies say so)."""
     import httpx

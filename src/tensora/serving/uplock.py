@@ -13,8 +13,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tensora import listeners
 from tensora.config.settings import UP_LOCK_FILE
-from tensora.serving.ports import Occupied, already_running, check_port, client_host
+from tensora.serving.ports import Occupied, already_running, check_metrics, check_port, client_host, distinct_ports
 from tensora.store.db import private_dir
+from tensora.telemetry.scrape import parse_listen
 
 if TYPE_CHECKING:
     from tensora.config.settings import ServeSettings
@@ -24,12 +25,14 @@ HOLDER_WAIT_S = 1.0
 _HOLDER_POLL_S = 0.05
 
 
-def claim_up(settings: ServeSettings, gateway_port: int, gateway_sandbox_port: int | None = None) -> IO[str]:
+def claim_up(settings: ServeSettings, gateway_port: int, gateway_sandbox_port: int | None = None,
+             gateway_metrics_listen: str | None = None) -> IO[str]:
     """Check that nothing holds this data dir or the ports, then hold the data dir's lock for as long
     as the returned file stays open (the process's life; the OS drops it however that ends).
 
     Occupied when another ``tensora up`` holds the lock, or a port is in use (by a Tensora, or
-    by another program, naming the flag that chooses another); nothing is written until then."""
+    by another program, naming the flag or setting that chooses another), the metrics listeners' included:
+    metrics this ``up`` says it serves, and its operator page reads, are its own; nothing is written until then."""
     import fcntl
 
     path = settings.data_dir / UP_LOCK_FILE
@@ -41,9 +44,14 @@ def claim_up(settings: ServeSettings, gateway_port: int, gateway_sandbox_port: i
     for port, flag in ((settings.port, "--port"), (gateway_port, "--gateway-port")):
         check_port(settings.host, port, flag)
     sandboxes = ((settings.sandbox_listener(), "sandbox_port"), (gateway_sandbox_port, "gateway.sandbox_port"))
+    metrics = ((settings.metrics_listen, "metrics_listen"), (gateway_metrics_listen, "gateway.metrics_listen"))
+    distinct_ports([(settings.port, "--port"), (gateway_port, "--gateway-port"), *sandboxes,
+                    *((parse_listen(listen)[1] if listen else None, name) for listen, name in metrics)])
     for sandbox_port, setting in sandboxes:
         if sandbox_port is not None:
             check_port(listeners.SANDBOX_HOST, sandbox_port, setting)
+    for listen, setting in metrics:
+        check_metrics(listen, setting)
     # 3. take the lock and say who holds it
     private_dir(settings.data_dir)
     f = path.open("a+")  # not inherited by children (close-on-exec): replicas never hold it

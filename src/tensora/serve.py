@@ -179,7 +179,7 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=keys,
                     idempotency=Idempotency(db, clock), sessions=sessions, controller=controller, storage=storage,
                     isolation=isolation or None, isolation_reason=why, replica_secret=replica_secret,
-                    owner_defaults=settings.owner_defaults(),
+                    owner_defaults=settings.owner_defaults(), runs_models=settings.driver != "simulated",
                     metrics_listen=_metrics_sources(settings, gateway_metrics(gateway_metrics_listen)))
 
 

@@ -162,6 +162,7 @@ def authorize_create(spec: WorkloadSpec, given: Set[str], caller: Caller) -> tup
                          "owner's only; its operator may set isolation: none to run every owner's unsandboxed")
     return spec, owner
 
+
 class NameTaken(TensoraError):
     """Another of the owner's workloads not deleted has the name (the API answers 409 ``name_taken``)."""
 

@@ -182,8 +182,26 @@ def build(settings: ServeSettings, *, clock: Clock | None = None, driver: Driver
     return Services(db=db, catalog=catalog, clock=clock, region=settings.region, keys=keys,
                     idempotency=Idempotency(db, clock), sessions=sessions, controller=controller, storage=storage,
                     isolation=isolation or None, isolation_reason=why, replica_secret=replica_secret,
-                    owner_defaults=settings.owner_defaults(),
+                    owner_defaults=settings.owner_defaults(), runs_models=settings.driver != "simulated",
                     metrics_listen=_metrics_sources(settings, gateway_metrics(gateway_metrics_listen)))
+
+
+DUPLICATES_SHOWN = 20
+"""At most this many duplicated names are listed at start, then how many more there are."""
+
+
+def duplicated_names(db: Database) -> list[str]:
+    """What ``serve`` and ``up`` say once as they start about each owner's names that several of its workloads not
+    deleted hold (made before names were unique): each keeps working by its id, and a create of that name is 409
+    until all but one are deleted. Nothing when there are none."""
+    with db.read() as conn:
+        dups = workloads_repo.duplicate_names(conn)
+    lines = [f"note: owner {d.owner!r} has {len(d.ids)} workloads called {d.name!r} ({', '.join(d.ids)}), made "
+             "before names were unique: each keeps working by its id; delete all but one to use the name alone"
+             for d in dups[:DUPLICATES_SHOWN]]
+    if len(dups) > DUPLICATES_SHOWN:
+        lines.append(f"note: and {len(dups) - DUPLICATES_SHOWN} more duplicated names (tensora workloads list)")
+    return lines
 
 
 GATEWAY_METRICS_ENV = "TENSORA_GATEWAY_METRICS_LISTEN"
@@ -344,6 +362,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
     print(f"dashboard on http://{settings.host}:{settings.port}/  (sign in with an API key)", flush=True)
     print(f"region {settings.region}, driver {settings.driver}, store {where}", flush=True)
     print(f"admin key in {key_file}", flush=True)
+    for line in duplicated_names(services.db):
+        print(line, flush=True)
     if settings.metrics_listen:
         print(f"metrics on http://{settings.metrics_listen}/metrics", flush=True)
     if profile == "up" and services.controller is not None:

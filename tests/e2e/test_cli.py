@@ -442,3 +442,15 @@ def test_chat_tells_placed_on_cpu_apart_from_failed_over(cli: Cli) -> None:
     finally:
         backends.close()
         cli("workloads", "delete", ep["id"])
+
+
+def test_a_taken_name_is_refused_naming_the_workload_that_has_it(cli: Cli) -> None:
+    """One name, one workload of its owner until it is deleted: so ``workloads get NAME`` always finds one."""
+    first = cli.json("notebook", "create", "dup", "--gpu-class", "cpu-1c-4g")
+    r = cli("vm", "create", "dup", "--gpu-class", "cpu-1c-4g", code=1)
+    assert f"error: 409 NAME: a workload called 'dup' already exists ({first['id']})" in r.stderr, r.stderr
+    assert cli.json("workloads", "get", "dup")["id"] == first["id"]
+    cli("workloads", "delete", "dup")
+    again = cli.json("vm", "create", "dup", "--gpu-class", "cpu-1c-4g")
+    assert cli.json("workloads", "get", "dup")["id"] == again["id"] != first["id"]
+    cli("workloads", "delete", "dup")

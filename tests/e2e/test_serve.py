@@ -386,3 +386,32 @@ STOPPED_UP = {
 def test_what_tensora_up_says_keeps_running(case: tuple[list[ReplicaStatus], str]) -> None:
     replicas, want = case
     assert left_running(replicas) == want
+
+
+def test_a_store_holding_duplicated_names_starts_and_lists_each_once(tmp_path: Path) -> None:
+    """Names made before they were unique per owner: the store migrates, each workload reads back by its id, and
+    the start lists each owner's duplicated name once (a name two owners each hold once is no duplicate)."""
+    from tensora.store import workloads as workloads_repo
+    from tensora.store.db import Database
+
+    data_dir = tmp_path / "data"
+    db = Database(str(data_dir / "tensora.db"))
+    db.migrate()
+    with db.write() as conn:
+        for wid, owner in [("wl_a1", "alice"), ("wl_a2", "alice"), ("wl_b1", "bob")]:
+            workloads_repo.insert_workload(conn, {
+                "id": wid, "owner": owner, "kind": "notebook", "region": "local", "gpu_class": "cpu-1c-4g",
+                "requested_class": "cpu-1c-4g", "fallback": [], "fallback_after_s": 0.0, "placement": "policy",
+                "state": "stopped", "reason": "", "restart_available": False, "replicas": 1, "created_at": 1.0,
+                "updated_at": 1.0, "failures": 0, "last_failure": "", "name": "nb", "restart_reason": "",
+                "spec": {}})
+    db.dispose()
+    with served(tmp_path, data_dir) as proc:
+        key = (data_dir / ADMIN_KEY_FILE).read_text().strip()
+        by_id = [httpx.get(f"{proc.url}/v1/workloads/{w}", headers=_auth(key), timeout=5) for w in ("wl_a1", "wl_a2")]
+        assert proc.terminate() == 0, proc.output()
+        output = proc.output()
+    assert [r.status_code for r in by_id] == [200, 200]
+    notes = [ln for ln in output.splitlines() if "workloads called" in ln]
+    assert notes == ["note: owner 'alice' has 2 workloads called 'nb' (wl_a1, wl_a2), made before names were "
+                     "unique: each keeps working by its id; delete all but one to use the name alone"], output

@@ -310,7 +310,8 @@ def test_postgresql_a_transaction_that_commits_after_a_later_one_is_not_missed(d
         done = threading.Event()
 
         def later() -> None:
-            submit(db, w.clock, kind="notebook", name="early", gpu_class="cpu-2c-8g")
+            # another owner's: one owner's creates take turns (its names), two owners' do not
+            submit(db, w.clock, owner="bob", kind="notebook", name="early", gpu_class="cpu-2c-8g")
             done.set()
 
         threading.Thread(target=later).start()

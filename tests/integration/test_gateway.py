@@ -397,7 +397,7 @@ def test_rate_limits_per_key_with_headers_and_token_reservations(backends: Backe
     assert limited.headers["x-ratelimit-limit-tokens"] == "1000"
     # settled to what was used (15 a request), so all five fit though five reservations would not
     assert [r.status_code for r in bobs] == [200] * 5
-    assert too_big.status_code == 429 and too_big.json()["error"]["param"] == "max_tokens"
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "max_tokens"
 
 
 @pytest.fixture(scope="module")
@@ -471,3 +471,24 @@ def test_the_openai_client_end_to_end_streaming_and_not(backends: Backends) -> N
     assert text.startswith("r1:0") and last is not None and last.usage is not None
     assert completion.model == "my-llm" and completion.choices[0].text.startswith("r1:")
     assert models == ["my-llm", "small", "m-shared"]
+
+
+def test_max_tokens_over_the_owners_whole_minute_is_a_400_the_openai_client_does_not_retry(
+        backends: Backends) -> None:
+    """A request that reserves more tokens than its owner may use in a whole minute can never be admitted: a 400
+    naming max_tokens and the limit, which the openai client raises at once (a 429 it would retry)."""
+    table = make_table(endpoints(backends), KEYS, limits={BOB: (100, 300)})
+    sent: list[httpx.Request] = []
+    with (serving(gateway(table, wall=lambda: MID_MINUTE)) as url,
+          httpx.Client(event_hooks={"request": [sent.append]}) as http):
+        client = openai.OpenAI(base_url=url, api_key=BOB, http_client=http)  # its default retries: 2
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model="m-shared", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=400)
+        fits = client.chat.completions.create(model="m-shared", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=100)
+    err = raised.value.body
+    assert isinstance(err, dict) and err["param"] == "max_tokens" and err["type"] == "invalid_request_error", err
+    assert "tokens_per_minute (300" in err["message"] and "lower max_tokens" in err["message"], err
+    assert len(sent) == 2, [str(r.url) for r in sent]  # the refused request once, then the one that fits
+    assert fits.usage is not None and fits.usage.completion_tokens > 0

@@ -167,7 +167,8 @@ def test_a_key_may_be_held_lower_than_its_owner_never_higher(backends: Backends)
     assert [r.headers["x-ratelimit-remaining-requests"] for r in low[:2]] == ["1", "0"]
     assert low[0].headers["x-ratelimit-limit-requests"] == "2" and low[0].headers["x-ratelimit-limit-tokens"] == "50"
     assert "this key's own limit" in low[2].json()["error"]["message"]
-    assert big.status_code == 429 and big.json()["error"]["param"] == "max_tokens"  # over the key's 50 tokens
+    assert big.status_code == 400 and big.json()["error"]["param"] == "max_tokens"  # over the key's 50 tokens
+    assert "this key's own tokens_per_minute (50)" in big.json()["error"]["message"]
     assert [r.status_code for r in high] == [200, 200, 200, 429]  # 2 + 3 = alice's 5, not 100
     assert high[0].headers["x-ratelimit-limit-requests"] == "5"
     assert high[0].headers["x-ratelimit-remaining-requests"] == "2"

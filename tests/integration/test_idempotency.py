@@ -221,10 +221,12 @@ def test_malformed_keys_are_refused(live: Live) -> None:
 
 def test_without_a_key_each_post_creates(live: Live) -> None:
     with live.client(live.stack.alice) as c:
-        one, two = (c.post("/v1/workloads", json=NB) for _ in range(2))
+        one, two = (c.post("/v1/workloads", json={**NB, "name": f"nb-{i}"}) for i in range(2))
+        again = c.post("/v1/workloads", json={**NB, "name": "nb-0"})
     assert (one.status_code, two.status_code) == (201, 201)
     assert one.json()["id"] != two.json()["id"]
     assert not replayed(one) and not replayed(two)
+    assert again.status_code == 409 and again.json()["error"]["type"] == "name_taken"  # no second 'nb-0' either
     assert len(live.workloads("alice")) == 2
 
 
@@ -383,6 +385,7 @@ def test_a_stored_response_is_kept_24h_then_forgotten(manual: Live) -> None:
         fresh = c.post("/v1/workloads", json=NB, headers=idem("k-day"))
     assert first.status_code == 201
     assert replayed(kept) and kept.content == first.content
-    assert fresh.status_code == 201 and not replayed(fresh)
-    assert fresh.json()["id"] != first.json()["id"]
-    assert len(manual.workloads("alice")) == 2
+    # forgotten, so the create runs anew: the name is the first workload's now (a 409 naming it, not a second one)
+    assert fresh.status_code == 409 and not replayed(fresh)
+    assert first.json()["id"] in fresh.json()["error"]["message"]
+    assert len(manual.workloads("alice")) == 1

@@ -244,10 +244,12 @@ def test_creates_at_once_never_pass_the_quota(api: Api, race: Race) -> None:
     it = iter(clients)
     lock = threading.Lock()
 
+    names = iter(range(12))
+
     def call() -> httpx.Response:
         with lock:
-            c = next(it)
-        return c.post(race.path, json=race.body)
+            c, n = next(it), next(names)
+        return c.post(race.path, json={**race.body, "name": f"{race.body['name']}-{n}"})  # a workload's is unique
 
     assert _at_once(12, call) == [201] * 3 + [403] * 9
     assert admin.get("/v1/owners/alice").json()["in_use"][race.quota] == held + 3

@@ -30,6 +30,10 @@ QUOTA_EXCEEDED = "quota_exceeded"
 """The type of a 403 for a create past an owner's quota (keys, workloads): an answer that depends on what the
 owner holds now, so it is never stored for Idempotency-Key replays."""
 
+NAME_TAKEN = "name_taken"
+"""The type of a 409 for a create whose name one of the owner's workloads not deleted has: like a quota, an answer
+that depends on what the owner holds now, never stored for Idempotency-Key replays."""
+
 # FastAPI's 400 for a body it could not read at all (not UTF-8): the same 422 as malformed JSON.
 _FASTAPI_BODY_ERROR = "There was an error parsing the body"
 

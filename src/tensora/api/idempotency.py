@@ -24,7 +24,7 @@ import orjson
 from fastapi.responses import JSONResponse, Response
 
 from tensora.api import metrics
-from tensora.api.errors import QUOTA_EXCEEDED, ApiError
+from tensora.api.errors import NAME_TAKEN, QUOTA_EXCEEDED, ApiError
 from tensora.clock import Clock
 from tensora.errors import Conflict
 from tensora.store import idempotency as idempotency_repo
@@ -78,7 +78,7 @@ class Idempotency:
                     idempotency_repo.complete_idempotency(conn, claim.pk, status, kept, self.clock.now() + self.keep_s)
         except ApiError as exc:
             if (exc.status in (422, 400) or exc.status >= 500 or "Retry-After" in exc.headers
-                    or exc.type == QUOTA_EXCEEDED):
+                    or exc.type in (QUOTA_EXCEEDED, NAME_TAKEN)):
                 self._release(claim)
             else:
                 self._store_error(claim, exc)

@@ -46,6 +46,10 @@ class Services:
     replica_secret: bytes | None = None
     """The local driver's replica key secret (``tensora.keys.replicakeys``): the route table carries each replica's
     key for the gateway. None: replicas take no key (other drivers)."""
+    runs_models: bool = False
+    """The driver runs model servers (local, Kubernetes): an endpoint's model must be a directory they load
+    (config.json, a tokenizer, the weights), checked at create. False for a simulated fleet: it needs only the
+    model's size, which a lone safetensors file gives."""
     owner_defaults: OwnerSettings = field(default_factory=OwnerSettings)
     """Every owner's quotas and limits unless an admin set otherwise (``tensora.placement.quotas``)."""
 

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from tensora.api import rates
 from tensora.api.deps import ERRORS, RATED, IdemKey, Reader, Svc, Writer, iso
-from tensora.api.errors import ApiError
+from tensora.api.errors import NAME_TAKEN, ApiError
 from tensora.api.owners import check_quota
 from tensora.api.principal import Principal
 from tensora.api.schemas import EventList, RestartBody, WorkloadList, WorkloadOut, pattern
@@ -55,7 +55,8 @@ def _own(conn: Any, p: Principal, workload_id: str) -> WorkloadRecord:
              description=("Queued for ``gpu_class``; after ``fallback_after`` the ``fallback`` list is tried in "
                           "order (opt-in: empty means wait). A CPU entry means no GPU while on CPU: endpoints "
                           "serve roughly 10-50x slower, notebooks and VMs run without one; ``warning`` says "
-                          "which for the kind."))
+                          "which for the kind. ``name`` is unique among the owner's workloads not deleted: "
+                          "409 ``name_taken`` names the workload that has it."))
 def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], idem: IdemKey = None) -> Response:
     caller = workloads.Caller(p.owner, p.is_admin, svc.region, svc.isolation, svc.isolation_reason)
     try:
@@ -63,11 +64,14 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
     except workloads.NotAllowed as exc:
         raise ApiError(403, str(exc), field=exc.field) from None
     rates.take(svc, p.owner, rates.Action.CREATE, _retry_of(p, "/v1/workloads", idem))  # before the model is read
-    checked = workloads.validate(body, svc.catalog, owner, svc.storage)
+    checked = workloads.validate(body, svc.catalog, owner, svc.storage, runs_models=svc.runs_models)
 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
         check_quota(conn, svc, owner, "workloads")
-        row = workloads.create(conn, checked, svc.clock.now())
+        try:
+            row = workloads.create(conn, checked, svc.clock.now())
+        except workloads.NameTaken as exc:
+            raise ApiError(409, str(exc), field="name", type_=NAME_TAKEN) from None
         return 201, _out(row, [], svc)
 
     return svc.idempotency.run(p.key_id, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,

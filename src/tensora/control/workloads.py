@@ -17,7 +17,7 @@ from sqlalchemy import Connection
 from tensora.control.spec import WorkloadSpec, check_against
 from tensora.errors import ModelFileError, SpecError, TensoraError
 from tensora.models.isolated import read_model
-from tensora.models.validator import read_context
+from tensora.models.validator import missing_for_serving, read_context
 from tensora.placement.catalog import Catalog
 from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
 from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadKind, WorkloadState
@@ -56,9 +56,12 @@ class Checked:
     """The model's context length in tokens, as its config.json says (None: not known)."""
 
 
-def validate(spec: WorkloadSpec, catalog: Catalog, owner: str, storage: Storage | None) -> Checked:
+def validate(spec: WorkloadSpec, catalog: Catalog, owner: str, storage: Storage | None, *,
+             runs_models: bool = False) -> Checked:
     """Check classes against the catalog, resolve ``model`` and ``image`` inside ``owner``'s files
     (or the operator's shared models) and read the model's size; SpecError names the field.
+    ``runs_models``: the driver runs model servers (local, Kubernetes), so the model must also hold what
+    they load (:func:`~tensora.models.validator.missing_for_serving`); a simulated fleet needs only its size.
 
     A name that resolves nowhere the owner may read is one message whatever the host holds
     (:data:`~tensora.storage.NOT_FOUND`). The model's headers are read only after that, so only
@@ -81,6 +84,9 @@ def validate(spec: WorkloadSpec, catalog: Catalog, owner: str, storage: Storage 
                 raise SpecError("give model or model_params, not both (the size is read from the model)",
                                 field="model_params")
             found = _resolve(storage, owner, spec.model, "model")
+            missing = missing_for_serving(found) if runs_models else None
+            if missing is not None:  # a replica that could never start: say so now, not in a crash loop
+                raise SpecError(f"model {spec.model!r} {missing}", field="model")
             try:
                 size = read_model(found)
             except ModelFileError as exc:
@@ -156,9 +162,25 @@ def authorize_create(spec: WorkloadSpec, given: Set[str], caller: Caller) -> tup
                          "owner's only; its operator may set isolation: none to run every owner's unsandboxed")
     return spec, owner
 
+
+class NameTaken(TensoraError):
+    """Another of the owner's workloads not deleted has the name (the API answers 409 ``name_taken``)."""
+
+    def __init__(self, name: str, holder: str) -> None:
+        super().__init__(f"a workload called {name!r} already exists ({holder}): names are unique among your "
+                         f"workloads until they are deleted; choose another name, or delete {holder} first")
+        self.holder = holder
+
+
 def create(conn: Connection, checked: Checked, now: float) -> WorkloadRecord:
-    """Insert a queued workload of ``checked.owner`` and its first event; returns the row."""
+    """Insert a queued workload of ``checked.owner`` and its first event; returns the row. NameTaken when one of
+    the owner's workloads not deleted has its name: looked up and inserted under the owner's lock, so that two
+    creates of one name at once are one workload and one NameTaken."""
     spec, owner = checked.spec, checked.owner
+    workloads_repo.lock_owner_names(conn, owner)
+    holder = workloads_repo.live_named(conn, owner, spec.name)
+    if holder is not None:
+        raise NameTaken(spec.name, holder)
     row = WorkloadRecord(
         id=new_id("wl_"), owner=owner, kind=spec.kind, region=spec.region, gpu_class=spec.gpu_class,
         requested_class=spec.gpu_class, placed_class=None, fallback=tuple(spec.fallback),

@@ -7,7 +7,8 @@ its body, and one per streamed event). Steps of a request:
 2. read and check the body (``body.parse``: a 400 naming the field); resolve ``model`` to the caller's
    endpoint or a serverless model; the request becomes one ``call.Call``;
 3. admit: one request and its token reservation against the per-minute windows of the key's owner,
-   and of the key when it is held lower, in one step (429; 503 when Redis is down and fails closed);
+   and of the key when it is held lower, in one step (429; 503 when Redis is down and fails closed; 400 for a
+   request that reserves more than a whole minute allows, which waiting never admits);
 4. walk the chain within one deadline budget (``walk``: tiers, breakers, retries, 429s, context length),
    each answer relayed whole or streamed (``relay``);
 5. settle the token reservation; meter the usage.
@@ -321,9 +322,11 @@ class Gateway:
         if reserve > tpm:
             if self.metrics is not None:
                 self.metrics.refused(key.owner, "too_large")
-            await self._error(send, rid, 429, f"this request reserves {reserve} tokens (prompt + max_tokens x n), "
-                              f"more than the {tpm} per minute {_whose(caller, tpm)}: lower max_tokens", "tokens",
-                              "rate_limit_exceeded", "max_tokens")
+            # never admitted, however long the client waits: a 400 (a 429 is one the openai client retries)
+            await self._error(send, rid, 400, f"this request reserves {reserve} tokens (prompt + max_tokens x n), "
+                              f"more than {_whose(caller, tpm)} allows in a whole minute, "
+                              "so it can never be admitted: lower max_tokens", "invalid_request_error",
+                              "max_tokens_over_limit", "max_tokens")
             return None
         adm = await self.limiter.admit(caller, reserve, self.wall())
         if not adm.ok:
@@ -394,7 +397,10 @@ class Gateway:
 
 
 def _whose(caller: Caller, tpm: int) -> str:
-    return "this key may use" if caller.quota.tpm != tpm else "this owner's keys may use together"
+    """Whose ``tokens_per_minute`` is ``tpm``: the key's own when it is held lower, else its owner's."""
+    if caller.quota.tpm != tpm:
+        return f"this key's own tokens_per_minute ({tpm})"
+    return f"the owner's tokens_per_minute ({tpm}, shared by all its keys)"
 
 
 _WANTED = {b"authorization": 0, b"x-request-id": 1, HOP: 2, idempotency.HEADER: 3}  # name -> its slot below

@@ -174,6 +174,26 @@ def read_context(path: Path | str) -> int | None:
     return None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""Either is a tokenizer a model server can load (``tensora dev tiny-model`` writes both)."""
+
+
+def missing_for_serving(path: Path | str) -> str | None:
+    """What a model server (vLLM, transformers, MLX) lacks to load the model at ``path``, as the end of a sentence
+    about it, or None when nothing is. It loads a directory: its ``config.json`` (the architecture and sizes the
+    weights are read by), a tokenizer and the weights; a lone safetensors file is none of that (the launcher
+    mounts only the model's own path at ``/model``). Reads nothing, only looks for the files."""
+    path = Path(path)
+    if not path.is_dir():
+        return ("is a single file: the model server needs a model directory (config.json, a tokenizer and the "
+                "safetensors weights); upload the whole directory, such as `tensora dev tiny-model` writes")
+    if not (path / "config.json").is_file():
+        return "has no config.json: the model server needs it (the architecture and sizes of the weights)"
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return f"has no tokenizer ({' or '.join(TOKENIZER_FILES)}): the model server needs it"
+    return None
+
+
 def read_model(path: Path | str) -> ModelSize:
     """The size of a model: one safetensors file, or a directory (sharded with an index, or plain)."""
     path = Path(path)

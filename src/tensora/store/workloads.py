@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, and_, bindparam, delete, func, insert, or_, select, update
 
 from tensora.placement.kinds import WorkloadState
 from tensora.store.rows import HeldReplica, ReplicaRow, Spec, WorkloadRecord, WorkloadRow
-from tensora.store.tables import ACTIVE_REPLICA, R_ROW, W_RECORD, W_ROW, E, R, Values, W, chunks
+from tensora.store.tables import ACTIVE_REPLICA, R_ROW, W_RECORD, W_ROW, E, R, Values, W, chunks, lock_owner
 
 _INSERT_W = insert(W)
 _INSERT_R = insert(R)
@@ -200,3 +200,42 @@ _W_BY_ID = select(*W_ROW).where(W.c.id.in_(bindparam("ids", expanding=True)))
 def workloads_by_id(conn: Connection, ids: Iterable[str]) -> list[WorkloadRow]:
     """The workloads named (deleted ones too), as a cycle reads them."""
     return [WorkloadRow.of(r) for part in chunks(ids) for r in conn.execute(_W_BY_ID, {"ids": part})]
+
+
+def lock_owner_names(conn: Connection, owner: str) -> None:
+    """Until the transaction ends, this owner's other creates wait for this one, so that looking a name up
+    (:func:`live_named`) and inserting the workload that takes it are one step: two creates of one name at once
+    cannot both find it free. PostgreSQL: a transaction-scoped advisory lock; SQLite: its writes take turns."""
+    lock_owner(conn, b"tensora-names:", owner)
+
+
+_NAMED = (select(W.c.id).where(W.c.owner == bindparam("b_owner"), W.c.name == bindparam("b_name"),
+                               W.c.deleted_at.is_(None)).order_by(W.c.id).limit(1))
+
+
+def live_named(conn: Connection, owner: str, name: str) -> str | None:
+    """The id of the owner's workload called ``name`` that is not deleted (the oldest, where a store from before
+    names were unique holds several), or None."""
+    found: str | None = conn.execute(_NAMED, {"b_owner": owner, "b_name": name}).scalar()
+    return found
+
+
+class DuplicateName(NamedTuple):
+    """A name that several of one owner's workloads not deleted hold (made before names were unique)."""
+
+    owner: str
+    name: str
+    ids: tuple[str, ...]  # oldest first
+
+
+def duplicate_names(conn: Connection) -> list[DuplicateName]:
+    """Every owner's names held by more than one of its workloads not deleted, by owner then name."""
+    live = W.c.deleted_at.is_(None)
+    dup = (select(W.c.owner, W.c.name).where(live).group_by(W.c.owner, W.c.name)
+           .having(func.count() > 1).subquery())
+    q = (select(W.c.owner, W.c.name, W.c.id).join(dup, and_(W.c.owner == dup.c.owner, W.c.name == dup.c.name))
+         .where(live).order_by(W.c.owner, W.c.name, W.c.id))
+    out: dict[tuple[str, str], list[str]] = {}
+    for owner, name, wid in conn.execute(q):
+        out.setdefault((owner, name), []).append(wid)
+    return [DuplicateName(owner, name, tuple(ids)) for (owner, name), ids in out.items()]

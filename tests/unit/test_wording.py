@@ -30,7 +30,7 @@ class _Sample(BaseModel):
 CASES = {  # (field, value) -> the words
     "a wait over its bound": (("wait_s", 31 * 86400), "at most 30 days"),
     "a wait under its bound": (("wait_s", -1), "at least 0 seconds"),
-    "a count over a large bound": (("count", 10**6), "at most 100,000"),
+    "a count over a large bound": (("count", 10**6), "at most 100000"),
     "a count under its bound": (("count", 0), "at least 1"),
     "a name of the wrong form": (("label", "Bad_Name"), "lowercase letters, digits and '-', 1-63 characters, "
                                                         "starting and ending with a letter or digit"),

@@ -51,8 +51,7 @@ def seconds_words(seconds: float) -> str:
 def _number(value: Any, field: str) -> str:
     if field.endswith("_s") and isinstance(value, int | float) and not isinstance(value, bool):
         return seconds_words(value)
-    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000 else str(
-        value)
+    return str(value)  # as it is typed back (a port, a count): no digit grouping
 
 
 def in_words(error: Mapping[str, Any]) -> str:

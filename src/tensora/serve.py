@@ -376,8 +376,8 @@ def run(settings: ServeSettings, profile: str = "serve") -> None:
             print(f"  note: {note}", flush=True)
         print(describe_isolation(services.isolation or "", services.isolation_reason), flush=True)
         print(installed_runtimes(services.controller.driver, bool(settings.runtimes.auto_install)), flush=True)
-        if (line := adopted_line(services.db, services.controller.driver)) is not None:
-            print(line, flush=True)
+        if (adopted := adopted_line(services.db, services.controller.driver)) is not None:
+            print(adopted, flush=True)
         print(f"replicas and their logs in {settings.data_dir / 'replicas'}; Ctrl-C stops the servers, "
               "not the workloads (the next `tensora up` adopts them)", flush=True)
     gateway = None

@@ -97,7 +97,7 @@ BAD_SETTINGS = {
                                        message="unknown setting"),
     "port out of range in the file": Bad(config="port: 70000\n", field="port", line=1, message="65535"),
     "bad region in the file": Bad(config="host: 127.0.0.1\nregion: Not_A_Region\n", field="region", line=2,
-                                  message="pattern"),
+                                  message="lowercase letters, digits and '-'"),
     "unknown driver in the file": Bad(config="driver: docker\n", field="driver", line=1),
     "unparsable YAML": Bad(config="port: [8700\n", message="not valid YAML"),
     "not a mapping": Bad(config="- port\n- 8700\n", message="mapping of settings"),
@@ -107,9 +107,9 @@ BAD_SETTINGS = {
                                                 source="--region", field="region"),
     "zero tick from env": Bad(env={"TENSORA_TICK_S": "0"}, source="TENSORA_TICK_S", field="tick_s"),
     "a notebook domain that is a URL": Bad(config="driver: kubernetes\nnotebook_domain: https://nb.example.org\n",
-                                           field="notebook_domain", line=2, message="pattern"),
+                                           field="notebook_domain", line=2, message="a domain name"),
     "a home size in an unknown unit": Bad(config="driver: kubernetes\nhome_size: 10G\n", field="home_size", line=2,
-                                      message="pattern"),
+                                      message="a whole size in Mi, Gi or Ti, such as 10Ti"),
 }
 
 

@@ -57,6 +57,7 @@ PATTERNS = {
     "a comma-separated list": (r"^(placed_class|owner|day)(,(placed_class|owner|day))*$",
                                "one or more of placed_class, owner, day, separated by commas"),
     "an owner": (r"^[A-Za-z0-9._@-]+$", "letters, digits and '.', '_', '@' or '-'"),
+    "a size in some units": (r"^[1-9][0-9]*(Mi|Gi|Ti)$", "a whole size in Mi, Gi or Ti, such as 10Ti"),
     "one nobody wrote words for": (r"^x+y$", "not in the expected form"),
 }
 
@@ -84,10 +85,11 @@ def _patterns(doc: Any) -> list[str]:
     return []
 
 
-def test_every_pattern_of_the_api_has_words() -> None:
+def test_every_pattern_of_the_api_and_the_settings_has_words() -> None:
+    from tensora.config.settings import ServeSettings
     from tensora.docsgen.httpapi import document
 
-    found = sorted(set(_patterns(document())))
+    found = sorted(set(_patterns(document())) | set(_patterns(ServeSettings.model_json_schema())))
     assert found, "the API's document names no pattern: the check would check nothing"
     assert [p for p in found if pattern_words(p) == "not in the expected form"] == []
 

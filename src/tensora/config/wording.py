@@ -17,12 +17,17 @@ PATTERNS = {
     r"^[A-Za-z0-9._-]+$": "letters, digits and '.', '_' or '-'",
     r"^[^\x00-\x1f\x7f]+$": "text without control characters",
     r"^[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?$": "printable ASCII, not starting or ending with a space",
+    r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$": "lowercase letters, digits, '.' and '-', 1-253 characters, starting "
+                                               "and ending with a letter or digit",
+    r"^[1-9][0-9]*-[1-9][0-9]*$": "two whole numbers as FIRST-LAST, such as 100000-165535",
 }
 """The patterns of the API's and the files' fields, in words. One not here is said as "not in the expected form"
 (a test checks that every pattern in use is here)."""
 
 _ONE_OF = re.compile(r"^\^\(([\w-]+(?:\|[\w-]+)*)\)\$$")
 _LIST_OF = re.compile(r"^\^\(([\w-]+(?:\|[\w-]+)*)\)\(,\(\1\)\)\*\$$")
+
+_SIZE = re.compile(r"^\^\[1-9\]\[0-9\]\*\(((?:Ki|Mi|Gi|Ti)(?:\|(?:Ki|Mi|Gi|Ti))*)\)\$$")
 
 _DURATION_UNITS = (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1))
 
@@ -31,6 +36,10 @@ def pattern_words(pattern: str) -> str:
     """What a value matching ``pattern`` looks like, in words."""
     if pattern in PATTERNS:
         return PATTERNS[pattern]
+    if (size := _SIZE.match(pattern)) is not None:
+        *first, last = size.group(1).split("|")
+        units = f"{', '.join(first)} or {last}" if first else last
+        return f"a whole size in {units}, such as 10{last}"
     if (listed := _LIST_OF.match(pattern)) is not None:
         return "one or more of " + ", ".join(listed.group(1).split("|")) + ", separated by commas"
     if (one := _ONE_OF.match(pattern)) is not None:

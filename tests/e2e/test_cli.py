@@ -103,7 +103,8 @@ def test_create_with_cpu_fallback_waits_shows_why_and_lands_on_cpu(cli: Cli) -> 
             "--wait", "--timeout", "60s")
     assert "warning: CPU fallback is enabled" in r.stderr
     lines = r.stderr.splitlines()
-    assert any(line.startswith("nb: queued: waiting for l40s-48gb") and "fallback to cpu" in line for line in lines)
+    assert any(line.startswith("nb: queued: this region has no l40s-48gb (0 of 0)") and "fallback to cpu" in line
+               for line in lines)  # the fleet has no GPU: not "0 GPU free", as if one were busy
     placed = [line for line in lines if ": placed on cpu-" in line and "l40s-48gb unavailable for 4s" in line]
     assert placed and placed[-1].startswith("nb: running: ")  # (starting may pass between two polls)
     assert "running" in r.stdout and "(fallback)" in r.stdout and "cpu_fallback" in r.stdout
@@ -137,6 +138,15 @@ def test_catalog_shows_classes_and_free_capacity(cli: Cli) -> None:
     assert by["cpu-2c-8g"]["capacity"]["local"]["total"] > 0
     out = cli("catalog").stdout
     assert "l40s-48gb" in out and "10-50x slower" in out
+
+
+def test_create_on_a_class_the_region_has_none_of_warns(cli: Cli) -> None:
+    r = cli("notebook", "create", "no-gpu-here", "--gpu-class", "l40s-48gb")  # the fleet has no GPU
+    said = " ".join(r.stderr.split())
+    assert ("warning: this region has no l40s-48gb (0 of 0); it waits until one is added, or add a fallback"
+            in said), r.stderr
+    assert said.count("warning:") == 1
+    cli("workloads", "delete", "no-gpu-here")
 
 
 def test_wait_timeout_exits_3_and_the_workload_keeps_waiting(cli: Cli) -> None:

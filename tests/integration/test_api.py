@@ -209,6 +209,22 @@ def test_a_created_workload_shows_its_policy_and_where_it_will_run(api: Api) -> 
     assert on_cpu.get("warning") is None  # asked for CPU: nothing a GPU would have given is lost
 
 
+def test_create_warns_when_the_region_has_none_of_the_class(api: Api) -> None:
+    api.cycle()  # the region's nodes are known: an L40S, an A100, CPU; no H200
+    alice = api.as_(api.stack.alice)
+    alone = created(alice, kind="notebook", name="h200", gpu_class="h200-141gb")
+    assert alone["warnings"] == ["this region has no h200-141gb (0 of 0); it waits until one is added, "
+                                 "or add a fallback"]
+    later = created(alice, kind="notebook", name="h200-or-cpu", gpu_class="h200-141gb", fallback=["cpu"],
+                    fallback_after="10m")
+    assert later["warnings"] == [later["warning"], "this region has no h200-141gb (0 of 0); it waits until one "
+                                                   "is added, or runs on its fallback (cpu) meanwhile"]
+    here = created(alice, kind="notebook", name="l40s", gpu_class="l40s-48gb")
+    assert here["warnings"] == []  # the region has one, busy or not: nothing to warn of
+    api.cycle()
+    assert alice.get(f"/v1/workloads/{alone['id']}").json()["reason"] == alone["warnings"][0]
+
+
 def test_workloads_placed_on_a_fallback_say_so_in_conditions_reason_and_events(api: Api) -> None:
     occupy(api, "l40s-48gb")
     alice = api.as_(api.stack.alice)

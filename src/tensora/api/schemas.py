@@ -81,6 +81,9 @@ class WorkloadOut(BaseModel):
                                                           "list holds a CPU class: what CPU means for the kind "
                                                           "(endpoints: serving roughly 10-50x slower; notebooks "
                                                           "and VMs: no GPU)")
+    warnings: list[str] = Field(default_factory=list, description=(
+        "the create answer only: what to know now, e.g. 'this region has no l40s-48gb (0 of 0); it waits "
+        "until one is added, or add a fallback', and the CPU warning"))
     replicas: list[ReplicaOut] | None = None
     access: dict[str, Any] | None = None
     spec: dict[str, Any] = Field(default_factory=dict, description="kind-specific settings, as given")

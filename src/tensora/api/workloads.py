@@ -20,6 +20,7 @@ from tensora.control import workloads
 from tensora.control.spec import WorkloadSpec
 from tensora.placement.kinds import WorkloadKind, WorkloadState
 from tensora.store import events as events_repo
+from tensora.store import nodes as nodes_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.rows import ReplicaRow, WorkloadRecord
 
@@ -55,7 +56,8 @@ def _own(conn: Any, p: Principal, workload_id: str) -> WorkloadRecord:
              description=("Queued for ``gpu_class``; after ``fallback_after`` the ``fallback`` list is tried in "
                           "order (opt-in: empty means wait). A CPU entry means no GPU while on CPU: endpoints "
                           "serve roughly 10-50x slower, notebooks and VMs run without one; ``warning`` says "
-                          "which for the kind."))
+                          "which for the kind. ``warnings`` (this answer only) lists what to know now: that "
+                          "warning, and a class the region has none of at all."))
 def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], idem: IdemKey = None) -> Response:
     caller = workloads.Caller(p.owner, p.is_admin, svc.region, svc.isolation, svc.isolation_reason)
     try:
@@ -68,7 +70,10 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
     def action(conn: Any) -> tuple[int, dict[str, Any]]:
         check_quota(conn, svc, owner, "workloads")
         row = workloads.create(conn, checked, svc.clock.now())
-        return 201, _out(row, [], svc)
+        out = _out(row, [], svc)
+        out["warnings"] = workloads.create_warnings(
+            row, [n.node() for n in nodes_repo.nodes_in(conn, row.region)], svc.catalog)
+        return 201, out
 
     return svc.idempotency.run(p.key_id, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,
                                svc.wake)

@@ -162,7 +162,7 @@ def test_a_workload_stopped_while_waited_for_exits_5(cli: Cli) -> None:
         # stopped once the waiter has shown the wait (the row saying it is not enough: the waiter polls, and a
         # stop between its polls would pass from "queued for" to "stopped" without it); it times out at 60 s
         seen = []
-        while not seen or "doomed: queued: waiting for l40s-48gb" not in seen[-1]:
+        while not seen or "doomed: queued: this region has no l40s-48gb" not in seen[-1]:
             line = waiter.stderr.readline() if waiter.stderr is not None else ""
             assert line, f"the waiter ended before it showed the wait: {seen}"
             seen.append(line)
@@ -174,7 +174,7 @@ def test_a_workload_stopped_while_waited_for_exits_5(cli: Cli) -> None:
             waiter.wait()
     err = "".join(seen) + rest
     assert waiter.returncode == 5, err
-    assert "doomed: queued: waiting for l40s-48gb" in err and "is stopped" in err
+    assert "doomed: queued: this region has no l40s-48gb" in err and "is stopped" in err
     cli("workloads", "delete", "doomed")
 
 

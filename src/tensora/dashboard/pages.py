@@ -291,6 +291,10 @@ async def create(request: Request) -> Response:
             return render(request, "new.html", 422 if exc.status == 422 else exc.status or 502,
                           classes=await _classes(request), form=form, errors={_field(exc.field): exc.message},
                           slots=FALLBACK_SLOTS, cpu_warning=CPU_WARNING)
+    news = [text for text in w.warnings if text != w.warning]  # the CPU one showed in the form before submit
+    if news:  # created; say what the form could not (a class this region has none of) before moving on
+        return render(request, "new.html", 201, classes=await _classes(request), form={"kind": kind}, errors={},
+                      slots=FALLBACK_SLOTS, cpu_warning=CPU_WARNING, created=w, created_warnings=news)
     return _see(f"/workloads/{w.id}")
 
 

@@ -136,8 +136,11 @@ def test_catalog_shows_classes_and_free_capacity(cli: Cli) -> None:
     by = {c["name"]: c for c in cat["data"]}
     assert by["l40s-48gb"]["capacity"]["local"] == {"free": 0, "total": 0}  # the fleet has no GPU
     assert by["cpu-2c-8g"]["capacity"]["local"]["total"] > 0
+    assert by["l40s-48gb"]["short"] == {"local": "this region has none"}
     out = cli("catalog").stdout
     assert "l40s-48gb" in out and "10-50x slower" in out
+    row = next(line for line in out.splitlines() if line.startswith("l40s-48gb"))
+    assert "this region has none" in " ".join(out.split()) and "0/0" in row
 
 
 def test_create_on_a_class_the_region_has_none_of_warns(cli: Cli) -> None:

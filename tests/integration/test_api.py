@@ -487,6 +487,11 @@ def test_catalog_lists_every_class_with_kind_and_free_capacity_that_drops_when_p
     assert {k: v[1] for k, v in after.items()} == {k: v[1] for k, v in before.items()}  # totals stay
     assert all(after[k][0] <= before[k][0] for k in before)
 
+    short = {c["name"]: c["short"] for c in alice.get("/v1/catalog").json()["data"]}
+    assert short["l40s-48gb"] == {"local": "0 GPU free, 1 needed"}  # what none fits for, with its figures
+    assert short["h100-80gb"] == {"local": "this region has none"}  # not busy: absent
+    assert short["a100-80gb"] == {}  # one fits: nothing short
+
 
 def test_usage_is_accounted_by_placed_class_owner_and_day(api: Api) -> None:
     alice, bob, admin = api.as_(api.stack.alice), api.as_(api.stack.bob), api.as_(api.stack.admin)

@@ -234,6 +234,9 @@ class ClassOut(BaseModel):
     disk: str = Field(description="the largest virtual size of a VM's disk image on this class")
     gpu: dict[str, Any] | None
     capacity: dict[str, dict[str, int]] = Field(description="per region: free and total instances that fit")
+    short: dict[str, str] = Field(default_factory=dict, description=(
+        "per region where none fits now: what is short, with its figures, e.g. '1.5Gi memory free, 8Gi "
+        "needed', '0 GPU free, 1 needed', 'this region has none'"))
 
 
 class CatalogOut(BaseModel):

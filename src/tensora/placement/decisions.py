@@ -182,17 +182,24 @@ def none_in_region_warning(cls: str, fallback: Sequence[str]) -> str:
     return none_in_region(cls) + f", or runs on its fallback ({', '.join(fallback)}) meanwhile"
 
 
+def shortage(a: Attempt) -> str:
+    """Why a class found full has no room, with the figures of what is short: ``1.5Gi memory free, 8Gi needed``,
+    ``no single node has room; 4 vCPU free, 2 needed``, ``this region has none``, ``no node here is big enough
+    for it`` (the catalog says it too)."""
+    if a.outcome is Outcome.NO_NODE:
+        return "no node here is big enough for it"
+    if a.outcome is Outcome.NONE_IN_REGION:
+        return "this region has none"
+    if a.free >= a.need:
+        return f"no single node has room; {_free_text(a)}"
+    return _free_text(a)
+
+
 def _failure(a: Attempt) -> str:
     if a.outcome is Outcome.OWNER_QUOTA:
         return f"{a.cls} ({a.detail})"
-    if a.outcome is Outcome.NO_NODE:
-        return f"{a.cls} (no node here is big enough for it)"
-    if a.outcome is Outcome.NONE_IN_REGION:
-        return f"{a.cls} (this region has none)"
-    if a.outcome is Outcome.NO_CAPACITY:
-        if a.free >= a.need:
-            return f"{a.cls} (no single node has room; {_free_text(a)})"
-        return f"{a.cls} ({_free_text(a)})"
+    if a.outcome in WAITED_FOR_ROOM:
+        return f"{a.cls} ({shortage(a)})"
     detail = f": {a.detail}" if a.detail else ""
     return f"{a.cls} {a.outcome.value}{detail}"
 
@@ -237,9 +244,7 @@ def render_wait(wt: Wait) -> str:
         if not wt.workload.fallback:
             return text + ", or add a fallback"
     else:
-        text = f"waiting for {head.cls} ({_free_text(head)})"
-        if head.free >= head.need:
-            text = f"waiting for {head.cls} (no single node has room; {_free_text(head)})"
+        text = f"waiting for {head.cls} ({shortage(head)})"
     if not wt.workload.fallback:
         return text + "; no fallback accepted"
     if rest and all(a.outcome is Outcome.NOT_ELIGIBLE_YET for a in rest):

@@ -92,7 +92,8 @@ def default_reserves(catalog: Catalog) -> dict[str, GpuReserve]:
 
 @dataclass(frozen=True, slots=True)
 class Free:
-    """How much of a class's scarce resource is free in a region: GPUs of its model, or vCPUs."""
+    """How much of the resource a class is short of is free in a region (``unit``: ``GPU``, ``vCPU`` or
+    ``memory``, in bytes); see :meth:`Capacity.free`."""
 
     free: float
     need: float

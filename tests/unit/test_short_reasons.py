@@ -118,3 +118,9 @@ WARNINGS = {
 @pytest.mark.parametrize(("fallback", "want"), WARNINGS.values(), ids=WARNINGS.keys())
 def test_create_warning(fallback: tuple[str, ...], want: str) -> None:
     assert none_in_region_warning("l40s-48gb", fallback) == want
+
+
+def test_a_cordoned_node_of_the_model_is_busy_not_absent() -> None:
+    cordoned = Node("g1", "local", 32, 256 * GI, {"L40S": 1}, schedulable=False)
+    [d] = decide([w("a")], cap([cordoned, cpu_node("c1")]), [], 0)
+    assert d.reason == "waiting for l40s-48gb (0 GPU free, 1 needed); no fallback accepted"

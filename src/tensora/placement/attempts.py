@@ -46,7 +46,7 @@ class SharedAttempts:
                 return made
         if self.cap.none_in_region(region, cls):
             made = Attempt(cls.name, Outcome.NONE_IN_REGION, 0, cls.gpu_count, "GPU", entry)
-        elif self.cap.unhostable(region, cls) or (cls.gpu_model is not None and not self.cap.candidates(region, cls)):
+        elif self.cap.unhostable(region, cls) or self.cap.too_small(region, cls):
             made = Attempt(cls.name, Outcome.NO_NODE, entry=entry)
         else:
             free = self.cap.free(region, cls)

@@ -156,7 +156,7 @@ class Capacity:
         self._region_gpus: dict[tuple[str, str], int] = {}
         self._region_cpu: dict[str, float] = {}
         self._region_mem: dict[str, int] = {}  # memory usable by CPU classes, like _region_cpu
-        self._none_of: dict[tuple[str, str], bool] = {}
+        self._none_of: dict[tuple[str, str], tuple[bool, bool]] = {}  # _gpu_nodes
         for i, node in enumerate(self.nodes):
             if not node.schedulable:
                 continue
@@ -338,17 +338,24 @@ class Capacity:
         return Free(gpus, cls.gpu_count, "GPU")
 
     def none_in_region(self, region: str, cls: ComputeClass) -> bool:
-        """A GPU class whose GPU model no schedulable node of ``region`` has at all: it is not busy, it is
-        not there (a node of its model too small for it is :meth:`candidates`' business, not this)."""
-        if cls.gpu_model is None:
-            return False
+        """A GPU class whose GPU model no node of ``region`` has at all: it is not busy, it is not there. (A
+        node of the model that is cordoned still counts: it comes back.)"""
+        return cls.gpu_model is not None and not self._gpu_nodes(region, cls)[0]
+
+    def too_small(self, region: str, cls: ComputeClass) -> bool:
+        """A GPU class whose GPU model nodes of ``region`` have, none of them with the GPUs, vCPUs and memory
+        of one instance: no wait helps, a bigger node must join."""
+        return cls.gpu_model is not None and self._gpu_nodes(region, cls) == (True, False)
+
+    def _gpu_nodes(self, region: str, cls: ComputeClass) -> tuple[bool, bool]:
+        """(some node of ``region`` has the class's GPU model, some node could hold one instance), cordoned or not."""
         key = (region, cls.name)
         found = self._none_of.get(key)
         if found is None:
-            model = cls.gpu_model
-            found = self._none_of[key] = not any(
-                self.nodes[i].schedulable and self.nodes[i].gpus.get(model, 0) > 0
-                for i in self._by_region.get(region, ()))
+            model = cls.gpu_model or ""
+            nodes = [self.nodes[i] for i in self._by_region.get(region, ()) if self.nodes[i].gpus.get(model, 0) > 0]
+            found = self._none_of[key] = (bool(nodes), any(
+                n.gpus.get(model, 0) >= cls.gpu_count and n.cpu >= cls.cpu and n.memory >= cls.memory for n in nodes))
         return found
 
     def free_amount(self, region: str, cls: ComputeClass) -> float:

@@ -41,8 +41,7 @@ class SharedAttempts:
         if made is not None:
             if made.outcome is Outcome.NO_NODE or made.outcome is Outcome.NONE_IN_REGION:
                 return made
-            free = self.cap.free(region, cls)
-            if made.free == free.free and made.unit == free.unit:
+            if made.free == self.cap.amount(region, cls, made.unit):  # (a wait's figures: Recount's, at the end)
                 return made
         if self.cap.none_in_region(region, cls):
             made = Attempt(cls.name, Outcome.NONE_IN_REGION, 0, cls.gpu_count, "GPU", entry)

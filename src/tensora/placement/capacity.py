@@ -358,6 +358,15 @@ class Capacity:
                 n.gpus.get(model, 0) >= cls.gpu_count and n.cpu >= cls.cpu and n.memory >= cls.memory for n in nodes))
         return found
 
+    def amount(self, region: str, cls: ComputeClass, unit: str) -> float:
+        """What :meth:`free` would count free of ``unit`` for ``cls``, without building a ``Free``: asked once
+        per waiting workload, to see whether a shared attempt's figure still holds."""
+        if cls.gpu_model is None:
+            return self._region_mem.get(region, 0) if unit == "memory" else self._region_cpu.get(region, 0.0)
+        if unit == "GPU":
+            return self._region_gpus.get((region, cls.gpu_model), 0)
+        return self.free(region, cls).free  # a GPU class short of host vCPUs or memory (rare): counted anew
+
     def free_amount(self, region: str, cls: ComputeClass) -> float:
         """``free(region, cls).free`` alone: asked once per waiting workload, where a ``Free`` is not needed."""
         if cls.gpu_model is None:

@@ -103,7 +103,8 @@ def test_create_with_cpu_fallback_waits_shows_why_and_lands_on_cpu(cli: Cli) -> 
             "--wait", "--timeout", "60s")
     assert "warning: CPU fallback is enabled" in r.stderr
     lines = r.stderr.splitlines()
-    assert any(line.startswith("nb: queued: waiting for l40s-48gb") and "fallback to cpu" in line for line in lines)
+    assert any(line.startswith("nb: queued: this region has no l40s-48gb (0 of 0)") and "fallback to cpu" in line
+               for line in lines)  # the fleet has no GPU: not "0 GPU free", as if one were busy
     placed = [line for line in lines if ": placed on cpu-" in line and "l40s-48gb unavailable for 4s" in line]
     assert placed and placed[-1].startswith("nb: running: ")  # (starting may pass between two polls)
     assert "running" in r.stdout and "(fallback)" in r.stdout and "cpu_fallback" in r.stdout
@@ -147,8 +148,20 @@ def test_catalog_shows_classes_and_free_capacity(cli: Cli) -> None:
     by = {c["name"]: c for c in cat["data"]}
     assert by["l40s-48gb"]["capacity"]["local"] == {"free": 0, "total": 0}  # the fleet has no GPU
     assert by["cpu-2c-8g"]["capacity"]["local"]["total"] > 0
+    assert by["l40s-48gb"]["short"] == {"local": "this region has none"}
     out = cli("catalog").stdout
     assert "l40s-48gb" in out and "10-50x slower" in out
+    row = next(line for line in out.splitlines() if line.startswith("l40s-48gb"))
+    assert "this region has none" in " ".join(out.split()) and "0/0" in row
+
+
+def test_create_on_a_class_the_region_has_none_of_warns(cli: Cli) -> None:
+    r = cli("notebook", "create", "no-gpu-here", "--gpu-class", "l40s-48gb")  # the fleet has no GPU
+    said = " ".join(r.stderr.split())
+    assert ("warning: this region has no l40s-48gb (0 of 0); it waits until one is added, or add a fallback"
+            in said), r.stderr
+    assert said.count("warning:") == 1
+    cli("workloads", "delete", "no-gpu-here")
 
 
 def test_wait_timeout_exits_3_and_the_workload_keeps_waiting(cli: Cli) -> None:
@@ -164,7 +177,7 @@ def test_a_workload_stopped_while_waited_for_exits_5(cli: Cli) -> None:
         # stopped once the waiter has shown the wait (the row saying it is not enough: the waiter polls, and a
         # stop between its polls would pass from "queued for" to "stopped" without it); it times out at 60 s
         seen = []
-        while not seen or "doomed: queued: waiting for l40s-48gb" not in seen[-1]:
+        while not seen or "doomed: queued: this region has no l40s-48gb" not in seen[-1]:
             line = waiter.stderr.readline() if waiter.stderr is not None else ""
             assert line, f"the waiter ended before it showed the wait: {seen}"
             seen.append(line)
@@ -176,7 +189,7 @@ def test_a_workload_stopped_while_waited_for_exits_5(cli: Cli) -> None:
             waiter.wait()
     err = "".join(seen) + rest
     assert waiter.returncode == 5, err
-    assert "doomed: queued: waiting for l40s-48gb" in err and "is stopped" in err
+    assert "doomed: queued: this region has no l40s-48gb" in err and "is stopped" in err
     cli("workloads", "delete", "doomed")
 
 

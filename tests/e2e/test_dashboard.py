@@ -79,6 +79,13 @@ def test_the_fallback_story(browser: Any, server: tuple[str, str, Path]) -> None
         page.get_by_label("Model (from your files)").fill("tiny")
         shot(page, "create-cpu-warning")
         page.get_by_role("button", name="Create").click()
+        # created; the page says what the form could not: this region has no H100 at all
+        expect(page.locator("#created-warnings")).to_contain_text(
+            "warning: this region has no h100-80gb (0 of 0); it waits until one is added, or runs on its "
+            "fallback (cpu) meanwhile")
+        expect(page.locator("#created-warnings")).not_to_contain_text("10-50x")  # shown before submit already
+        shot(page, "create-none-in-region")
+        page.get_by_role("link", name="Open chat").click()
         expect(page.locator("#state")).to_have_text("running", timeout=WAIT_MS)  # live: no reload
         expect(page.locator(".badge-cpu_fallback").first).to_have_text("CPU fallback")
         expect(page.locator("#reason")).to_contain_text("h100-80gb unavailable (fallback after 0s)")

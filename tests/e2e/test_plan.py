@@ -140,3 +140,22 @@ def test_model_size_command(tmp_path: Path) -> None:
     save_file({"w": np.zeros((10, 10), np.float32)}, str(tmp_path / "m.safetensors"))
     r = tensora("model-size", str(tmp_path / "m.safetensors"), "-o", "json")
     assert r.returncode == 0 and json.loads(r.stdout)["params"] == 100 and json.loads(r.stdout)["cpu_allowed"]
+
+
+def test_plan_names_the_resource_short_and_a_class_the_region_lacks(tmp_path: Path) -> None:
+    """A 4-vCPU machine whose memory is nearly all taken, and no GPU: the reasons say memory, and "none here"."""
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text("nodes:\n  - {name: laptop, region: local, allocatable: {cpu: 8, memory: 21.5Gi}}\n")
+    workloads = tmp_path / "workloads.yaml"
+    workloads.write_text(
+        "workloads:\n"
+        "  - {kind: notebook, name: big, gpu_class: cpu-4c-16g, submitted_at: 0s}\n"
+        "  - {kind: notebook, name: small, gpu_class: cpu-1c-4g, submitted_at: 0s}\n"
+        "  - {kind: notebook, name: more, gpu_class: cpu-2c-8g, submitted_at: 1m}\n"
+        "  - {kind: notebook, name: gpu, gpu_class: l40s-48gb, submitted_at: 1m}\n")
+    r = tensora("plan", "--nodes", str(nodes), "--workloads", str(workloads), "--at", "2m", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)["workloads"]}
+    assert rows["more"]["reason"] == "waiting for cpu-2c-8g (1.5Gi memory free, 8Gi needed); no fallback accepted"
+    assert rows["gpu"]["reason"] == ("this region has no l40s-48gb (0 of 0); it waits until one is added, "
+                                     "or add a fallback")

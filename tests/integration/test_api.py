@@ -114,6 +114,22 @@ def test_a_created_workload_shows_its_policy_and_where_it_will_run(api: Api) -> 
     assert on_cpu.get("warning") is None  # asked for CPU: nothing a GPU would have given is lost
 
 
+def test_create_warns_when_the_region_has_none_of_the_class(api: Api) -> None:
+    api.cycle()  # the region's nodes are known: an L40S, an A100, CPU; no H200
+    alice = api.as_(api.stack.alice)
+    alone = created(alice, kind="notebook", name="h200", gpu_class="h200-141gb")
+    assert alone["warnings"] == ["this region has no h200-141gb (0 of 0); it waits until one is added, "
+                                 "or add a fallback"]
+    later = created(alice, kind="notebook", name="h200-or-cpu", gpu_class="h200-141gb", fallback=["cpu"],
+                    fallback_after="10m")
+    assert later["warnings"] == [later["warning"], "this region has no h200-141gb (0 of 0); it waits until one "
+                                                   "is added, or runs on its fallback (cpu) meanwhile"]
+    here = created(alice, kind="notebook", name="l40s", gpu_class="l40s-48gb")
+    assert here["warnings"] == []  # the region has one, busy or not: nothing to warn of
+    api.cycle()
+    assert alice.get(f"/v1/workloads/{alone['id']}").json()["reason"] == alone["warnings"][0]
+
+
 def test_workloads_placed_on_a_fallback_say_so_in_conditions_reason_and_events(api: Api) -> None:
     occupy(api, "l40s-48gb")
     alice = api.as_(api.stack.alice)
@@ -404,6 +420,11 @@ def test_catalog_lists_every_class_with_kind_and_free_capacity_that_drops_when_p
     assert after["cpu-32c-128g"][0] < before["cpu-32c-128g"][0]
     assert {k: v[1] for k, v in after.items()} == {k: v[1] for k, v in before.items()}  # totals stay
     assert all(after[k][0] <= before[k][0] for k in before)
+
+    short = {c["name"]: c["short"] for c in alice.get("/v1/catalog").json()["data"]}
+    assert short["l40s-48gb"] == {"local": "0 GPU free, 1 needed"}  # what none fits for, with its figures
+    assert short["h100-80gb"] == {"local": "this region has none"}  # not busy: absent
+    assert short["a100-80gb"] == {}  # one fits: nothing short
 
 
 def test_usage_is_accounted_by_placed_class_owner_and_day(api: Api) -> None:

@@ -45,8 +45,9 @@ CASES = {
         [w("a", fallback=("a100-80gb", "cpu"))], [gpu_node("g1"), gpu_node("a1", "A100-80GB"), cpu_node("c1")],
         {"a": "a100-80gb"}, placed=FULL_L40S),
     "fallback skips a full class to the next": Case(
-        [w("a", fallback=("a100-80gb", "cpu"))], [gpu_node("g1"), cpu_node("c1")], {"a": "cpu-16c-64g"},
-        placed=FULL_L40S, reasons={"a": "also tried a100-80gb (0 GPU free, 1 needed)"}),
+        [w("a", fallback=("a100-80gb", "cpu"))], [gpu_node("g1"), gpu_node("a1", "A100-80GB"), cpu_node("c1")],
+        {"a": "cpu-16c-64g"}, placed=[*FULL_L40S, Placed("a1", "a100-80gb")],
+        reasons={"a": "also tried a100-80gb (0 GPU free, 1 needed)"}),
     "explicit cpu class in the list": Case(
         [w("a", fallback=("cpu-4c-16g",))], [gpu_node("g1"), cpu_node("c1")], {"a": "cpu-4c-16g"},
         placed=FULL_L40S),
@@ -231,7 +232,7 @@ REASONS = {
     "a GPU class and CPU classes tried, in list order": ReasonCase(
         [w("a", fallback=("a100-80gb", "cpu"), after=600)], [SOLD_OUT, cpu_node("c1", cpu=2, mem_gi=8)], now=600,
         placed=[*FULL_L40S, Placed("c1", "cpu-1c-4g")],
-        want="placed on cpu-1c-4g: l40s-48gb unavailable for 10m; also tried a100-80gb (0 GPU free, 1 needed), "
+        want="placed on cpu-1c-4g: l40s-48gb unavailable for 10m; also tried a100-80gb (this region has none), "
              "cpu-2c-8g (1 vCPU free, 2 needed)"),
     "nothing fits, no node can host a CPU class -> the wait says so in one phrase": ReasonCase(
         [w("a", fallback=("cpu",))], [SOLD_OUT], now=0,

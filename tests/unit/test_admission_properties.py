@@ -74,7 +74,8 @@ def test_deterministic_whatever_the_input_order(nodes: list[Node], queue: list[Q
     assert first == second
 
 
-ROOM = re.compile(r"([\w.-]+) \((?:no single node has room; )?[\d.]+ (?:GPU|vCPU) free, [\d.]+ needed\)")
+ROOM = re.compile(r"([\w.-]+) \((?:no single node has room; )?(?:[\d.]+ (?:GPU|vCPU)|[\d.]+(?:[KMGT]i|B) memory) free, "
+                  r"[\d.]+(?:[KMGT]i|B)? needed\)")
 UNAVAILABLE = re.compile(r"unavailable (?:for ([0-9dhms]+)|\(fallback after 0s\))")
 
 

@@ -8,7 +8,9 @@ from fastapi import APIRouter
 
 from tensora.api.deps import ERRORS, Reader, Svc
 from tensora.api.schemas import CatalogOut
+from tensora.placement.attempts import SharedAttempts
 from tensora.placement.capacity import Capacity, Placed
+from tensora.placement.decisions import shortage
 from tensora.store import nodes as nodes_repo
 from tensora.store import workloads as workloads_repo
 from tensora.units import format_memory
@@ -22,7 +24,9 @@ def catalog(svc: Svc, _: Reader) -> dict[str, Any]:
         node_rows = nodes_repo.nodes_in(conn, svc.region)
         placed = [Placed(r.node, r.cls, r.workload_id) for r in workloads_repo.active_replicas(conn, svc.region)]
     nodes = [n.node() for n in node_rows]
-    free = {c.cls: c.fits for c in Capacity(nodes, placed, svc.catalog, svc.reserves).summary(svc.region)}
+    now = Capacity(nodes, placed, svc.catalog, svc.reserves)
+    free = {c.cls: c.fits for c in now.summary(svc.region)}
+    full = SharedAttempts(now)
     total = {c.cls: c.fits for c in Capacity(nodes, [], svc.catalog, svc.reserves).summary(svc.region)}
     data = []
     for cls in svc.catalog.values():
@@ -31,7 +35,9 @@ def catalog(svc: Svc, _: Reader) -> dict[str, Any]:
         data.append({"name": cls.name, "kind": cls.kind.value, "cpu": cls.cpu, "memory": format_memory(cls.memory),
                      "disk": format_memory(cls.disk),
                      "gpu": gpu, "capacity": {svc.region: {"free": free.get(cls.name, 0),
-                                                           "total": total.get(cls.name, 0)}}})
+                                                           "total": total.get(cls.name, 0)}},
+                     "short": {} if free.get(cls.name, 0) or not nodes
+                     else {svc.region: shortage(full.full(svc.region, cls))}})
     return {"region": svc.region, "data": data, "isolation": svc.isolation,
             "note": "cpu classes have no GPU: endpoints on them serve roughly 10-50x slower than on a GPU "
                     "class, notebooks and VMs run without one; 'cpu' in a fallback list means the cpu class "

@@ -81,6 +81,9 @@ class WorkloadOut(BaseModel):
                                                           "list holds a CPU class: what CPU means for the kind "
                                                           "(endpoints: serving roughly 10-50x slower; notebooks "
                                                           "and VMs: no GPU)")
+    warnings: list[str] = Field(default_factory=list, description=(
+        "the create answer only: what to know now, e.g. 'this region has no l40s-48gb (0 of 0); it waits "
+        "until one is added, or add a fallback', and the CPU warning"))
     replicas: list[ReplicaOut] | None = None
     access: dict[str, Any] | None = None
     spec: dict[str, Any] = Field(default_factory=dict, description="kind-specific settings, as given")
@@ -231,6 +234,9 @@ class ClassOut(BaseModel):
     disk: str = Field(description="the largest virtual size of a VM's disk image on this class")
     gpu: dict[str, Any] | None
     capacity: dict[str, dict[str, int]] = Field(description="per region: free and total instances that fit")
+    short: dict[str, str] = Field(default_factory=dict, description=(
+        "per region where none fits now: what is short, with its figures, e.g. '1.5Gi memory free, 8Gi "
+        "needed', '0 GPU free, 1 needed', 'this region has none'"))
 
 
 class CatalogOut(BaseModel):

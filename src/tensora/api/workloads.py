@@ -20,6 +20,7 @@ from tensora.control import workloads
 from tensora.control.spec import WorkloadSpec
 from tensora.placement.kinds import WorkloadKind, WorkloadState
 from tensora.store import events as events_repo
+from tensora.store import nodes as nodes_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.rows import ReplicaRow, WorkloadRecord
 
@@ -56,7 +57,8 @@ def _own(conn: Any, p: Principal, workload_id: str) -> WorkloadRecord:
                           "order (opt-in: empty means wait). A CPU entry means no GPU while on CPU: endpoints "
                           "serve roughly 10-50x slower, notebooks and VMs run without one; ``warning`` says "
                           "which for the kind. ``name`` is unique among the owner's workloads not deleted: "
-                          "409 ``name_taken`` names the workload that has it."))
+                          "409 ``name_taken`` names the workload that has it. ``warnings`` (this answer only) lists "
+                          "what to know now: that warning, and a class the region has none of at all."))
 def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], idem: IdemKey = None) -> Response:
     caller = workloads.Caller(p.owner, p.is_admin, svc.region, svc.isolation, svc.isolation_reason)
     try:
@@ -72,7 +74,10 @@ def create_workload(svc: Svc, p: Writer, body: Annotated[WorkloadSpec, Body()], 
             row = workloads.create(conn, checked, svc.clock.now())
         except workloads.NameTaken as exc:
             raise ApiError(409, str(exc), field="name", type_=NAME_TAKEN) from None
-        return 201, _out(row, [], svc)
+        out = _out(row, [], svc)
+        out["warnings"] = workloads.create_warnings(
+            row, [n.node() for n in nodes_repo.nodes_in(conn, row.region)], svc.catalog)
+        return 201, out
 
     return svc.idempotency.run(p.key_id, "POST", "/v1/workloads", idem, body.model_dump(mode="json"), action,
                                svc.wake)

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from tensora.cli.common import (
+    Col,
     Output,
     app,
     check_output,
@@ -55,7 +56,7 @@ def catalog_command(ctx: typer.Context, output: Output = "table",
         gpu = f"{c['gpu']['count']}x {c['gpu']['model']} {c['gpu']['memory']}" if c["gpu"] else "-"
         cap = c["capacity"].get(region or "", {})
         lines.append((c["name"], c["kind"], gpu, f"{c['cpu']:g}", c["memory"],
-                      f"{cap['free']}/{cap['total']}" if cap else "-"))
-    emit(table(["name", "kind", "gpu", "vCPU", "memory", "free/total"], lines))
+                      f"{cap['free']}/{cap['total']}" if cap else "-", c.get("short", {}).get(region or "", "")))
+    emit(table(["name", "kind", "gpu", "vCPU", "memory", "free/total", Col("short", wrap=True)], lines))
     if note:
         out.print(note, markup=False)

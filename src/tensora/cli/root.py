@@ -166,8 +166,9 @@ def show(w: Workload) -> None:
 
 
 def warn(w: Workload) -> None:
-    if w.warning:
-        err.print(Text.assemble(("warning:", "yellow"), f" {w.warning}"))
+    """The workload's warning, and those of a create answer (``warnings``), each once, on stderr."""
+    for text in dict.fromkeys([*([w.warning] if w.warning else []), *w.warnings]):
+        err.print(Text.assemble(("warning:", "yellow"), f" {text}"))
 
 
 def wait_running(c: Client, w: Workload, timeout_s: float) -> Workload:

@@ -18,7 +18,9 @@ from tensora.control.spec import WorkloadSpec, check_against
 from tensora.errors import ModelFileError, SpecError, TensoraError
 from tensora.models.isolated import read_model
 from tensora.models.validator import missing_for_serving, read_context
+from tensora.placement.capacity import Capacity, Node
 from tensora.placement.catalog import Catalog
+from tensora.placement.decisions import none_in_region_warning
 from tensora.placement.fallback import ON_CPU, cpu_warning, is_gpu
 from tensora.placement.kinds import ReplicaRole, ReplicaState, WorkloadKind, WorkloadState
 from tensora.storage import NOT_FOUND, NotFound, Storage
@@ -339,6 +341,20 @@ def shown_reason(w: WorkloadRecord, replicas: Sequence[ReplicaRow]) -> str:
             if r.role == ReplicaRole.PRIMARY and r.state == ReplicaState.STARTING and r.detail:
                 return r.detail
     return w.reason
+
+
+def create_warnings(w: WorkloadRecord, nodes: Sequence[Node], catalog: Catalog) -> list[str]:
+    """What the creator of ``w`` should know now (the create answer's ``warnings``): the CPU warning, and a
+    class its region (``nodes``: the region's, as last observed) has none of at all. A region with no node
+    known yet says nothing: there is nothing to judge from."""
+    out: list[str] = []
+    cpu = cpu_warning(w.kind, w.gpu_class, w.fallback, catalog)
+    if cpu:
+        out.append(cpu)
+    cls = catalog.get(w.gpu_class)
+    if cls is not None and nodes and Capacity(nodes, (), catalog).none_in_region(w.region, cls):
+        out.append(none_in_region_warning(cls.name, w.fallback))
+    return out
 
 
 def view(w: WorkloadRecord, replicas: Sequence[ReplicaRow], catalog: Catalog) -> WorkloadView:

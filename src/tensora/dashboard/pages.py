@@ -337,6 +337,9 @@ async def create(request: Request) -> Response:
         except APIError as exc:
             return _new(request, form, {_field(exc.field): exc.message}, 422 if exc.status == 422 else
                         exc.status or 502, **await _classes(request))
+    news = [text for text in w.warnings if text != w.warning]  # the CPU one showed in the form before submit
+    if news:  # created; say what the form could not (a class this region has none of) before moving on
+        return _new(request, {"kind": kind}, {}, 201, created=w, created_warnings=news, **await _classes(request))
     return _see(f"/workloads/{w.id}")
 
 

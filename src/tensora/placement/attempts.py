@@ -34,12 +34,18 @@ class SharedAttempts:
         self.lists: dict[tuple[str, str, tuple[str, ...]], tuple[Attempt, tuple[Attempt, ...]]] = {}
 
     def full(self, region: str, cls: ComputeClass, entry: str | None = None) -> Attempt:
-        """``cls`` has no room in ``region`` (``NO_NODE``: no node there could ever host it)."""
+        """``cls`` has no room in ``region`` (``NONE_IN_REGION``: no node there has its GPU model at all;
+        ``NO_NODE``: no node there could ever host it)."""
         key = (region, cls.name, entry)
         made = self.made.get(key)
-        if made is not None and (made.outcome is Outcome.NO_NODE or made.free == self.cap.free_amount(region, cls)):
-            return made
-        if self.cap.unhostable(region, cls):
+        if made is not None:
+            if made.outcome is Outcome.NO_NODE or made.outcome is Outcome.NONE_IN_REGION:
+                return made
+            if made.free == self.cap.amount(region, cls, made.unit):  # (a wait's figures: Recount's, at the end)
+                return made
+        if self.cap.none_in_region(region, cls):
+            made = Attempt(cls.name, Outcome.NONE_IN_REGION, 0, cls.gpu_count, "GPU", entry)
+        elif self.cap.unhostable(region, cls) or self.cap.too_small(region, cls):
             made = Attempt(cls.name, Outcome.NO_NODE, entry=entry)
         else:
             free = self.cap.free(region, cls)

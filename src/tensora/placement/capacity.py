@@ -92,7 +92,8 @@ def default_reserves(catalog: Catalog) -> dict[str, GpuReserve]:
 
 @dataclass(frozen=True, slots=True)
 class Free:
-    """How much of a class's scarce resource is free in a region: GPUs of its model, or vCPUs."""
+    """How much of the resource a class is short of is free in a region (``unit``: ``GPU``, ``vCPU`` or
+    ``memory``, in bytes); see :meth:`Capacity.free`."""
 
     free: float
     need: float
@@ -141,7 +142,7 @@ class Capacity:
         self._pos: dict[tuple[str, str], dict[int, int]] = {}  # a candidate's position, for _grew
         self._best: dict[tuple[str, str], list[tuple[float, float, str, int]]] = {}  # for hold
         self._journal: dict[int, tuple[float, int, dict[str, int], float, int]] | None = None
-        self._totals: tuple[dict[tuple[str, str], int], dict[str, float]] = ({}, {})
+        self._totals: tuple[dict[tuple[str, str], int], dict[str, float], dict[str, int]] = ({}, {}, {})
         self._by_region: dict[str, list[int]] = {}
         for i, node in enumerate(self.nodes):
             self._by_region.setdefault(node.region, []).append(i)
@@ -154,6 +155,8 @@ class Capacity:
         self.reserved_mem: list[int] = [self._reserve_mem(i) for i in range(len(self.nodes))]
         self._region_gpus: dict[tuple[str, str], int] = {}
         self._region_cpu: dict[str, float] = {}
+        self._region_mem: dict[str, int] = {}  # memory usable by CPU classes, like _region_cpu
+        self._none_of: dict[tuple[str, str], tuple[bool, bool]] = {}  # _gpu_nodes
         for i, node in enumerate(self.nodes):
             if not node.schedulable:
                 continue
@@ -161,6 +164,7 @@ class Capacity:
                 key = (node.region, model)
                 self._region_gpus[key] = self._region_gpus.get(key, 0) + max(0, count)
             self._region_cpu[node.region] = self._region_cpu.get(node.region, 0.0) + self._cpu_usable(i)
+            self._region_mem[node.region] = self._region_mem.get(node.region, 0) + self._mem_usable(i)
 
     # -- derived per-node figures -------------------------------------------------
 
@@ -172,6 +176,9 @@ class Capacity:
 
     def _cpu_usable(self, i: int) -> float:
         return max(0.0, self.free_cpu[i] - self.reserved_cpu[i])
+
+    def _mem_usable(self, i: int) -> int:
+        return max(0, self.free_mem[i] - self.reserved_mem[i])
 
     def _subtract(self, i: int, cls: ComputeClass) -> None:
         self.free_cpu[i] -= cls.cpu
@@ -305,10 +312,60 @@ class Capacity:
         return self.find(region, cls) is None
 
     def free(self, region: str, cls: ComputeClass) -> Free:
-        """Free GPUs of the class's model (GPU class) or vCPUs usable by CPU classes, in a region."""
+        """What is free in a region of the first resource ``cls`` is short of there: GPUs of its model, vCPUs,
+        memory (that order). None short, only spread over nodes: its GPUs (a GPU class) or usable vCPUs.
+
+        A CPU class counts what CPU classes may use (outside the GPU reserve); a GPU class, the host vCPUs
+        and memory of the nodes that have its GPUs free."""
         if cls.gpu_model is None:
-            return Free(self._region_cpu.get(region, 0.0), cls.cpu, "vCPU")
-        return Free(self._region_gpus.get((region, cls.gpu_model), 0), cls.gpu_count, "GPU")
+            cpu = self._region_cpu.get(region, 0.0)
+            if cpu >= cls.cpu:
+                mem = self._region_mem.get(region, 0)
+                if mem < cls.memory:
+                    return Free(mem, cls.memory, "memory")
+            return Free(cpu, cls.cpu, "vCPU")
+        gpus = self._region_gpus.get((region, cls.gpu_model), 0)
+        if gpus >= cls.gpu_count:
+            host_cpu, host_mem = 0.0, 0
+            for i in self.candidates(region, cls):
+                if self.free_gpus[i].get(cls.gpu_model, 0) >= cls.gpu_count:
+                    host_cpu += max(0.0, self.free_cpu[i])
+                    host_mem += max(0, self.free_mem[i])
+            if host_cpu < cls.cpu:
+                return Free(host_cpu, cls.cpu, "vCPU")
+            if host_mem < cls.memory:
+                return Free(host_mem, cls.memory, "memory")
+        return Free(gpus, cls.gpu_count, "GPU")
+
+    def none_in_region(self, region: str, cls: ComputeClass) -> bool:
+        """A GPU class whose GPU model no node of ``region`` has at all: it is not busy, it is not there. (A
+        node of the model that is cordoned still counts: it comes back.)"""
+        return cls.gpu_model is not None and not self._gpu_nodes(region, cls)[0]
+
+    def too_small(self, region: str, cls: ComputeClass) -> bool:
+        """A GPU class whose GPU model nodes of ``region`` have, none of them with the GPUs, vCPUs and memory
+        of one instance: no wait helps, a bigger node must join."""
+        return cls.gpu_model is not None and self._gpu_nodes(region, cls) == (True, False)
+
+    def _gpu_nodes(self, region: str, cls: ComputeClass) -> tuple[bool, bool]:
+        """(some node of ``region`` has the class's GPU model, some node could hold one instance), cordoned or not."""
+        key = (region, cls.name)
+        found = self._none_of.get(key)
+        if found is None:
+            model = cls.gpu_model or ""
+            nodes = [self.nodes[i] for i in self._by_region.get(region, ()) if self.nodes[i].gpus.get(model, 0) > 0]
+            found = self._none_of[key] = (bool(nodes), any(
+                n.gpus.get(model, 0) >= cls.gpu_count and n.cpu >= cls.cpu and n.memory >= cls.memory for n in nodes))
+        return found
+
+    def amount(self, region: str, cls: ComputeClass, unit: str) -> float:
+        """What :meth:`free` would count free of ``unit`` for ``cls``, without building a ``Free``: asked once
+        per waiting workload, to see whether a shared attempt's figure still holds."""
+        if cls.gpu_model is None:
+            return self._region_mem.get(region, 0) if unit == "memory" else self._region_cpu.get(region, 0.0)
+        if unit == "GPU":
+            return self._region_gpus.get((region, cls.gpu_model), 0)
+        return self.free(region, cls).free  # a GPU class short of host vCPUs or memory (rare): counted anew
 
     def free_amount(self, region: str, cls: ComputeClass) -> float:
         """``free(region, cls).free`` alone: asked once per waiting workload, where a ``Free`` is not needed."""
@@ -336,7 +393,7 @@ class Capacity:
             self._journal[i] = (self.free_cpu[i], self.free_mem[i], dict(self.free_gpus[i]), self.reserved_cpu[i],
                                 self.reserved_mem[i])
         region = self.nodes[i].region
-        before = self._cpu_usable(i)
+        before, before_mem = self._cpu_usable(i), self._mem_usable(i)
         self._subtract(i, cls)
         if cls.gpu_model is not None and cls.gpu_model in self.reserves:
             reserve = self.reserves[cls.gpu_model]
@@ -346,6 +403,7 @@ class Capacity:
             key = (region, cls.gpu_model)
             self._region_gpus[key] = self._region_gpus.get(key, 0) - cls.gpu_count
         self._region_cpu[region] = self._region_cpu.get(region, 0.0) + self._cpu_usable(i) - before
+        self._region_mem[region] = self._region_mem.get(region, 0) + self._mem_usable(i) - before_mem
 
     def hold(self, region: str, cls: ComputeClass) -> int | None:
         """Hold back, for the rest of the cycle, the node where ``cls`` will fit soonest.
@@ -430,7 +488,7 @@ class Capacity:
         """Record from now on what :meth:`take` changes, for :meth:`rollback` (a state kept across cycles
         that decides part of a queue, then finds it must decide more: the same cycle again, over more)."""
         self._journal = {}
-        self._totals = (dict(self._region_gpus), dict(self._region_cpu))
+        self._totals = (dict(self._region_gpus), dict(self._region_cpu), dict(self._region_mem))
 
     def rollback(self) -> None:
         """Undo every take since :meth:`checkpoint`, and the holds."""
@@ -439,7 +497,7 @@ class Capacity:
             self.free_cpu[i], self.free_mem[i], self.free_gpus[i] = cpu, mem, gpus
             self.reserved_cpu[i], self.reserved_mem[i] = rcpu, rmem
             self._grew(i)
-        self._region_gpus, self._region_cpu = self._totals
+        self._region_gpus, self._region_cpu, self._region_mem = self._totals
         self._journal = None
         self.excluded = set()
         self._scan = {}
@@ -494,6 +552,7 @@ class Capacity:
             key = (node.region, model)
             self._region_gpus[key] = self._region_gpus.get(key, 0) + sign * max(0, count)
         self._region_cpu[node.region] = self._region_cpu.get(node.region, 0.0) + sign * self._cpu_usable(i)
+        self._region_mem[node.region] = self._region_mem.get(node.region, 0) + sign * self._mem_usable(i)
 
     def _forget(self, region: str) -> None:
         self._cursor = {k: v for k, v in self._cursor.items() if k[0] != region}
@@ -503,6 +562,7 @@ class Capacity:
         self._candidates = {k: v for k, v in self._candidates.items() if k[0] != region}
         self._room = {k: v for k, v in self._room.items() if k != region}
         self._unhostable = {k: v for k, v in self._unhostable.items() if k[0] != region}
+        self._none_of = {k: v for k, v in self._none_of.items() if k[0] != region}
 
     def copy(self) -> Capacity:
         """An independent working copy (admission never changes the caller's)."""
@@ -522,10 +582,12 @@ class Capacity:
         other._pos = self._pos
         other._best = {}
         other._journal = None
-        other._totals = ({}, {})
+        other._totals = ({}, {}, {})
         other._by_region = self._by_region
         other.reserved_cpu = list(self.reserved_cpu)
         other.reserved_mem = list(self.reserved_mem)
         other._region_gpus = dict(self._region_gpus)
         other._region_cpu = dict(self._region_cpu)
+        other._region_mem = dict(self._region_mem)
+        other._none_of = self._none_of
         return other

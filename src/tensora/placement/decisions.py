@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from tensora.placement.catalog import CPU_WORD
 from tensora.placement.kinds import WorkloadKind
-from tensora.units import format_clock, format_duration
+from tensora.units import format_clock, format_duration, format_memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,7 @@ class Outcome(StrEnum):
     HELD_FOR_REQUESTERS = "held for its requesters"
     UNKNOWN_CLASS = "unknown class"
     NO_NODE = "no node is big enough"
+    NONE_IN_REGION = "none in this region"
     OWNER_QUOTA = "owner quota"
 
 
@@ -73,7 +74,9 @@ class Attempt:
 
     ``entry`` is the fallback-list entry it came from (``"cpu"`` for a CPU class chosen
     for the word ``cpu``); None for the requested class. ``free``/``need`` are in
-    ``unit``: GPUs of the class's model, or vCPUs for CPU classes.
+    ``unit``, the resource that is short (:data:`SHORT_UNITS`): GPUs of the class's model, vCPUs, or
+    memory in bytes; where none is short in the region, only spread over its nodes, the class's
+    headline one (GPUs, or vCPUs for CPU classes).
     """
 
     cls: str
@@ -86,7 +89,10 @@ class Attempt:
 
 
 
-WAITED_FOR_ROOM = (Outcome.NO_CAPACITY, Outcome.NO_NODE)
+SHORT_UNITS = ("GPU", "vCPU", "memory")
+"""The resources a class needs that a region can be short of, in the order a reason names the first short one."""
+
+WAITED_FOR_ROOM = (Outcome.NO_CAPACITY, Outcome.NO_NODE, Outcome.NONE_IN_REGION)
 """A requested class failed for want of room: the workload counts as one of that class's waiting requesters."""
 
 
@@ -158,18 +164,42 @@ Decision = Place | Wait | Promote | RestartAvailable
 
 
 def _free_text(a: Attempt) -> str:
+    """``0 GPU free, 1 needed``, ``3 vCPU free, 4 needed``, ``1.5Gi memory free, 8Gi needed``."""
+    if a.unit == "memory":
+        return f"{format_memory(int(a.free))} memory free, {format_memory(int(a.need))} needed"
     return f"{a.free:g} {a.unit} free, {a.need:g} needed" if a.unit else ""
+
+
+def none_in_region(cls: str) -> str:
+    """A class the region has none of at all (no node of its GPU model): waiting is not for a busy class."""
+    return f"this region has no {cls} (0 of 0); it waits until one is added"
+
+
+def none_in_region_warning(cls: str, fallback: Sequence[str]) -> str:
+    """What a workload asking for a class its region has none of is told at create."""
+    if not fallback:
+        return none_in_region(cls) + ", or add a fallback"
+    return none_in_region(cls) + f", or runs on its fallback ({', '.join(fallback)}) meanwhile"
+
+
+def shortage(a: Attempt) -> str:
+    """Why a class found full has no room, with the figures of what is short: ``1.5Gi memory free, 8Gi needed``,
+    ``no single node has room; 4 vCPU free, 2 needed``, ``this region has none``, ``no node here is big enough
+    for it`` (the catalog says it too)."""
+    if a.outcome is Outcome.NO_NODE:
+        return "no node here is big enough for it"
+    if a.outcome is Outcome.NONE_IN_REGION:
+        return "this region has none"
+    if a.free >= a.need:
+        return f"no single node has room; {_free_text(a)}"
+    return _free_text(a)
 
 
 def _failure(a: Attempt) -> str:
     if a.outcome is Outcome.OWNER_QUOTA:
         return f"{a.cls} ({a.detail})"
-    if a.outcome is Outcome.NO_NODE:
-        return f"{a.cls} (no node here is big enough for it)"
-    if a.outcome is Outcome.NO_CAPACITY:
-        if a.free >= a.need:
-            return f"{a.cls} (no single node has room; {_free_text(a)})"
-        return f"{a.cls} ({_free_text(a)})"
+    if a.outcome in WAITED_FOR_ROOM:
+        return f"{a.cls} ({shortage(a)})"
     detail = f": {a.detail}" if a.detail else ""
     return f"{a.cls} {a.outcome.value}{detail}"
 
@@ -209,10 +239,12 @@ def render_wait(wt: Wait) -> str:
         text = f"waiting for {head.cls} ({head.detail})"
     elif head.outcome is Outcome.NO_NODE:
         text = f"waiting for {head.cls}: no node here is big enough for it (a bigger node must join)"
+    elif head.outcome is Outcome.NONE_IN_REGION:
+        text = none_in_region(head.cls)
+        if not wt.workload.fallback:
+            return text + ", or add a fallback"
     else:
-        text = f"waiting for {head.cls} ({_free_text(head)})"
-        if head.free >= head.need:
-            text = f"waiting for {head.cls} (no single node has room; {_free_text(head)})"
+        text = f"waiting for {head.cls} ({shortage(head)})"
     if not wt.workload.fallback:
         return text + "; no fallback accepted"
     if rest and all(a.outcome is Outcome.NOT_ELIGIBLE_YET for a in rest):

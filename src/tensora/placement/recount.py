@@ -10,7 +10,7 @@ from tensora.placement.owner_quotas import Ledger
 
 
 class Recount:
-    """A wait's figures as of the end of a cycle: the free GPUs or vCPUs of each class it found full, the
+    """A wait's figures as of the end of a cycle: the free GPUs, vCPUs or memory of each class it found full, the
     requesters still waiting for each class held from it, its owner's quota use.
 
     Within a cycle those figures move as workloads are placed; a wait shows the last of them, so every wait
@@ -74,6 +74,7 @@ class Recount:
         if cls is None:
             return a
         if a.outcome is Outcome.NO_CAPACITY:
-            return Attempt(a.cls, a.outcome, self.cap.free(region, cls).free, a.need, a.unit, a.entry, a.detail)
+            free = self.cap.free(region, cls)
+            return Attempt(a.cls, a.outcome, free.free, free.need, free.unit, a.entry, a.detail)
         return self.ledger.recount(owner, a)
 

@@ -11,7 +11,7 @@ from tensora.placement.decisions import WAITED_FOR_ROOM, Decision, Outcome, Rest
 from tensora.placement.kinds import WorkloadKind
 from tensora.placement.recount import Recount
 
-BLOCKED = (Outcome.NO_CAPACITY, Outcome.NO_NODE, Outcome.HELD_FOR_REQUESTERS)
+BLOCKED = (Outcome.NO_CAPACITY, Outcome.NO_NODE, Outcome.NONE_IN_REGION, Outcome.HELD_FOR_REQUESTERS)
 """What a fallback attempt on a class found that every later one finds too, this cycle."""
 
 

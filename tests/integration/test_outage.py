@@ -284,9 +284,9 @@ def test_real_shutdown_finishes_in_flight_requests_then_drains(tmp_path: Path, m
 LIMIT = 4096
 
 
-def _body(pad: int) -> bytes:
+def _body(pad: int, name: str = NB["name"]) -> bytes:
     """A create body padded with JSON whitespace (every spec key is checked: no free-form room in it)."""
-    return (json.dumps(NB) + " " * pad).encode()
+    return (json.dumps({**NB, "name": name}) + " " * pad).encode()
 
 
 def _chunks(data: bytes, size: int = 512) -> Iterator[bytes]:
@@ -297,12 +297,12 @@ def _chunks(data: bytes, size: int = 512) -> Iterator[bytes]:
 def test_oversize_bodies_are_refused(tmp_path: Path, make: Callable[..., Stack]) -> None:
     s = make(str(tmp_path / "t.db"), run_controller=False, max_body_bytes=LIMIT)
     json_type = {"content-type": "application/json"}
-    big, small = _body(LIMIT + 100), _body(100)
+    big, small, other = _body(LIMIT + 100), _body(100), _body(100, "other")
     with serving(s.app) as live, client(live, s) as c:
         declared = c.post("/v1/workloads", content=big, headers=json_type)
         chunked = c.post("/v1/workloads", content=_chunks(big), headers=json_type)
         chunked_small = c.post("/v1/workloads", content=_chunks(small), headers=json_type)
-        declared_small = c.post("/v1/workloads", content=small, headers=json_type)
+        declared_small = c.post("/v1/workloads", content=other, headers=json_type)
     assert "content-length" not in chunked.request.headers
     assert chunked.request.headers["transfer-encoding"] == "chunked"
     for r in (declared, chunked):

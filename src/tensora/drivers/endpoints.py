@@ -20,7 +20,7 @@ import httpx
 from tensora.drivers import launch
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.launch import Launch, LaunchError, PythonEnv
-from tensora.drivers.launcher import PROBE_TIMEOUT_S, LogFile, Origins, readable_by_others
+from tensora.drivers.launcher import PROBE_TIMEOUT_S, NoStopHooks, Origins, readable_by_others
 from tensora.drivers.record import Records, ReplicaRecord
 from tensora.keys import replicakeys
 from tensora.models import runtimes
@@ -38,7 +38,7 @@ class Installing(Exception):
         self.runtime = runtime
 
 
-class EndpointLauncher:
+class EndpointLauncher(NoStopHooks):
     """A model server from the runtimes installed in ``runtimes_dir``; ``installs`` installs the portable one
     where none is and ``auto_install`` says so. ``replica_secret`` derives each replica's API key."""
 
@@ -89,18 +89,6 @@ class EndpointLauncher:
         except httpx.HTTPError:
             return False
         return r.status_code == 200
-
-    def ask_to_stop(self, record: ReplicaRecord) -> bool:
-        return False
-
-    def urge_to_stop(self, record: ReplicaRecord, waited: float) -> None:
-        return None
-
-    def logs(self, record: ReplicaRecord) -> Sequence[LogFile]:
-        return ()
-
-    def over_bound(self, record: ReplicaRecord, now: float) -> str | None:
-        return None
 
     def release(self, workload_id: str, ended: Sequence[ReplicaRecord]) -> None:
         return None

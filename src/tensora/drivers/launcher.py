@@ -66,6 +66,23 @@ class Launcher(Protocol):
         ...
 
 
+class NoStopHooks:
+    """The hooks a kind that stops on SIGTERM alone, keeps no logs of its own and has no bound leaves as they are
+    (a launcher subclasses it and overrides what its kind has)."""
+
+    def ask_to_stop(self, record: ReplicaRecord) -> bool:
+        return False
+
+    def urge_to_stop(self, record: ReplicaRecord, waited: float) -> None:
+        return None
+
+    def logs(self, record: ReplicaRecord) -> Sequence[LogFile]:
+        return ()
+
+    def over_bound(self, record: ReplicaRecord, now: float) -> str | None:
+        return None
+
+
 class Origins:
     """Each replica that serves HTTP gets a loopback address of its own (``drivers.loopback``), none a live
     replica has, and a free port there, avoiding the ports sandboxes reach Tensora's servers on."""

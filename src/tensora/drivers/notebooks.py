@@ -24,7 +24,7 @@ import httpx
 from tensora.drivers import homes, launch, loopback
 from tensora.drivers.base import ReplicaSpec
 from tensora.drivers.launch import Launch, LaunchError, PythonEnv
-from tensora.drivers.launcher import PROBE_TIMEOUT_S, LogFile, Origins, private_dir
+from tensora.drivers.launcher import PROBE_TIMEOUT_S, NoStopHooks, Origins, private_dir
 from tensora.drivers.record import Records, ReplicaRecord
 from tensora.placement.catalog import ComputeClass
 from tensora.units import format_memory
@@ -44,7 +44,7 @@ def tensora_env() -> PythonEnv:
     return PythonEnv(sys.prefix, sys.base_prefix, python, f"{sys.version_info[0]}.{sys.version_info[1]}")
 
 
-class NotebookLauncher:
+class NotebookLauncher(NoStopHooks):
     """JupyterLab from Tensora's own environment, its home in ``work`` (one dir per workload)."""
 
     def __init__(self, records: Records, origins: Origins, work: Path, home_size: int = HOME_SIZE) -> None:
@@ -78,15 +78,6 @@ class NotebookLauncher:
         except httpx.HTTPError:
             return False
         return r.status_code == 200
-
-    def ask_to_stop(self, record: ReplicaRecord) -> bool:
-        return False
-
-    def urge_to_stop(self, record: ReplicaRecord, waited: float) -> None:
-        return None
-
-    def logs(self, record: ReplicaRecord) -> Sequence[LogFile]:
-        return ()
 
     def over_bound(self, record: ReplicaRecord, now: float) -> str | None:
         """Its home at its bound: why (the replica's reason), else None. A mounted home is full when its file

@@ -142,17 +142,19 @@ def test_a_refused_connection_moves_on_and_all_failing_is_a_503_with_retry_after
     assert sent == 1  # r1 asked once: a tier of two is not retried
 
 
+@pytest.mark.timeout(20)  # a walk that outlives its deadline by far: a failure, not a wait
 def test_everything_stalling_ends_in_a_503_within_the_deadline(backends: Backends) -> None:
     for n in ("r1", "c1", "s1", "f1"):
         backends.mode(n, "stall_head")
     table = make_table(endpoints(backends, allow_cross_region=False), KEYS)
     with serving(gateway(table, ttft_s=0.4, deadline_s=1.0)) as url:
-        t = time.monotonic()
         r = post(url, chat(stream=True))
-        took = time.monotonic() - t
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
-    assert 0.9 < took < 2.0, took  # three attempts of 0.4 s fit only in part in the 1 s budget
-    assert r.headers["x-tensora-attempts"].split(",")[-1].endswith(":deadline") or took >= 0.95
+    *timed_out, last = r.headers["x-tensora-attempts"].split(",")
+    # three attempts of 0.4 s fit only in part in the 1 s budget: the third one's TTFT is what is left of it,
+    # and the fourth finds the deadline passed (or, when the timer fired a hair early, a sliver of it left)
+    assert timed_out == ["my-llm/r1:timeout", "my-llm/c1:timeout", "m-shared/s1:timeout"]
+    assert last in ("small/f1:deadline", "small/f1:timeout")
 
 
 def test_streams_hold_the_status_until_the_first_token(backends: Backends) -> None:

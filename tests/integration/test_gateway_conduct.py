@@ -7,6 +7,7 @@ where the deadline decides."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -267,15 +268,26 @@ RETRIED = {  # name -> (r1's mode, its knobs, X-Tensora-Attempts, who answers)
 @pytest.mark.parametrize(("fault", "knobs", "attempts", "answers"), RETRIED.values(), ids=RETRIED.keys())
 def test_a_5xx_or_a_reset_from_a_tiers_only_backend_is_tried_once_more_there(
         backends: Backends, fault: str, knobs: dict[str, Any], attempts: list[str], answers: str | None,
-        stream: bool) -> None:
+        stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(random, "uniform", lambda a, b: a + (b - a) * 0.277)  # a jitter the test knows
+    delay = 0.2 * (0.5 + (1.5 - 0.5) * 0.277)  # the one the walk computes from retry_delay_s, to the bit
+    slept: list[float] = []
+    sleep = asyncio.sleep
+
+    async def sleeping(s: float, *a: Any, **kw: Any) -> Any:
+        slept.append(s)
+        return await sleep(s, *a, **kw)
+
     with serving(gateway(lone(backends), retry_delay_s=0.2)) as url:
         post(url, chat())  # a warm connection, so that the reset ones are on a reused one
         backends.mode("r1", fault, **knobs)
         before = backends.requests("r1")
-        t = time.monotonic()
+        monkeypatch.setattr(asyncio, "sleep", sleeping)
         r = post(url, chat(stream=stream))
-        took = time.monotonic() - t
+        monkeypatch.setattr(asyncio, "sleep", sleep)
     assert tried(r) == attempts, r.text
+    retried = attempts.count(attempts[0]) == 2 or attempts[1:2] == ["my-llm/r1:ok"]
+    assert slept.count(delay) == (1 if retried else 0), slept  # the jittered delay came before the retry only
     assert backends.requests("r1") - before == sum(a.startswith("my-llm/r1:") for a in attempts)  # none unseen
     if answers is None:
         assert r.status_code == 400 and r.json()["error"]["code"] == 400
@@ -284,8 +296,6 @@ def test_a_5xx_or_a_reset_from_a_tiers_only_backend_is_tried_once_more_there(
     text = "".join((orjson.loads(e)["choices"] or [{}])[0].get("delta", {}).get("content") or ""
                    for e in sse_payloads(r.text)[:-1]) if stream else r.json()["choices"][0]["message"]["content"]
     assert text.startswith(f"{answers}:")
-    if attempts.count(attempts[0]) == 2 or attempts[1:2] == ["my-llm/r1:ok"]:
-        assert took >= 0.1  # the jittered delay (0.5x-1.5x of 0.2 s) came first
 
 
 def test_no_retry_in_a_tier_of_two_and_none_when_the_deadline_leaves_no_room(backends: Backends) -> None:
@@ -329,21 +339,20 @@ STALLS = {  # name -> (the endpoint's spec, the gateway's options)
 }
 
 
+@pytest.mark.timeout(20)  # held to the 30 s deadline instead of the idle limit: a failure, not a wait
 @pytest.mark.parametrize(("spec", "opts"), STALLS.values(), ids=STALLS.keys())
 def test_a_stream_that_stalls_after_its_first_tokens_ends_with_the_error_event_and_done(
         backends: Backends, spec: dict[str, Any], opts: dict[str, Any]) -> None:
     backends.mode("r1", "stall_mid_stream")  # three tokens, then silence on an open connection
     gw = gateway(lone(backends, **spec), deadline_s=30.0, breaker=Policy(consecutive=1, base_s=30), **opts)
     with serving(gw) as url:
-        t = time.monotonic()
         r = post(url, chat(stream=True))
-        took = time.monotonic() - t
         after = post(url, chat(stream=True))
-    assert r.status_code == 200 and 0.3 <= took < 2.0, took  # not held to the 30 s deadline
+    assert r.status_code == 200
     events = sse_payloads(r.text)
     assert events[-1] == "[DONE]"
     err = orjson.loads(events[-2])["error"]
-    assert err["code"] == "upstream_failed" and "stream_idle" in err["message"]
+    assert err["code"] == "upstream_failed" and "(stream_idle)" in err["message"]  # not "(timeout)": the deadline
     text = "".join(orjson.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-2])
     assert text.startswith("r1:0") and "f1" not in text
     assert gw.breakers["my-llm/r1"].open_until is not None  # the backend's failure: its breaker opened

@@ -75,6 +75,32 @@ def read_all(s: socket.socket, until: float = 5.0) -> bytes:
     return out
 
 
+def until_closed(s: socket.socket, until: float = 3.0) -> bytes | None:
+    """Everything until the server closes the connection; None when ``until`` seconds pass first (it is open)."""
+    s.settimeout(until)
+    out = b""
+    try:
+        while chunk := s.recv(1 << 20):
+            out += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def still_open(s: socket.socket) -> bool:
+    """Whether the server has neither closed nor written to ``s`` yet (asked without waiting)."""
+    s.setblocking(False)
+    try:
+        s.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    finally:
+        s.setblocking(True)
+    return False
+
+
 def send_all(s: socket.socket, data: bytes) -> None:
     """As much as the server takes: it may answer and stop reading half-way (that is the point)."""
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -135,13 +161,14 @@ def test_the_server_stops_reading_a_huge_head_early() -> None:
 
 def test_dribbled_headers_are_a_408_after_header_timeout() -> None:
     with serving_own(app, Limits(header_timeout_s=0.4)) as server, connect(server) as s:
-        start = time.monotonic()
         s.sendall(b"GET / HTTP/1.1\r\n")
         s.settimeout(0.1)
         out = b""
-        for i in range(40):  # a header line every 0.1 s, for up to 4 s
+        lines = 0  # header lines sent before the server answered
+        for i in range(40):  # a header line every 0.1 s, for up to 4 s: never idle, never done
             try:
                 s.sendall(b"x-h%d: v\r\n" % i)
+                lines = i + 1
                 out += s.recv(65536)
             except TimeoutError:
                 continue
@@ -150,9 +177,8 @@ def test_dribbled_headers_are_a_408_after_header_timeout() -> None:
             if out:
                 break
         out += read_all(s, 2)
-        took = time.monotonic() - start
     assert out.startswith(b"HTTP/1.1 408"), out[:200]
-    assert 0.3 < took < 2.0
+    assert 2 <= lines < 40, lines  # it took a few lines (each one on time), then cut the head short
     assert seen == []
 
 
@@ -167,15 +193,12 @@ def test_a_body_that_stops_coming_is_a_408_after_idle_timeout() -> None:
 def test_idle_keep_alive_connections_are_closed() -> None:
     with serving_own(app, Limits(idle_timeout_s=0.4)) as server:
         with connect(server) as s:  # never sends a byte
-            start = time.monotonic()
-            assert read_all(s, 3) == b""
-            assert 0.3 < time.monotonic() - start < 2.0
+            assert still_open(s)  # not turned away on arrival
+            assert until_closed(s) == b""  # the server closed it, silent: not our wait that ran out
         with connect(server) as s:  # one request, then silence
             s.sendall(get("/one"))
-            start = time.monotonic()
-            out = read_all(s, 3)
-            assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"ok /one 0")
-            assert 0.3 < time.monotonic() - start < 2.0
+            out = until_closed(s)
+            assert out is not None and out.startswith(b"HTTP/1.1 200") and out.endswith(b"ok /one 0")
         with connect(server) as s:  # busy enough: kept open past the idle timeout
             for i in range(6):
                 s.sendall(get(f"/k{i}"))

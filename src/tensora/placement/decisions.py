@@ -75,8 +75,8 @@ class Attempt:
     ``entry`` is the fallback-list entry it came from (``"cpu"`` for a CPU class chosen
     for the word ``cpu``); None for the requested class. ``free``/``need`` are in
     ``unit``, the resource that is short (:data:`SHORT_UNITS`): GPUs of the class's model, vCPUs,
-    memory in bytes, or a node's pods (replicas it can hold); where none is short in the region, only spread over its nodes, the class's
-    headline one (GPUs, or vCPUs for CPU classes).
+    memory in bytes, or nodes' pods (the replicas they can hold); where none is short in the region, only spread
+    over its nodes, the class's headline one (GPUs, or vCPUs for CPU classes).
     """
 
     cls: str

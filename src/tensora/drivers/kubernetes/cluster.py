@@ -146,7 +146,7 @@ def nodes_from_cluster(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mappin
         why = _why_not(n)
         if why:
             labels[WHY_LABEL] = why
-        pods = int(free(PODS)) if PODS in alloc else None
+        limit = int(free(PODS)) if PODS in alloc else None
         out.append(Node(name, labels.get(REGION_LABEL, default_region), float(free("cpu")), int(free("memory")),
-                        gpus, labels, why is None, pods))
+                        gpus, labels, why is None, limit))
     return sorted(out, key=lambda x: x.name)

@@ -159,3 +159,20 @@ def test_plan_names_the_resource_short_and_a_class_the_region_lacks(tmp_path: Pa
     assert rows["more"]["reason"] == "waiting for cpu-2c-8g (1.5Gi memory free, 8Gi needed); no fallback accepted"
     assert rows["gpu"]["reason"] == ("this region has no l40s-48gb (0 of 0); it waits until one is added, "
                                      "or add a fallback")
+
+
+def test_plan_counts_a_node_s_pods(tmp_path: Path) -> None:
+    """A node that holds two pods: the third workload waits for a pod, with vCPUs and memory to spare."""
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text("nodes:\n  - {name: small, region: local, allocatable: {cpu: 64, memory: 256Gi, pods: 2}}\n")
+    workloads = tmp_path / "workloads.yaml"
+    workloads.write_text(
+        "workloads:\n"
+        "  - {kind: notebook, name: one, gpu_class: cpu-1c-4g, submitted_at: 0s}\n"
+        "  - {kind: notebook, name: two, gpu_class: cpu-1c-4g, submitted_at: 0s}\n"
+        "  - {kind: notebook, name: three, gpu_class: cpu-1c-4g, submitted_at: 1m}\n")
+    r = tensora("plan", "--nodes", str(nodes), "--workloads", str(workloads), "--at", "2m", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)["workloads"]}
+    assert rows["one"]["placed_class"] == rows["two"]["placed_class"] == "cpu-1c-4g"
+    assert rows["three"]["reason"] == "waiting for cpu-1c-4g (0 pods free, 1 needed); no fallback accepted"

@@ -17,6 +17,7 @@ from tensora.drivers.simulated import SimulatedDriver
 from tensora.placement.capacity import Node
 from tensora.store import events as events_repo
 from tensora.store import leases as leases_repo
+from tensora.store import nodes as nodes_repo
 from tensora.store import usage as usage_repo
 from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
@@ -545,3 +546,18 @@ def test_a_bad_quotas_row_costs_its_owner_the_override_not_every_owner_the_cycle
     assert c.run_once().leader
     assert get(db, theirs).state == "starting"  # the defaults (2 GPUs) apply to mallory
     assert get(db, mine).reason == "waiting for a100-80gb (owner quota: no GPUs allowed); no fallback accepted"
+
+
+def test_a_node_s_pod_limit_is_stored_and_counted(db: Database) -> None:
+    """Its pods go through the nodes table (its labels: no new column) and each replica placed takes one."""
+    clock = FakeClock(T0)
+    c, _ = make(db, clock, SimulatedDriver([Node("c1", "local", 64, 256 * GI, pods=1)], clock))
+    first = submit(db, clock, kind="notebook", name="one", gpu_class="cpu-1c-4g")
+    second = submit(db, clock, kind="notebook", name="two", gpu_class="cpu-1c-4g")
+    c.run_once()
+    with db.read() as conn:
+        [row] = nodes_repo.nodes_in(conn, "local")
+    assert row.node() == Node("c1", "local", 64, 256 * GI, pods=1)
+    assert get(db, first).state == "starting"
+    assert get(db, second).reason == "waiting for cpu-1c-4g (0 pods free, 1 needed); no fallback accepted"
+    c.stop(release=False)

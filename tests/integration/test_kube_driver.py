@@ -96,6 +96,17 @@ def test_capacity_comes_from_the_region_s_nodes_minus_other_pods(cluster: tuple[
     assert nodes["gpu-1"].gpus == {"L40S": 2} and nodes["cpu-1"].cpu == 56.0
 
 
+def test_a_node_s_pod_limit_is_its_allocatable_pods_less_the_pods_of_others(
+        cluster: tuple[ApiServerDouble, Path]) -> None:
+    double, kubeconfig = cluster
+    double.objects[(NODES, "", "cpu-1")]["status"]["allocatable"]["pods"] = "110"
+    d = driver(kubeconfig)
+    d.start(NB)  # a Tensora replica pod on cpu-1: a placement, counted from the store, not here
+    nodes = {n.name: n for n in d.nodes()}
+    assert nodes["cpu-1"].pods == 109  # someone-else's pod holds one
+    assert nodes["gpu-1"].pods is None  # no allocatable pods: no limit
+
+
 def test_a_replica_is_made_adopted_read_back_and_stopped(cluster: tuple[ApiServerDouble, Path]) -> None:
     double, kubeconfig = cluster
     d = driver(kubeconfig)

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from tensora.placement import admission
 from tensora.placement.admission import OwnerQuotas, Place, Promote, Queued, Wait, decide
-from tensora.placement.capacity import Capacity, Node
+from tensora.placement.capacity import Capacity, Node, Placed
 from tensora.placement.kinds import WorkloadKind
 from tensora.placement.quotas import RunningQuotas as Quotas
 from tensora.units import parse_duration
-from tests.support.builders import CATALOG
+from tests.support.builders import CATALOG, GI
 from tests.support.strategies import nodes_st, queue_st
 
 
@@ -33,6 +33,31 @@ def _check_no_overcommit(nodes: list[Node], decisions: list) -> None:
         assert used[n.name][0] <= n.cpu and used[n.name][1] <= n.memory
     for (node, model), count in gpus.items():
         assert count <= next(n for n in nodes if n.name == node).gpus.get(model, 0)
+
+
+pods_nodes_st = st.lists(
+    st.builds(lambda i, cpu, pods, l40s: Node(f"n{i}", "local", cpu, 256 * GI, {"L40S": l40s} if l40s else {},
+                                              pods=pods),
+              st.integers(0, 10_000), st.sampled_from([16, 64]), st.none() | st.integers(0, 3), st.integers(0, 2)),
+    max_size=4, unique_by=lambda n: n.name,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(nodes=pods_nodes_st, queue=queue_st(), now=st.integers(0, 2000))
+def test_pods_never_overcommitted(nodes: list[Node], queue: list[Queued], now: int) -> None:
+    """Placed replicas on a node never outnumber its pods, across cycles with what the first placed kept."""
+    cap = Capacity(nodes, [], CATALOG)
+    first = decide(queue, cap, [], now)
+    placed = [Placed(d.node, d.cls, d.workload.id) for d in first if isinstance(d, Place)]
+    waiting = [d.workload for d in first if isinstance(d, Wait)]
+    second = decide(waiting, Capacity(nodes, placed, CATALOG), [], now + 3600)
+    count: dict[str, int] = {}
+    for d in [*first, *second]:
+        if isinstance(d, Place | Promote):
+            count[d.node] = count.get(d.node, 0) + 1
+    for n in nodes:
+        assert n.pods is None or count.get(n.name, 0) <= n.pods
 
 
 @settings(max_examples=150, deadline=None)

@@ -142,11 +142,12 @@ def check_cycle(world: World, state: AdmissionState, events: list[Event], now: f
 # -- random histories -------------------------------------------------------------------------
 
 node_st = st.builds(
-    lambda i, region, cpu, mem, l40s, a100, cordoned: Node(
+    lambda i, region, cpu, mem, l40s, a100, cordoned, pods: Node(
         f"n{i}", region, cpu, mem * GI, {k: v for k, v in (("L40S", l40s), ("A100-80GB", a100)) if v},
-        schedulable=not cordoned),
+        schedulable=not cordoned, pods=pods),
     st.integers(0, 9), st.sampled_from(REGIONS), st.sampled_from([4, 16, 32, 64]),
     st.sampled_from([16, 64, 128, 256]), st.integers(0, 2), st.integers(0, 1), st.booleans(),
+    st.none() | st.integers(0, 3),
 )
 quota_st = st.none() | st.builds(lambda g, c: Quotas(running_gpus=g, running_cpu=c),
                                  st.sampled_from([0, 1, 2]), st.sampled_from([0, 4, 16, 64]))
@@ -322,9 +323,11 @@ def _figures(c: Capacity) -> dict[str, object]:
     at = [c.index[name] for name in live]
     return {
         "nodes": [c.nodes[i] for i in at],
-        "free": [(c.free_cpu[i], c.free_mem[i], {m: g for m, g in c.free_gpus[i].items() if g}) for i in at],
+        "free": [(c.free_cpu[i], c.free_mem[i], {m: g for m, g in c.free_gpus[i].items() if g}, c.free_pods[i])
+                 for i in at],
         "reserved": [(c.reserved_cpu[i], c.reserved_mem[i]) for i in at],
         "region": {k: v for k, v in c._region_gpus.items() if v} | {k: v for k, v in c._region_cpu.items() if v},
+        "pods": {k: v for k, v in c._region_pods.items() if v},
         "candidates": {(r, cls.name): [c.nodes[i].name for i in c.candidates(r, cls)]
                        for r in REGIONS for cls in CATALOG.values()},
         "unhostable": {(r, cls.name): c.unhostable(r, cls) for r in REGIONS for cls in CATALOG.values()},

@@ -9,7 +9,7 @@ import pytest
 
 from tensora.placement.admission import decide
 from tensora.placement.capacity import Node, Placed
-from tensora.placement.decisions import Attempt, Outcome, Queued, Wait, none_in_region_warning
+from tensora.placement.decisions import Attempt, Outcome, Place, Queued, Wait, none_in_region_warning
 from tensora.placement.kinds import WorkloadKind
 from tests.support.builders import GI, cap, cpu_node, gpu_node, w
 
@@ -37,6 +37,9 @@ RENDER = {
     "GPU short": RenderCase(
         Attempt("l40s-48gb", Outcome.NO_CAPACITY, 0, 1, "GPU"),
         "waiting for l40s-48gb (0 GPU free, 1 needed); no fallback accepted"),
+    "pods short": RenderCase(
+        Attempt("cpu-2c-8g", Outcome.NO_CAPACITY, 0, 1, "pods"),
+        "waiting for cpu-2c-8g (0 pods free, 1 needed); no fallback accepted"),
     "enough in the region, spread over nodes": RenderCase(
         Attempt("cpu-2c-8g", Outcome.NO_CAPACITY, 4, 2, "vCPU"),
         "waiting for cpu-2c-8g (no single node has room; 4 vCPU free, 2 needed); no fallback accepted"),
@@ -89,6 +92,17 @@ DECIDED = {
     "a GPU free but its node's host memory taken -> memory": DecideCase(
         [w("a")], [gpu_node("g1", count=2, cpu=32, mem_gi=100)], placed=[Placed("g1", "l40s-48gb")],
         want="waiting for l40s-48gb (36Gi memory free, 64Gi needed); no fallback accepted"),
+    "pods full, vCPUs and memory plenty": DecideCase(
+        [w("a", "cpu-2c-8g")], [Node("c1", "local", 64, 256 * GI, pods=2)],
+        placed=[Placed("c1", "cpu-1c-4g"), Placed("c1", "cpu-1c-4g")],
+        want="waiting for cpu-2c-8g (0 pods free, 1 needed); no fallback accepted"),
+    "a GPU free but its node's pods all taken -> pods": DecideCase(
+        [w("a")], [Node("g1", "local", 64, 512 * GI, {"L40S": 2}, pods=1)], placed=[Placed("g1", "l40s-48gb")],
+        want="waiting for l40s-48gb (0 pods free, 1 needed); no fallback accepted"),
+    "pods free only where vCPUs are not -> spread": DecideCase(
+        [w("a", "cpu-2c-8g")], [Node("c1", "local", 64, 256 * GI, pods=1), cpu_node("c2", cpu=1)],
+        placed=[Placed("c1", "cpu-1c-4g")],
+        want="waiting for cpu-2c-8g (no single node has room; 64 vCPU free, 2 needed); no fallback accepted"),
     "none in region (a machine with no GPU)": DecideCase(
         [w("a")], [cpu_node("c1")],
         want="this region has no l40s-48gb (0 of 0); it waits until one is added, or add a fallback"),
@@ -118,6 +132,24 @@ WARNINGS = {
 @pytest.mark.parametrize(("fallback", "want"), WARNINGS.values(), ids=WARNINGS.keys())
 def test_create_warning(fallback: tuple[str, ...], want: str) -> None:
     assert none_in_region_warning("l40s-48gb", fallback) == want
+
+
+def test_a_node_with_free_vcpus_but_no_free_pods_is_passed_over() -> None:
+    full = Node("a-full", "local", 64, 256 * GI, pods=1)
+    [d] = decide([w("x", "cpu-2c-8g")], cap([full, cpu_node("b-room")], [Placed("a-full", "cpu-1c-4g")]), [], 0)
+    assert isinstance(d, Place) and d.node == "b-room"
+
+
+def test_pods_are_counted_per_replica_within_a_cycle() -> None:
+    queue = [w(f"x{i}", "cpu-1c-4g", since=i) for i in range(3)]
+    decisions = decide(queue, cap([Node("a", "local", 64, 256 * GI, pods=2), cpu_node("b")]), [], 10)
+    assert [d.node for d in decisions if isinstance(d, Place)] == ["a", "a", "b"]
+
+
+def test_the_catalog_figure_counts_pods() -> None:
+    summary = {c.cls: c.fits for c in cap([Node("c1", "local", 64, 256 * GI, pods=3)],
+                                          [Placed("c1", "cpu-1c-4g")]).summary("local")}
+    assert summary["cpu-1c-4g"] == 2 and summary["cpu-2c-8g"] == 2
 
 
 def test_a_cordoned_node_of_the_model_is_busy_not_absent() -> None:

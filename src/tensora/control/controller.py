@@ -344,8 +344,7 @@ class Controller:
     # -- 2. observe ---------------------------------------------------------------------
 
     def _sync_nodes(self, conn: Connection, nodes: Sequence[Node], now: float) -> None:
-        rows = [NodeRow(n.name, n.region, n.cpu, n.memory, dict(n.gpus), dict(n.labels), n.schedulable)
-                for n in nodes if n.region == self.region]
+        rows = [NodeRow.of_node(n) for n in nodes if n.region == self.region]
         if rows != self._known_nodes:  # updated_at is left out of the comparison: it is 0 in both
             nodes_repo.replace_nodes(conn, self.region, [replace(r, updated_at=now) for r in rows])
             self._known_nodes = rows

@@ -11,6 +11,7 @@ Formats (other tools drive them; keep them stable):
 
     nodes:
       - {name: gpu-1, region: local, labels: {}, allocatable: {cpu: 32, memory: 256Gi, gpus: {L40S: 1}}}
+      - {name: cpu-1, region: local, allocatable: {cpu: 64, memory: 256Gi, pods: 110}}  # pods: optional limit
 
 ``workloads.yaml``: the control API's create-workload body, plus ``submitted_at`` and
 optional ``stop_at`` (offsets such as ``0s``, ``2m``)::
@@ -46,6 +47,8 @@ class _Allocatable(BaseModel):
     cpu: float = Field(ge=0)
     memory: Memory = Field(ge=0)
     gpus: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    pods: int | None = Field(default=None, ge=0)
+    """How many replicas the node can hold (a Kubernetes node's allocatable pods); unset: no limit."""
 
 
 class _NodeSpec(BaseModel):
@@ -118,7 +121,7 @@ def _nodes(path: Path) -> list[Node]:
                              line=lines.line(("nodes", i, "name")), field=f"nodes[{i}].name")
         seen.add(n.name)
         a = n.allocatable
-        out.append(Node(n.name, n.region, a.cpu, a.memory, dict(a.gpus), dict(n.labels), n.schedulable))
+        out.append(Node(n.name, n.region, a.cpu, a.memory, dict(a.gpus), dict(n.labels), n.schedulable, a.pods))
     return out
 
 

@@ -6,6 +6,10 @@ model is. CPU classes fit on CPU nodes and on the idle CPU of GPU nodes, but nev
 in the vCPUs and memory held back for that node's free GPUs (the *GPU reserve*, per
 GPU model), so that a free GPU always stays usable.
 
+A node may hold a limited number of replicas (:attr:`Node.pods`: a Kubernetes node's allocatable pods): each
+replica placed there takes one, and a node whose pods are all taken fits nothing more, whatever vCPUs it has
+left. None (the local and simulated nodes): no limit but its resources.
+
 A node whose vCPUs are overcommitted (``tensora up`` on a small machine) says how many
 cores they share (:attr:`Node.cores`): a CPU class with more vCPUs than that never runs
 there, since no share of those cores gives it what the class promises.
@@ -26,6 +30,10 @@ from dataclasses import dataclass, field
 from tensora.placement.catalog import Catalog, ComputeClass
 
 CORES_LABEL = "tensora.io/cores"
+PODS_LABEL = "tensora.io/pods"
+UNLIMITED_PODS = 1_000_000_000
+"""The free pods a node without a pod limit counts: more than any region places, small enough that a region's
+sum stays a machine integer (the compiled hot path)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +47,8 @@ class Node:
     gpus: Mapping[str, int] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     schedulable: bool = True
+    pods: int | None = None
+    """How many replicas (pods) it can hold; None: no limit but its resources."""
 
     @property
     def has_gpus(self) -> bool:
@@ -92,8 +102,8 @@ def default_reserves(catalog: Catalog) -> dict[str, GpuReserve]:
 
 @dataclass(frozen=True, slots=True)
 class Free:
-    """How much of the resource a class is short of is free in a region (``unit``: ``GPU``, ``vCPU`` or
-    ``memory``, in bytes); see :meth:`Capacity.free`."""
+    """How much of the resource a class is short of is free in a region (``unit``: ``GPU``, ``vCPU``,
+    ``memory``, in bytes, or ``pods``); see :meth:`Capacity.free`."""
 
     free: float
     need: float
@@ -133,6 +143,7 @@ class Capacity:
         self.free_cpu: list[float] = [n.cpu for n in self.nodes]
         self.free_mem: list[int] = [n.memory for n in self.nodes]
         self.free_gpus: list[dict[str, int]] = [dict(n.gpus) for n in self.nodes]
+        self.free_pods: list[int] = [_pods(n) for n in self.nodes]
         self.excluded: set[int] = set()
         self._cursor: dict[tuple[str, str], int] = {}
         self._scan: dict[tuple[str, str], int] = {}  # this cycle's, past held nodes too
@@ -141,8 +152,9 @@ class Capacity:
         self._unhostable: dict[tuple[str, str], bool] = {}
         self._pos: dict[tuple[str, str], dict[int, int]] = {}  # a candidate's position, for _grew
         self._best: dict[tuple[str, str], list[tuple[float, float, str, int]]] = {}  # for hold
-        self._journal: dict[int, tuple[float, int, dict[str, int], float, int]] | None = None
-        self._totals: tuple[dict[tuple[str, str], int], dict[str, float], dict[str, int]] = ({}, {}, {})
+        self._journal: dict[int, tuple[float, int, dict[str, int], float, int, int]] | None = None
+        self._totals: tuple[dict[tuple[str, str], int], dict[str, float], dict[str, int], dict[str, int]] = (
+            {}, {}, {}, {})
         self._by_region: dict[str, list[int]] = {}
         for i, node in enumerate(self.nodes):
             self._by_region.setdefault(node.region, []).append(i)
@@ -156,6 +168,7 @@ class Capacity:
         self._region_gpus: dict[tuple[str, str], int] = {}
         self._region_cpu: dict[str, float] = {}
         self._region_mem: dict[str, int] = {}  # memory usable by CPU classes, like _region_cpu
+        self._region_pods: dict[str, int] = {}
         self._none_of: dict[tuple[str, str], tuple[bool, bool]] = {}  # _gpu_nodes
         for i, node in enumerate(self.nodes):
             if not node.schedulable:
@@ -165,6 +178,7 @@ class Capacity:
                 self._region_gpus[key] = self._region_gpus.get(key, 0) + max(0, count)
             self._region_cpu[node.region] = self._region_cpu.get(node.region, 0.0) + self._cpu_usable(i)
             self._region_mem[node.region] = self._region_mem.get(node.region, 0) + self._mem_usable(i)
+            self._region_pods[node.region] = self._region_pods.get(node.region, 0) + max(0, self.free_pods[i])
 
     # -- derived per-node figures -------------------------------------------------
 
@@ -183,6 +197,7 @@ class Capacity:
     def _subtract(self, i: int, cls: ComputeClass) -> None:
         self.free_cpu[i] -= cls.cpu
         self.free_mem[i] -= cls.memory
+        self.free_pods[i] -= 1
         if cls.gpu_model is not None:
             gpus = self.free_gpus[i]
             gpus[cls.gpu_model] = gpus.get(cls.gpu_model, 0) - cls.gpu_count
@@ -192,17 +207,18 @@ class Capacity:
     def fits(self, i: int, cls: ComputeClass) -> int:
         """How many instances of ``cls`` fit on node ``i`` now (0 if unschedulable)."""
         node = self.nodes[i]
-        if not node.schedulable:
+        if not node.schedulable or self.free_pods[i] <= 0:
             return 0
         if cls.gpu_model is None:
             if node.cores is not None and cls.cpu > node.cores:
                 return 0
             cpu = self.free_cpu[i] - self.reserved_cpu[i]
             mem = self.free_mem[i] - self.reserved_mem[i]
-            counts = [cpu // cls.cpu, mem // cls.memory]
+            counts = [cpu // cls.cpu, mem // cls.memory, self.free_pods[i]]
         else:
             gpus = self.free_gpus[i].get(cls.gpu_model, 0)
-            counts = [gpus // cls.gpu_count, self.free_cpu[i] // cls.cpu, self.free_mem[i] // cls.memory]
+            counts = [gpus // cls.gpu_count, self.free_cpu[i] // cls.cpu, self.free_mem[i] // cls.memory,
+                      self.free_pods[i]]
         return max(0, int(min(counts)))
 
     def _could_ever_host(self, node: Node, cls: ComputeClass) -> bool:
@@ -276,13 +292,13 @@ class Capacity:
             pos = self._cursor.get(key, 0)
         first = -1
         n = len(cands)
-        free_cpu, free_mem, excluded = self.free_cpu, self.free_mem, self.excluded
+        free_cpu, free_mem, free_pods, excluded = self.free_cpu, self.free_mem, self.free_pods, self.excluded
         if cls.gpu_model is None:
             rcpu, rmem = self.reserved_cpu, self.reserved_mem
             need_cpu, need_mem = cls.cpu, cls.memory
             while pos < n:
                 i = cands[pos]
-                if free_cpu[i] - rcpu[i] >= need_cpu and free_mem[i] - rmem[i] >= need_mem:
+                if free_cpu[i] - rcpu[i] >= need_cpu and free_mem[i] - rmem[i] >= need_mem and free_pods[i] > 0:
                     if first < 0:
                         first = pos
                     if i not in excluded:
@@ -292,7 +308,8 @@ class Capacity:
             model, count, free_gpus = cls.gpu_model, cls.gpu_count, self.free_gpus
             while pos < n:
                 i = cands[pos]
-                if free_gpus[i].get(model, 0) >= count and free_cpu[i] >= cls.cpu and free_mem[i] >= cls.memory:
+                if free_gpus[i].get(model, 0) >= count and free_cpu[i] >= cls.cpu and free_mem[i] >= cls.memory \
+                        and free_pods[i] > 0:
                     if first < 0:
                         first = pos
                     if i not in excluded:
@@ -313,28 +330,34 @@ class Capacity:
 
     def free(self, region: str, cls: ComputeClass) -> Free:
         """What is free in a region of the first resource ``cls`` is short of there: GPUs of its model, vCPUs,
-        memory (that order). None short, only spread over nodes: its GPUs (a GPU class) or usable vCPUs.
+        memory, pods (that order). None short, only spread over nodes: its GPUs (a GPU class) or usable vCPUs.
 
-        A CPU class counts what CPU classes may use (outside the GPU reserve); a GPU class, the host vCPUs
-        and memory of the nodes that have its GPUs free."""
+        A CPU class counts what CPU classes may use (outside the GPU reserve) and the free pods of the region's
+        schedulable nodes; a GPU class, the host vCPUs, memory and pods of the nodes that have its GPUs free."""
         if cls.gpu_model is None:
             cpu = self._region_cpu.get(region, 0.0)
             if cpu >= cls.cpu:
                 mem = self._region_mem.get(region, 0)
                 if mem < cls.memory:
                     return Free(mem, cls.memory, "memory")
+                pods = self._region_pods.get(region, 0)
+                if pods < 1:
+                    return Free(pods, 1, "pods")
             return Free(cpu, cls.cpu, "vCPU")
         gpus = self._region_gpus.get((region, cls.gpu_model), 0)
         if gpus >= cls.gpu_count:
-            host_cpu, host_mem = 0.0, 0
+            host_cpu, host_mem, host_pods = 0.0, 0, 0
             for i in self.candidates(region, cls):
                 if self.free_gpus[i].get(cls.gpu_model, 0) >= cls.gpu_count:
                     host_cpu += max(0.0, self.free_cpu[i])
                     host_mem += max(0, self.free_mem[i])
+                    host_pods += max(0, self.free_pods[i])
             if host_cpu < cls.cpu:
                 return Free(host_cpu, cls.cpu, "vCPU")
             if host_mem < cls.memory:
                 return Free(host_mem, cls.memory, "memory")
+            if host_pods < 1:
+                return Free(host_pods, 1, "pods")
         return Free(gpus, cls.gpu_count, "GPU")
 
     def none_in_region(self, region: str, cls: ComputeClass) -> bool:
@@ -362,6 +385,8 @@ class Capacity:
         """What :meth:`free` would count free of ``unit`` for ``cls``, without building a ``Free``: asked once
         per waiting workload, to see whether a shared attempt's figure still holds."""
         if cls.gpu_model is None:
+            if unit == "pods":
+                return self._region_pods.get(region, 0)
             return self._region_mem.get(region, 0) if unit == "memory" else self._region_cpu.get(region, 0.0)
         if unit == "GPU":
             return self._region_gpus.get((region, cls.gpu_model), 0)
@@ -391,9 +416,11 @@ class Capacity:
         """Place one instance of ``cls`` on node ``i``."""
         if self._journal is not None and i not in self._journal:
             self._journal[i] = (self.free_cpu[i], self.free_mem[i], dict(self.free_gpus[i]), self.reserved_cpu[i],
-                                self.reserved_mem[i])
+                                self.reserved_mem[i], self.free_pods[i])
         region = self.nodes[i].region
         before, before_mem = self._cpu_usable(i), self._mem_usable(i)
+        if self.free_pods[i] > 0:
+            self._region_pods[region] = self._region_pods.get(region, 0) - 1
         self._subtract(i, cls)
         if cls.gpu_model is not None and cls.gpu_model in self.reserves:
             reserve = self.reserves[cls.gpu_model]
@@ -454,6 +481,7 @@ class Capacity:
         self._account(i, -1)
         self.free_cpu[i] -= sign * cls.cpu
         self.free_mem[i] -= sign * cls.memory
+        self.free_pods[i] -= sign
         if cls.gpu_model is not None:
             gpus = self.free_gpus[i]
             gpus[cls.gpu_model] = gpus.get(cls.gpu_model, 0) - sign * cls.gpu_count
@@ -488,16 +516,17 @@ class Capacity:
         """Record from now on what :meth:`take` changes, for :meth:`rollback` (a state kept across cycles
         that decides part of a queue, then finds it must decide more: the same cycle again, over more)."""
         self._journal = {}
-        self._totals = (dict(self._region_gpus), dict(self._region_cpu), dict(self._region_mem))
+        self._totals = (dict(self._region_gpus), dict(self._region_cpu), dict(self._region_mem),
+                        dict(self._region_pods))
 
     def rollback(self) -> None:
         """Undo every take since :meth:`checkpoint`, and the holds."""
         assert self._journal is not None
-        for i, (cpu, mem, gpus, rcpu, rmem) in self._journal.items():
-            self.free_cpu[i], self.free_mem[i], self.free_gpus[i] = cpu, mem, gpus
+        for i, (cpu, mem, gpus, rcpu, rmem, pods) in self._journal.items():
+            self.free_cpu[i], self.free_mem[i], self.free_gpus[i], self.free_pods[i] = cpu, mem, gpus, pods
             self.reserved_cpu[i], self.reserved_mem[i] = rcpu, rmem
             self._grew(i)
-        self._region_gpus, self._region_cpu, self._region_mem = self._totals
+        self._region_gpus, self._region_cpu, self._region_mem, self._region_pods = self._totals
         self._journal = None
         self.excluded = set()
         self._scan = {}
@@ -524,6 +553,7 @@ class Capacity:
         self.free_cpu.append(node.cpu)
         self.free_mem.append(node.memory)
         self.free_gpus.append(dict(node.gpus))
+        self.free_pods.append(_pods(node))
         for cls in placed:
             self._subtract(i, cls)
         self.reserved_cpu.append(self._reserve_cpu(i))
@@ -544,7 +574,8 @@ class Capacity:
         self._forget(self.nodes[i].region)
 
     def _account(self, i: int, sign: int) -> None:
-        """Add (1) or withdraw (-1) node ``i``'s free GPUs and usable vCPUs to its region's totals."""
+        """Add (1) or withdraw (-1) node ``i``'s free GPUs, usable vCPUs and memory, and free pods to its region's
+        totals."""
         node = self.nodes[i]
         if not node.schedulable:
             return
@@ -553,6 +584,7 @@ class Capacity:
             self._region_gpus[key] = self._region_gpus.get(key, 0) + sign * max(0, count)
         self._region_cpu[node.region] = self._region_cpu.get(node.region, 0.0) + sign * self._cpu_usable(i)
         self._region_mem[node.region] = self._region_mem.get(node.region, 0) + sign * self._mem_usable(i)
+        self._region_pods[node.region] = self._region_pods.get(node.region, 0) + sign * max(0, self.free_pods[i])
 
     def _forget(self, region: str) -> None:
         self._cursor = {k: v for k, v in self._cursor.items() if k[0] != region}
@@ -573,6 +605,7 @@ class Capacity:
         other.free_cpu = list(self.free_cpu)
         other.free_mem = list(self.free_mem)
         other.free_gpus = [dict(g) for g in self.free_gpus]
+        other.free_pods = list(self.free_pods)
         other.excluded = set(self.excluded)
         other._cursor = {}
         other._scan = {}
@@ -582,12 +615,18 @@ class Capacity:
         other._pos = self._pos
         other._best = {}
         other._journal = None
-        other._totals = ({}, {}, {})
+        other._totals = ({}, {}, {}, {})
         other._by_region = self._by_region
         other.reserved_cpu = list(self.reserved_cpu)
         other.reserved_mem = list(self.reserved_mem)
         other._region_gpus = dict(self._region_gpus)
         other._region_cpu = dict(self._region_cpu)
         other._region_mem = dict(self._region_mem)
+        other._region_pods = dict(self._region_pods)
         other._none_of = self._none_of
         return other
+
+
+def _pods(node: Node) -> int:
+    """A node's free pods before anything is placed (:data:`UNLIMITED_PODS` where it has no limit)."""
+    return UNLIMITED_PODS if node.pods is None else node.pods

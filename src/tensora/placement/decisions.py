@@ -74,9 +74,9 @@ class Attempt:
 
     ``entry`` is the fallback-list entry it came from (``"cpu"`` for a CPU class chosen
     for the word ``cpu``); None for the requested class. ``free``/``need`` are in
-    ``unit``, the resource that is short (:data:`SHORT_UNITS`): GPUs of the class's model, vCPUs, or
-    memory in bytes; where none is short in the region, only spread over its nodes, the class's
-    headline one (GPUs, or vCPUs for CPU classes).
+    ``unit``, the resource that is short (:data:`SHORT_UNITS`): GPUs of the class's model, vCPUs,
+    memory in bytes, or nodes' pods (the replicas they can hold); where none is short in the region, only spread
+    over its nodes, the class's headline one (GPUs, or vCPUs for CPU classes).
     """
 
     cls: str
@@ -89,7 +89,7 @@ class Attempt:
 
 
 
-SHORT_UNITS = ("GPU", "vCPU", "memory")
+SHORT_UNITS = ("GPU", "vCPU", "memory", "pods")
 """The resources a class needs that a region can be short of, in the order a reason names the first short one."""
 
 WAITED_FOR_ROOM = (Outcome.NO_CAPACITY, Outcome.NO_NODE, Outcome.NONE_IN_REGION)
@@ -164,7 +164,8 @@ Decision = Place | Wait | Promote | RestartAvailable
 
 
 def _free_text(a: Attempt) -> str:
-    """``0 GPU free, 1 needed``, ``3 vCPU free, 4 needed``, ``1.5Gi memory free, 8Gi needed``."""
+    """``0 GPU free, 1 needed``, ``3 vCPU free, 4 needed``, ``1.5Gi memory free, 8Gi needed``,
+    ``0 pods free, 1 needed``."""
     if a.unit == "memory":
         return f"{format_memory(int(a.free))} memory free, {format_memory(int(a.need))} needed"
     return f"{a.free:g} {a.unit} free, {a.need:g} needed" if a.unit else ""

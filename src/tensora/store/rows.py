@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypedDict
 
-from tensora.placement.capacity import Node
+from tensora.placement.capacity import PODS_LABEL, Node
 from tensora.placement.kinds import ReplicaRole, ReplicaState, SlotRef, WorkloadKind, WorkloadState
 
 COALESCE_WITHIN = 8
@@ -189,9 +189,18 @@ class NodeRow:
     schedulable: bool = True
     updated_at: float = 0.0
 
+    @classmethod
+    def of_node(cls, n: Node) -> NodeRow:
+        """``n`` as stored: its pod limit, where it has one, in its labels (``tensora.io/pods``), so the nodes
+        table keeps its columns (as a node's cores do)."""
+        labels = dict(n.labels) if n.pods is None else {**n.labels, PODS_LABEL: str(n.pods)}
+        return cls(n.name, n.region, n.cpu, n.memory, dict(n.gpus), labels, n.schedulable)
+
     def node(self) -> Node:
-        return Node(self.name, self.region, self.cpu, self.memory, dict(self.gpus), dict(self.labels),
-                    self.schedulable)
+        labels = dict(self.labels)
+        raw = labels.pop(PODS_LABEL, None)
+        pods = int(raw) if raw is not None and raw.isdigit() else None
+        return Node(self.name, self.region, self.cpu, self.memory, dict(self.gpus), labels, self.schedulable, pods)
 
 
 @dataclass(frozen=True, slots=True)

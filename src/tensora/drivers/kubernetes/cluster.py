@@ -1,7 +1,8 @@
 """Capacity from a Kubernetes cluster: Node and Pod objects (as the API returns them, plain dicts)
 to Tensora's :class:`~tensora.placement.capacity.Node` values. Pure: the driver lists or watches, this reads.
 
-- allocatable from ``status.allocatable``: ``cpu``, ``memory``, ``nvidia.com/gpu``;
+- allocatable from ``status.allocatable``: ``cpu``, ``memory``, ``nvidia.com/gpu``, and ``pods`` (the node's pod
+  limit; none given: no limit);
 - the GPU model from a ``tensora.io/class`` label (a catalog class: its GPU model) or NVIDIA GPU
   feature discovery's ``nvidia.com/gpu.product`` and ``nvidia.com/gpu.memory`` (MiB), matched to the
   catalog the way the local driver matches ``nvidia-smi`` names;
@@ -26,6 +27,7 @@ from tensora.placement.capacity import Node
 from tensora.placement.catalog import Catalog
 
 GPU_RESOURCE = "nvidia.com/gpu"
+PODS = "pods"
 REGION_LABEL = "topology.kubernetes.io/region"
 CLASS_LABEL = "tensora.io/class"
 REPLICA_LABEL = "tensora.io/replica"
@@ -124,6 +126,7 @@ def nodes_from_cluster(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mappin
         bucket = held.setdefault(where, {})
         for k, v in pod_requests(pod).items():
             bucket[k] = bucket.get(k, Decimal(0)) + v
+        bucket[PODS] = bucket.get(PODS, Decimal(0)) + 1  # each takes one of the node's pods
     out = []
     for n in nodes:
         meta = n.get("metadata") or {}
@@ -143,6 +146,7 @@ def nodes_from_cluster(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mappin
         why = _why_not(n)
         if why:
             labels[WHY_LABEL] = why
+        limit = int(free(PODS)) if PODS in alloc else None
         out.append(Node(name, labels.get(REGION_LABEL, default_region), float(free("cpu")), int(free("memory")),
-                        gpus, labels, why is None))
+                        gpus, labels, why is None, limit))
     return sorted(out, key=lambda x: x.name)

@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from tensora.sdk import Client
-from tests.e2e.test_dashboard import browser, shot, sign_in
-from tests.e2e.test_serve import served
+from tests.support.browser import browser as browser  # the fixture, imported under its name
+from tests.support.browser import shot, sign_in
 from tests.support.dashboard import CSRF, cookie, signed_in
+from tests.support.serve import served_with_an_owner
 from tests.support.services import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -34,14 +35,9 @@ QUEUE_DEADLINE_S = 30.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
     """A served stack with its controller's metrics listener; its URL, the admin's key and alice's (an owner's)."""
-    tmp = tmp_path_factory.mktemp("pages")
-    env = {"TENSORA_METRICS_LISTEN": f"127.0.0.1:{free_port()}"}
-    with served(tmp, tmp / "data", env=env) as proc:
-        admin = (tmp / "data" / "admin-key").read_text().strip()
-        with Client(admin, proc.url) as sdk:
-            alice = sdk.create_key("alice", owner="alice").key
-        assert alice
-        yield proc.url, admin, alice
+    with served_with_an_owner(tmp_path_factory.mktemp("pages"),
+                              {"TENSORA_METRICS_LISTEN": f"127.0.0.1:{free_port()}"}) as keys:
+        yield keys
 
 
 def test_each_gpu_class_says_how_many_are_free(browser: Any, server: tuple[str, str, str]) -> None:

@@ -16,7 +16,7 @@ from tensora.sdk import Client
 from tests.support.browser import WAIT_MS, shot, sign_in
 from tests.support.browser import browser as browser  # the fixture, imported under its name
 from tests.support.dashboard import signed_in
-from tests.support.serve import served
+from tests.support.serve import served_with_an_owner
 from tests.support.services import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -27,15 +27,10 @@ __all__ = ["browser"]  # the fixture, shared
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
-    tmp = tmp_path_factory.mktemp("ops")
     env = {"TENSORA_METRICS_LISTEN": f"127.0.0.1:{free_port()}",
            "TENSORA_GATEWAY_METRICS_LISTEN": f"127.0.0.1:{free_port()}"}  # nothing listens there
-    with served(tmp, tmp / "data", env=env) as proc:
-        admin = (tmp / "data" / "admin-key").read_text().strip()
-        with Client(admin, proc.url) as sdk:
-            alice = sdk.create_key("alice", owner="alice").key
-        assert alice
-        yield proc.url, admin, alice
+    with served_with_an_owner(tmp_path_factory.mktemp("ops"), env) as keys:
+        yield keys
 
 
 def test_the_admin_sees_a_fallback_placement(browser: Any, server: tuple[str, str, str]) -> None:

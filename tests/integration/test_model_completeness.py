@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.integration.test_api import Api, assert_error, created
-from tests.integration.test_api import api as api  # the fixture, re-exported under its name
-from tests.integration.test_model_headers import safetensors
+from tests.support.api import Api, assert_error, created
+from tests.support.api import api as api  # the fixture, imported under its name
+from tests.support.models import safetensors
 
 EP = {"kind": "endpoint", "name": "ep", "gpu_class": "cpu-2c-8g"}
 CONFIG = json.dumps({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 2048}).encode()

@@ -4,8 +4,6 @@ API process, so the worker that serves everyone else never holds the parse (its 
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterator
 
 import pytest
@@ -13,20 +11,9 @@ import pytest
 from tensora.models import validator
 from tests.support.api import Api, assert_error
 from tests.support.api import api as api  # the fixture, imported under its name
+from tests.support.models import safetensors
 
 MiB = 2**20
-
-
-def safetensors(tensors: int, pad_to: int = 0) -> bytes:
-    """A valid safetensors file of ``tensors`` one-byte U8 tensors, its header padded (metadata) to at least
-    ``pad_to`` bytes."""
-    header: dict[str, object] = {f"layer.{i}.weight": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]}
-                                 for i in range(tensors)}
-    raw = json.dumps(header).encode()
-    if len(raw) < pad_to:
-        header["__metadata__"] = {"pad": "x" * (pad_to - len(raw))}
-        raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + b"\0" * tensors
 
 
 EP = {"kind": "endpoint", "name": "ep", "gpu_class": "l40s-48gb"}

@@ -16,7 +16,7 @@ import pytest
 from tensora.placement.capacity import Node
 from tensora.store.tables import O
 from tests.support import services
-from tests.support.api import WRITTEN_TABLES, Api, assert_error, created, settle
+from tests.support.api import WRITTEN_TABLES, Api, assert_error, created, serving_api, settle
 from tests.support.stack import GI, stack
 
 
@@ -25,13 +25,8 @@ def bare(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """One server on which nothing is ever created: every table a workload write touches stays empty."""
     tmp = tmp_path_factory.mktemp("bounds")
     url = str(tmp / "tensora.db") if request.param == "sqlite" else request.getfixturevalue("pg").new_database()
-    s = stack(url, tmp, run_controller=False)
-    with services.serving(s.app) as live:
-        a = Api(s, live.url, tmp)
-        try:
-            yield a
-        finally:
-            a.close()
+    with serving_api(url, tmp) as a:
+        yield a
 
 
 NB = {"kind": "notebook", "name": "nb", "gpu_class": "l40s-48gb"}

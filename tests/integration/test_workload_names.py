@@ -10,8 +10,8 @@ import httpx
 
 from tensora.store import workloads as workloads_repo
 from tensora.store.db import Database
-from tests.integration.test_api import Api, assert_error, created
-from tests.integration.test_api import api as api  # the fixture, re-exported under its name
+from tests.support.api import Api, assert_error, created
+from tests.support.api import api as api  # the fixture, imported under its name
 
 NB: dict[str, Any] = {"kind": "notebook", "name": "nb", "gpu_class": "cpu-1c-4g"}
 

@@ -4,6 +4,7 @@ in a state, the one error shape)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -52,15 +53,22 @@ class Api:
         self.stack.services.db.dispose()
 
 
-@pytest.fixture
-def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
-    s = stack(db_url, tmp_path, run_controller=False)
+@contextlib.contextmanager
+def serving_api(db_url: str, tmp: Path) -> Iterator[Api]:
+    """A stack on the store at ``db_url`` served over HTTP, its controller driven by hand; closed after."""
+    s = stack(db_url, tmp, run_controller=False)
     with services.serving(s.app) as live:
-        a = Api(s, live.url, tmp_path)
+        a = Api(s, live.url, tmp)
         try:
             yield a
         finally:
             a.close()
+
+
+@pytest.fixture
+def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+    with serving_api(db_url, tmp_path) as a:
+        yield a
 
 
 def tiny_model(where: Path, name: str = "tiny.safetensors") -> tuple[Path, int]:

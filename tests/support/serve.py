@@ -113,3 +113,16 @@ def served(tmp_path: Path, data_dir: Path, *extra: str, env: dict[str, str] | No
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def served_with_an_owner(tmp: Path, env: dict[str, str]) -> Iterator[tuple[str, str, str]]:
+    """``served`` with ``env``, and a key of owner alice: its URL, the admin's key and alice's."""
+    from tensora.sdk import Client
+
+    with served(tmp, tmp / "data", env=env) as proc:
+        admin = (tmp / "data" / "admin-key").read_text().strip()
+        with Client(admin, proc.url) as sdk:
+            alice = sdk.create_key("alice", owner="alice").key
+        assert alice
+        yield proc.url, admin, alice
